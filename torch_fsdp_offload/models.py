@@ -1,0 +1,504 @@
+"""Built-in decoder-only transformers for tests, benchmarks and ``python -m torch_fsdp_offload.train``.
+
+One ``Transformer`` class covers two families, chosen by :class:`TransformerConfig`:
+
+* Llama style: RMSNorm, SwiGLU MLP, rotary position embeddings (RoPE), optional grouped-query attention.
+* The benchmark model of ``reference/anchors.md`` (``"anchor-1.6b"``): LayerNorm, 4x GELU MLP, no
+  position embedding, SDPA causal attention.
+
+Every layer is one entry of ``Transformer.blocks`` (an ``nn.ModuleList``): that is the unit to pass to
+``fully_shard`` (or to FSDP1's ``ModuleWrapPolicy({TransformerBlock})``). Models can be built on the
+``meta`` device and materialised later with ``to_empty`` + :meth:`Transformer.init_weights`, which is
+deterministic for a given seed whatever the device, dtype or sharding of the parameters.
+
+This module imports only torch (``build_hf_causal_lm`` imports transformers lazily).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "HF_CONFIGS",
+    "MODEL_CONFIGS",
+    "Transformer",
+    "TransformerBlock",
+    "TransformerConfig",
+    "build_hf_causal_lm",
+    "build_model",
+    "causal_lm_loss",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Shape of a built-in decoder-only transformer.
+
+    Attributes:
+        vocab_size (int): number of token ids; the embedding and the output head have this many rows.
+        dim (int): model width (``d_model``).
+        n_layers (int): number of :class:`TransformerBlock` s in ``Transformer.blocks``.
+        n_heads (int): attention heads; ``dim`` must be divisible by it.
+        ffn_hidden (int): hidden width of the MLP (for SwiGLU, of each of the two input projections).
+        max_seq_len (int): longest sequence ``forward`` accepts (sizes the RoPE table).
+        norm (str): ``"rms"`` (RMSNorm, Llama) or ``"layer"`` (LayerNorm with bias).
+        mlp (str): ``"swiglu"`` (Llama) or ``"gelu"`` (two projections with a GELU between).
+        rope (bool): apply rotary position embeddings to queries and keys. Without it the model has no
+            position signal other than the causal mask, like the anchors.md benchmark model.
+        n_kv_heads (int | None): key/value heads for grouped-query attention; ``None`` means ``n_heads``.
+        norm_eps (float): epsilon of the normalisation layers.
+        rope_theta (float): RoPE base frequency.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    ffn_hidden: int
+    max_seq_len: int
+    norm: str = "rms"
+    mlp: str = "swiglu"
+    rope: bool = True
+    n_kv_heads: int | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"TransformerConfig.{field} must be positive, got {getattr(self, field)}")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"TransformerConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
+                "pick n_heads among the divisors of dim"
+            )
+        if self.rope and (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"RoPE needs an even head dimension, got dim/n_heads = {self.dim // self.n_heads}; "
+                "change n_heads or set rope=False"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"TransformerConfig.n_heads ({self.n_heads}) must be divisible by n_kv_heads "
+                f"({self.n_kv_heads})"
+            )
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"TransformerConfig.norm must be 'rms' or 'layer', got {self.norm!r}")
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"TransformerConfig.mlp must be 'swiglu' or 'gelu', got {self.mlp!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+
+MODEL_CONFIGS: dict[str, TransformerConfig] = {
+    # Trains a step in milliseconds on a 2-core CPU: CI and the README's first command.
+    "tiny": TransformerConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_hidden=176, max_seq_len=256),
+    # About 20M parameters: a quick real-GPU run.
+    "small": TransformerConfig(
+        vocab_size=8192, dim=512, n_layers=6, n_heads=8, ffn_hidden=1408, max_seq_len=1024
+    ),
+    # Llama 3.2 1B shapes (GQA 32/8, SwiGLU 8192, vocab 128256) with an untied output head: 1.50B parameters.
+    "llama-1b": TransformerConfig(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        max_seq_len=2048,
+        rope_theta=500000.0,
+    ),
+    # The measured baseline of reference/anchors.md and h200-measured.json ("8 blocks, d_model 4096, SDPA
+    # causal attention + 4x GELU MLP, LayerNorm", params_M 1611.0). Its blocks alone hold 8 x 12 x 4096^2
+    # = 1610.6M bias-free projection weights plus 0.13M LayerNorm weights/biases; a 32-token vocabulary
+    # (untied embedding and head, 0.26M) brings the total to 1,611,014,144 = 1611.0M, so the time and
+    # memory profile is the benchmark's blocks, not a large vocabulary. 32 heads of 128.
+    "anchor-1.6b": TransformerConfig(
+        vocab_size=32,
+        dim=4096,
+        n_layers=8,
+        n_heads=32,
+        ffn_hidden=4 * 4096,
+        max_seq_len=2048,
+        norm="layer",
+        mlp="gelu",
+        rope=False,
+    ),
+}
+
+
+def _make_norm(config: TransformerConfig) -> nn.Module:
+    if config.norm == "rms":
+        return nn.RMSNorm(config.dim, eps=config.norm_eps)
+    return nn.LayerNorm(config.dim, eps=config.norm_eps)
+
+
+def _rope_tables(config: TransformerConfig, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    # Computed in fp32 whatever the model dtype: bf16 angles lose the position signal at long range.
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float32, device=device) / half))
+    positions = torch.arange(config.max_seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, heads, seq, head_dim); rotate the two halves of the head dimension.
+    seq_len = x.shape[-2]
+    cos = cos[:seq_len].to(x.dtype)
+    sin = sin[:seq_len].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Multi-head (optionally grouped-query) causal self-attention through SDPA."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
+        self.head_dim = config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q = _apply_rope(q, *rope)
+            k = _apply_rope(k, *rope)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (``w2(silu(w1 x) * w3 x)``) or GELU (``w2(gelu(w1 x))``) MLP."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False) if config.mlp == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer layer: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``; one FSDP unit."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.attention_norm = _make_norm(config)
+        self.attention = Attention(config)
+        self.ffn_norm = _make_norm(config)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model built from a :class:`TransformerConfig`.
+
+    Layout: ``tok_embeddings`` -> ``blocks`` (``nn.ModuleList`` of :class:`TransformerBlock`) -> ``norm``
+    -> ``output`` (untied linear head). ``forward(tokens)`` maps ``(batch, seq)`` int64 token ids to
+    ``(batch, seq, vocab_size)`` logits.
+
+    Args:
+        config (TransformerConfig): the model's shape.
+        device (torch.device | str | None): where to create parameters; ``"meta"`` allocates nothing
+            (materialise with ``to_empty(device=...)`` then :meth:`init_weights`).
+
+    Example::
+
+        >>> model = Transformer(MODEL_CONFIGS["tiny"])
+        >>> tokens = torch.randint(0, 256, (2, 16))
+        >>> causal_lm_loss(model(tokens), tokens).backward()
+    """
+
+    def __init__(self, config: TransformerConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+            self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+            self.norm = _make_norm(config)
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+            if config.rope:
+                cos, sin = _rope_tables(config, None)
+                # Not persistent: derived from the config, so checkpoints carry only trained state.
+                self.register_buffer("rope_cos", cos, persistent=False)
+                self.register_buffer("rope_sin", sin, persistent=False)
+        if device is None or torch.device(device).type != "meta":
+            self.init_weights()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"Transformer.forward expects (batch, seq) token ids, got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.config.max_seq_len}; "
+                "use shorter sequences or a config with a larger max_seq_len"
+            )
+        rope = (self.rope_cos, self.rope_sin) if self.config.rope else None
+        h = self.tok_embeddings(tokens)
+        for block in self.blocks:
+            h = block(h, rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministically (re)initialise every parameter and the RoPE tables.
+
+        Each parameter is drawn on the CPU in fp32 from a generator seeded by ``seed`` and the parameter's
+        name, then copied into place, so the result does not depend on the device, the dtype, the order
+        of initialisation, or whether the parameter is an FSDP2-sharded ``DTensor`` (each rank keeps its
+        own shard of the same full tensor). Linear and embedding weights are N(0, 0.02); the projections
+        that write into the residual stream (``wo``, ``w2``) are scaled by ``1/sqrt(2 * n_layers)``;
+        norm weights are 1 and biases 0. Usable after ``to_empty``.
+
+        Args:
+            seed (int): base seed; the same seed gives bit-identical weights.
+
+        Example::
+
+            >>> model = build_model("tiny", device="meta")
+            >>> model.to_empty(device="cpu")
+            >>> model.init_weights(seed=0)
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            module_name, leaf = name.rsplit(".", 2)[-2:]
+            if leaf == "bias":
+                full = torch.zeros(param.shape)
+            elif param.dim() == 1:
+                full = torch.ones(param.shape)
+            else:
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                std = residual_std if module_name in ("wo", "w2") else 0.02
+                full = torch.empty(param.shape).normal_(0.0, std, generator=generator)
+            _copy_full_into(param, full)
+        if self.config.rope:
+            cos, sin = _rope_tables(self.config, self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def reset_parameters(self) -> None:
+        """Same as ``init_weights(seed=0)``; the name ``nn.Module.to_empty`` users and FSDP1's
+        ``param_init_fn`` conventions look for."""
+        self.init_weights(0)
+
+    def param_count(self) -> int:
+        """Number of parameters (global counts for sharded ``DTensor`` parameters; works on ``meta``)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    # An FSDP2 parameter is a DTensor holding one shard: keep the slice of the full tensor that this
+    # rank owns, computed by DTensor's own chunking rules (no communication: every rank has `full`).
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(
+            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def build_model(
+    name_or_config: str | TransformerConfig,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Transformer:
+    """Build a built-in :class:`Transformer` by name or from a config.
+
+    Args:
+        name_or_config (str | TransformerConfig): a key of :data:`MODEL_CONFIGS` (``"tiny"``,
+            ``"small"``, ``"llama-1b"``, ``"anchor-1.6b"``) or a config.
+        device (torch.device | str | None): where to create the parameters (default: the current
+            default device). ``"meta"`` allocates nothing; call ``to_empty`` and ``init_weights`` later.
+        dtype (torch.dtype | None): parameter dtype (default fp32). Initial values are the fp32
+            values rounded to it.
+
+    Returns:
+        Transformer: initialised with ``init_weights(seed=0)`` unless built on ``meta``.
+
+    Raises:
+        KeyError: unknown model name (the message lists the known ones).
+        TypeError: ``name_or_config`` is neither a name nor a :class:`TransformerConfig`.
+
+    Example::
+
+        >>> model = build_model("anchor-1.6b", device="meta")
+        >>> round(model.param_count() / 1e6, 1)
+        1611.0
+    """
+    if isinstance(name_or_config, str):
+        if name_or_config not in MODEL_CONFIGS:
+            raise KeyError(
+                f"unknown model {name_or_config!r}; choose one of {sorted(MODEL_CONFIGS)} "
+                "or pass a TransformerConfig"
+            )
+        config = MODEL_CONFIGS[name_or_config]
+    elif isinstance(name_or_config, TransformerConfig):
+        config = name_or_config
+    else:
+        raise TypeError(
+            f"build_model expects a model name or a TransformerConfig, got {type(name_or_config).__name__}"
+        )
+    model = Transformer(config, device=device)
+    if dtype is not None:
+        # Parameters only: the RoPE tables stay fp32 and are cast per use.
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    return model
+
+
+def causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy: position ``t`` predicts ``tokens[:, t + 1]``; computed in fp32.
+
+    Args:
+        logits (torch.Tensor): ``(batch, seq, vocab)`` model output (a ``DTensor`` is not expected).
+        tokens (torch.Tensor): ``(batch, seq)`` the input token ids.
+
+    Returns:
+        torch.Tensor: scalar mean loss over ``batch * (seq - 1)`` predictions.
+
+    Raises:
+        ValueError: shapes do not match or ``seq < 2``.
+
+    Example::
+
+        >>> loss = causal_lm_loss(model(tokens), tokens)
+    """
+    if logits.shape[:2] != tokens.shape or tokens.shape[1] < 2:
+        raise ValueError(
+            f"causal_lm_loss needs logits (batch, seq, vocab) matching tokens (batch, seq) with seq >= 2, "
+            f"got logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)}"
+        )
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+    )
+
+
+# transformers configs that need no download: a model_type plus the fields that size the model.
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-tiny": {
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    },
+    "qwen2-tiny": {
+        "model_type": "qwen2",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    },
+}
+
+
+def build_hf_causal_lm(
+    config_name_or_dict: str | Mapping[str, Any],
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Build a randomly initialised ``transformers`` causal LM from a config, without downloading weights.
+
+    Args:
+        config_name_or_dict (str | Mapping): one of
+
+            * a key of :data:`HF_CONFIGS` (``"llama-tiny"``, ``"qwen2-tiny"``): no network needed;
+            * a dict or a JSON string with ``"model_type"`` and the config fields;
+            * a path to a ``config.json`` file or a directory holding one;
+            * a Hugging Face hub id: only its ``config.json`` is fetched (needs network or a cache).
+        device (torch.device | str | None): where to create the parameters (``"meta"`` allocates nothing).
+        dtype (torch.dtype | None): parameter dtype.
+
+    Returns:
+        nn.Module: an ``AutoModelForCausalLM`` model; its decoder layers are ``model.model.layers`` for
+        Llama-like architectures.
+
+    Raises:
+        ImportError: ``transformers`` is not installed (``pip install transformers``).
+        ValueError: a dict/JSON config without ``model_type``.
+
+    Example::
+
+        >>> model = build_hf_causal_lm("llama-tiny")
+        >>> model(torch.randint(0, 256, (1, 8))).logits.shape
+        torch.Size([1, 8, 256])
+    """
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "build_hf_causal_lm needs the transformers package: pip install transformers"
+        ) from exc
+
+    if isinstance(config_name_or_dict, str) and config_name_or_dict in HF_CONFIGS:
+        config_name_or_dict = HF_CONFIGS[config_name_or_dict]
+    elif isinstance(config_name_or_dict, str) and config_name_or_dict.lstrip().startswith("{"):
+        config_name_or_dict = json.loads(config_name_or_dict)
+    elif isinstance(config_name_or_dict, str) and os.path.isfile(config_name_or_dict):
+        with open(config_name_or_dict, encoding="utf-8") as config_file:
+            config_name_or_dict = json.load(config_file)
+
+    if isinstance(config_name_or_dict, Mapping):
+        fields = dict(config_name_or_dict)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(
+                "a transformers config dict needs 'model_type' (e.g. 'llama'); "
+                f"got keys {sorted(config_name_or_dict)}"
+            )
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+    elif isinstance(config_name_or_dict, str):
+        config = transformers.AutoConfig.from_pretrained(config_name_or_dict)
+    else:
+        raise TypeError(
+            "build_hf_causal_lm expects a config name, dict, JSON string or path, "
+            f"got {type(config_name_or_dict).__name__}"
+        )
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
