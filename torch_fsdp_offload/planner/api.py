@@ -1,0 +1,294 @@
+"""``plan(...)``: should I offload, and how much?"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torch_fsdp_offload.planner.cost_model import Candidate
+from torch_fsdp_offload.planner.profile import (
+    ModelBreakdown,
+    measure_block_timings,
+    measure_host_adamw_s_per_gparam,
+    model_breakdown,
+    training_profile,
+)
+from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
+from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
+from torch_fsdp_offload.planner.scenario import Scenario, load_scenario
+from torch_fsdp_offload.planner.search import search_scenario, search_training
+
+__all__ = ["plan"]
+
+# Peak allocated memory must leave room for the CUDA context, NCCL and allocator fragmentation.
+_MEMORY_HEADROOM = 0.9
+
+
+def _resolve_platform(platform: str | PlatformProfile | None, *, need: bool) -> PlatformProfile | None:
+    if isinstance(platform, PlatformProfile):
+        return platform
+    if isinstance(platform, str):
+        return get_profile(platform)
+    if torch.cuda.is_available():
+        from torch_fsdp_offload.platform import detect_platform
+
+        return measured_profile(detect_platform(bandwidth=True))
+    if need:
+        raise ValueError(
+            "no GPU on this machine to measure: pass platform= one of h100-pcie, h200-pcie, gh200, "
+            "gb200, dgx-spark (the machine to plan for), or plan from a scenario file"
+        )
+    return None
+
+
+def _talk_recommendation(scenario: Scenario, candidate: Candidate, blocked: str | None) -> Recommendation:
+    kwargs = candidate_kwargs(candidate)
+    k = candidate.microbatch_factor
+    if candidate.technique == "none" and k == 1:
+        reason = f"do not offload: {blocked}." if blocked else (
+            "do not offload: no plan that fits in GPU memory beats today's run without the link becoming the bottleneck."
+        )
+    elif candidate.technique == "none":
+        reason = f"run {k:g}x the micro-batch without offloading: {candidate.throughput_gain:+.0%} throughput."
+    elif candidate.technique == "checkpointing":
+        reason = (
+            f"use activation checkpointing per block and run {k:g}x the micro-batch: "
+            f"{candidate.throughput_gain:+.0%} throughput, no offload needed."
+        )
+    else:
+        parts = []
+        if candidate.weights_fraction:
+            parts.append(f"{candidate.weights_fraction:.0%} of the weights")
+        if candidate.activations_fraction:
+            parts.append(f"{candidate.activations_fraction:.0%} of the activations")
+        checkpoint = "use activation checkpointing, " if candidate.checkpointing else ""
+        reason = (
+            f"{checkpoint}offload {' and '.join(parts)} and run {k:g}x the micro-batch: "
+            f"{candidate.throughput_gain:+.0%} throughput; the link stays hidden at "
+            f"{candidate.required_link_GBps / scenario.link_GBps:.0%} "
+            f"({candidate.required_link_GBps:.0f} of {scenario.link_GBps:.0f} GB/s)."
+        )
+    return Recommendation(
+        technique=candidate.technique,
+        microbatch_factor=k,
+        weights_offload_fraction=candidate.weights_fraction,
+        activations_offload_fraction=candidate.activations_fraction,
+        checkpointing=candidate.checkpointing,
+        throughput_gain=candidate.throughput_gain,
+        kwargs=kwargs,
+        reason=reason,
+    )
+
+
+def _talk_notes(scenario: Scenario, result_search) -> list[str]:
+    notes = []
+    recommended = result_search.recommended
+    bound = [c for c in result_search.candidates if c.link_bound and c.throughput_gain > recommended.throughput_gain + 1e-6]
+    if bound and not result_search.blocked_reason:
+        best = max(bound, key=lambda c: c.throughput_gain)
+        notes.append(
+            f"{best.technique} at {best.microbatch_factor:g}x predicts {best.throughput_gain:+.0%} but is link-bound "
+            f"(needs {best.required_link_GBps:.0f} GB/s to hide): it pays only if the link really delivers "
+            f"{scenario.link_GBps:.0f} GB/s, so it is not recommended"
+        )
+    return notes
+
+
+def _plan_scenario(scenario: Scenario) -> PlanResult:
+    search = search_scenario(scenario)
+    recommendation = _talk_recommendation(scenario, search.recommended, search.blocked_reason)
+    return PlanResult(scenario=scenario, search=search, recommended=recommendation, notes=_talk_notes(scenario, search))
+
+
+def _scaled_breakdown(breakdown: ModelBreakdown, factor: int) -> ModelBreakdown:
+    return dataclasses.replace(
+        breakdown,
+        batch_size=breakdown.batch_size * factor,
+        block_activation_bytes=breakdown.block_activation_bytes * factor,
+        block_checkpoint_bytes=breakdown.block_checkpoint_bytes * factor,
+        other_activation_bytes=breakdown.other_activation_bytes * factor,
+    )
+
+
+def _plan_model(
+    model: Any,
+    platform: PlatformProfile,
+    *,
+    batch_size: int,
+    seq_len: int,
+    microbatch_factors: Sequence[int],
+    compute_dtype: torch.dtype,
+    measure: bool,
+) -> PlanResult:
+    notes = []
+    breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len, compute_dtype=compute_dtype)
+    factors = sorted({1, *microbatch_factors})
+    timings = None
+    host_rate = None
+    if measure:
+        timings = measure_block_timings(model, [batch_size * f for f in factors], seq_len, compute_dtype=compute_dtype)
+        factors = factors[: len(timings)]
+        host_rate = measure_host_adamw_s_per_gparam()
+    else:
+        notes.append(
+            f"times are estimated from FLOPs for {platform.name}, not measured, and micro-batch scaling "
+            "is assumed linear (no gain); run on the GPU (or give a scenario) to measure it"
+        )
+        factors = [1]
+    profiles = tuple(
+        (
+            float(f),
+            training_profile(
+                _scaled_breakdown(breakdown, f),
+                platform,
+                timing=None if timings is None else timings[i],
+                host_adamw_s_per_gparam=host_rate,
+            ),
+        )
+        for i, f in enumerate(factors)
+    )
+    base = profiles[0][1]
+    params = base.total_params
+    unsharded = 2 * base.block_params * base.compute_bytes + base.block_params * (base.compute_bytes + base.reduce_bytes)
+    scenario = Scenario(
+        name=f"{breakdown.name}, micro-batch {batch_size} x {seq_len}",
+        weights_GB=params * base.param_bytes / 1e9,
+        grads_GB=params * base.reduce_bytes / 1e9,
+        optimizer_state_GB=params * base.optimizer_state_bytes / 1e9,
+        activations_GB=(base.n_blocks * base.block_activation_bytes + base.other_activation_bytes) / 1e9,
+        other_GB=unsharded / 1e9,
+        capacity_GB=platform.gpu_memory_GB * _MEMORY_HEADROOM,
+        activations_to_dram_GB=(base.n_blocks * base.block_activation_bytes + base.other_activation_bytes) / 1e9,
+        iteration_time_s=base.forward_s + base.backward_s + base.gpu_optimizer_s,
+        microbatch_scaling=tuple(
+            (f, (p.forward_s + p.backward_s + base.gpu_optimizer_s) / (base.forward_s + base.backward_s + base.gpu_optimizer_s))
+            for f, p in profiles
+        ),
+        gpu_dram_GBps=platform.gpu_dram_GBps,
+        link_GBps=platform.link_GBps,
+        # Weights cross twice in the compute dtype (half the fp32 bytes); the optimizer runs where
+        # its state lives, so the state itself does not cross.
+        crossings={
+            "weights": 2.0 * base.compute_bytes / base.param_bytes,
+            "grads": 1.0,
+            "optimizer_state": 0.0,
+            "activations": 2.0,
+        },
+        n_blocks=base.n_blocks,
+        platform=platform,
+    )
+    search = search_scenario(scenario)
+    notes.extend(_talk_notes(scenario, search))
+    capacity = platform.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM
+    predictions, best = search_training(profiles, platform, capacity)
+    training = TrainingPlan(profiles=profiles, predictions=tuple(predictions), best=best, capacity_bytes=capacity)
+    if search.blocked_reason or best is None:
+        recommendation = _talk_recommendation(scenario, search.recommended, search.blocked_reason)
+        if best is None:
+            notes.append("no setting of the FSDP2 step model fits in GPU memory: use more GPUs or a smaller micro-batch")
+    else:
+        factor, prediction = best
+        config = prediction.config
+        resident = [p for f, p in predictions if f == 1 and p.config.module_fraction == 0 and p.config.activations == 0 and not p.config.checkpointing][0]
+        gain = factor * resident.step_s / prediction.step_s - 1.0
+        kwargs = config.coherent_offload_kwargs()
+        what = "do not offload" if kwargs is None else f"use {config.label}"
+        recommendation = Recommendation(
+            technique="fsdp2_step_model",
+            microbatch_factor=factor,
+            weights_offload_fraction=config.module_fraction,
+            activations_offload_fraction=config.activations,
+            checkpointing=config.checkpointing,
+            throughput_gain=gain,
+            kwargs=kwargs,
+            reason=(
+                f"{what} at {factor:g}x the micro-batch{' with activation checkpointing' if config.checkpointing else ''}: "
+                f"predicted {prediction.step_s:.3f} s per step, {prediction.peak_gpu_GiB:.1f} GiB peak, "
+                f"{gain:+.0%} throughput over today's resident run."
+            ),
+            predicted_step_s=prediction.step_s,
+            predicted_peak_gpu_GiB=prediction.peak_gpu_GiB,
+        )
+    return PlanResult(scenario=scenario, search=search, recommended=recommendation, training=training, notes=notes)
+
+
+def plan(
+    model: Any = None,
+    *,
+    scenario: str | os.PathLike | Mapping[str, Any] | Scenario | None = None,
+    platform: str | PlatformProfile | None = None,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    microbatch_factors: Sequence[int] = (1, 2, 4, 8),
+    compute_dtype: torch.dtype = torch.bfloat16,
+    measure: bool | None = None,
+) -> PlanResult:
+    """Decide whether offloading pays, and how much to offload, following the talk's framework:
+    memory breakdown, iteration time, the model's own DRAM bandwidth against peak, the link
+    bandwidth naive offloading would need, what a larger micro-batch gains, partial offload that
+    keeps the link hidden, and activation checkpointing.
+
+    Args:
+        model: a real model (a built-in name such as ``"anchor-1.6b"``, a transformers config name,
+            a :class:`~torch_fsdp_offload.models.TransformerConfig`, a module factory, or a module).
+            Its memory is broken down on the ``meta`` device; on a GPU one block is timed at
+            ``batch_size * microbatch_factors``.
+        scenario: instead of a model, an analytic scenario (JSON path, mapping or
+            :class:`~torch_fsdp_offload.planner.scenario.Scenario`) for a machine not at hand.
+        platform: a built-in profile name (``h100-pcie``, ``h200-pcie``, ``gh200``, ``gb200``,
+            ``dgx-spark``) or a :class:`PlatformProfile`. Default: this machine, measured (needs a
+            GPU). With a scenario it replaces the scenario's platform kind (explicit scenario
+            bandwidths still win).
+        batch_size (int): today's micro-batch (sequences), for a model.
+        seq_len (int): tokens per sequence, for a model.
+        microbatch_factors: micro-batch multiples to time, for a model.
+        compute_dtype (torch.dtype): forward dtype, for a model.
+        measure (bool | None): time the block on the GPU (default: when CUDA is available and
+            ``platform`` is not given, i.e. the plan is for this machine).
+
+    Returns:
+        PlanResult: ``.report()`` (text), ``.to_dict()`` (JSON), ``.plot(path)`` (PNG), and
+        ``.recommended`` (a :class:`~torch_fsdp_offload.planner.report.Recommendation` with the
+        ``CoherentOffload`` keyword arguments and ``.policy``).
+
+    Raises:
+        ValueError: neither or both of ``model`` and ``scenario``; no GPU and no ``platform`` for a
+            model; an unknown profile name.
+        ScenarioError: a malformed scenario (the message names the key).
+
+    Example::
+
+        >>> result = plan(scenario="docs/examples/talk_gh200.json")
+        >>> result.recommended.weights_offload_fraction, round(result.recommended.throughput_gain, 2)
+        (0.35, 0.4)
+        >>> print(plan("anchor-1.6b", platform="h200-pcie", batch_size=4).report())
+    """
+    if (model is None) == (scenario is None):
+        raise ValueError("plan() needs exactly one of a model or scenario=")
+    if scenario is not None:
+        loaded = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
+        if platform is not None:
+            loaded = dataclasses.replace(loaded, platform=_resolve_platform(platform, need=True))
+        return _plan_scenario(loaded)
+    if batch_size < 1 or seq_len < 1 or any(f < 1 for f in microbatch_factors):
+        raise ValueError(
+            f"batch_size, seq_len and microbatch_factors must be >= 1, got {batch_size}, {seq_len}, {list(microbatch_factors)}"
+        )
+    if measure is None:
+        measure = torch.cuda.is_available() and platform is None
+    if measure and not torch.cuda.is_available():
+        raise ValueError("measure=True needs a CUDA GPU; pass platform= to predict for another machine")
+    resolved = _resolve_platform(platform, need=True)
+    return _plan_model(
+        model,
+        resolved,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        microbatch_factors=microbatch_factors,
+        compute_dtype=compute_dtype,
+        measure=measure,
+    )

@@ -1,0 +1,79 @@
+"""``python -m torch_fsdp_offload plan``: should I offload, and how much?
+
+Examples::
+
+    python -m torch_fsdp_offload plan --scenario docs/examples/talk_gh200.json
+    python -m torch_fsdp_offload plan --scenario docs/examples/talk_gh200.json --json --plot plan.png
+    python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4 --seq-len 2048 --platform h200-pcie
+    python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4   # on a GPU: measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from torch_fsdp_offload.planner.api import plan
+from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES
+from torch_fsdp_offload.planner.scenario import ScenarioError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` sub-command's options to ``parser``."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--scenario", metavar="FILE.json", help="analytic scenario (see docs/planner.md)")
+    source.add_argument(
+        "--model",
+        help="built-in model name (tiny, small, llama-1b, anchor-1.6b), a transformers config name, or hf:<path or hub id>",
+    )
+    parser.add_argument(
+        "--platform",
+        choices=sorted(PLATFORM_PROFILES),
+        help="plan for this built-in profile instead of measuring this machine",
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="today's micro-batch in sequences (model only)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (model only)")
+    parser.add_argument(
+        "--microbatch-factors",
+        default="1,2,4,8",
+        help="comma-separated micro-batch multiples to time on the GPU (model only)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of the report")
+    parser.add_argument("--plot", metavar="FILE.png", help="write throughput against offloaded fraction (needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the planner; print the report (or JSON); return the exit status."""
+    try:
+        factors = [int(part) for part in args.microbatch_factors.split(",") if part.strip()]
+    except ValueError:
+        print(f"error: --microbatch-factors must be integers separated by commas, got {args.microbatch_factors!r}", file=sys.stderr)
+        return 2
+    try:
+        if args.scenario:
+            result = plan(scenario=args.scenario, platform=args.platform)
+        else:
+            result = plan(
+                args.model,
+                platform=args.platform,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
+                microbatch_factors=factors,
+            )
+    except (ScenarioError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            result.plot(args.plot)
+        except ImportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.report(), end="")
+    return 0

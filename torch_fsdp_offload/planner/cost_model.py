@@ -1,0 +1,506 @@
+"""Cost models: how long an iteration takes and how much GPU memory it needs under an offload plan.
+
+Two levels, one principle (FlexGen's: time = the slowest of the overlapped streams plus what
+cannot be hidden; memory = what stays resident plus what is in flight):
+
+* the talk level (:func:`evaluate`): a :class:`~torch_fsdp_offload.planner.scenario.Scenario`
+  and one candidate (micro-batch factor, fraction of weights / activations offloaded,
+  checkpointing) give GPU memory, compute time, link time and the throughput gain;
+* the FSDP2 training level (:func:`predict_step`): a :class:`TrainingProfile` of a real model and
+  a :class:`TrainingConfig` (the ``CoherentOffload`` knobs) give the step time and peak GPU memory,
+  with forward, backward and optimizer phases and their copy streams modelled separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch_fsdp_offload.planner.profiles import PlatformProfile
+from torch_fsdp_offload.planner.scenario import Scenario
+
+__all__ = [
+    "Candidate",
+    "StepPrediction",
+    "TECHNIQUES",
+    "TrainingConfig",
+    "TrainingProfile",
+    "evaluate",
+    "model_dram_bandwidth_GBps",
+    "naive_offload_GB",
+    "offload_window",
+    "predict_step",
+    "time_factor",
+]
+
+# Offload techniques in order of preference when two give the same throughput: weights move in a
+# known order and can be prefetched far ahead; activations must go down during forward.
+TECHNIQUES = ("none", "offload_weights", "offload_activations", "checkpointing", "checkpointing+offload_weights")
+_OFFLOADING = {"offload_weights": "weights", "offload_activations": "activations", "checkpointing+offload_weights": "weights"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated plan of the talk-level model.
+
+    Attributes:
+        technique (str): one of :data:`TECHNIQUES`.
+        microbatch_factor (float): micro-batch relative to today's.
+        weights_fraction (float): fraction of the weights (with their grads and optimizer state)
+            kept in host memory.
+        activations_fraction (float): fraction of the activations kept in host memory.
+        checkpointing (bool): activation checkpointing on.
+        gpu_memory_GB (float): GPU memory the plan needs.
+        fits (bool): ``gpu_memory_GB`` is within the capacity.
+        compute_time_s (float): iteration time on the GPU alone.
+        link_time_s (float): time the link needs for the offload traffic of one iteration.
+        required_link_GBps (float): link bandwidth that would hide the traffic completely.
+        iteration_time_s (float): ``max(compute_time_s, link_time_s)``.
+        throughput_gain (float): samples per second relative to today's run, minus 1.
+        link_bound (bool): the link, not the GPU, sets the iteration time.
+    """
+
+    technique: str
+    microbatch_factor: float
+    weights_fraction: float
+    activations_fraction: float
+    checkpointing: bool
+    gpu_memory_GB: float
+    fits: bool
+    compute_time_s: float
+    link_time_s: float
+    required_link_GBps: float
+    iteration_time_s: float
+    throughput_gain: float
+    link_bound: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def time_factor(scenario: Scenario, factor: float) -> float:
+    """Iteration-time multiplier at ``factor`` times the micro-batch.
+
+    Between measured points the time is interpolated linearly; beyond the largest it grows in
+    proportion to the micro-batch (no further efficiency gain is assumed).
+    """
+    points = scenario.microbatch_scaling
+    if factor <= points[0][0]:
+        return points[0][1] * factor / points[0][0]
+    for (f0, t0), (f1, t1) in zip(points, points[1:]):
+        if factor <= f1:
+            return t0 + (t1 - t0) * (factor - f0) / (f1 - f0)
+    last_factor, last_time = points[-1]
+    return last_time * factor / last_factor
+
+
+def model_dram_bandwidth_GBps(scenario: Scenario) -> float:
+    """GPU DRAM bandwidth the model itself uses: the measured figure if the scenario has one, else
+    ``(weights + 2 * activations_to_dram + 2 * grads + 2 * optimizer_state) / iteration_time``
+    (weights read once, activations written and read back, grads and optimizer state read and
+    written once by the optimizer)."""
+    if scenario.model_dram_GBps is not None:
+        return scenario.model_dram_GBps
+    traffic = (
+        scenario.weights_GB
+        + 2 * scenario.activations_to_dram_GB
+        + 2 * scenario.grads_GB
+        + 2 * scenario.optimizer_state_GB
+    )
+    return traffic / scenario.iteration_time_s
+
+
+def naive_offload_GB(scenario: Scenario) -> float:
+    """Link traffic per iteration if every weight (with its grad and optimizer state) lived on the host."""
+    crossings = scenario.crossings
+    return (
+        crossings["weights"] * scenario.weights_GB
+        + crossings["grads"] * scenario.grads_GB
+        + crossings["optimizer_state"] * scenario.optimizer_state_GB
+    )
+
+
+def _module_state_GB(scenario: Scenario) -> float:
+    return scenario.weights_GB + scenario.grads_GB + scenario.optimizer_state_GB
+
+
+def _activation_GB(scenario: Scenario, factor: float, checkpointing: bool) -> float:
+    kept = scenario.checkpointing.activation_memory_fraction if checkpointing else 1.0
+    return scenario.activations_GB * factor * kept
+
+
+def _compute_time(scenario: Scenario, factor: float, checkpointing: bool) -> float:
+    recompute = scenario.checkpointing.recompute_time_fraction if checkpointing else 0.0
+    return scenario.iteration_time_s * time_factor(scenario, factor) * (1.0 + recompute)
+
+
+def evaluate(
+    scenario: Scenario,
+    technique: str,
+    microbatch_factor: float,
+    *,
+    weights_fraction: float = 0.0,
+    activations_fraction: float = 0.0,
+) -> Candidate:
+    """Evaluate one plan with the talk-level model.
+
+    Args:
+        scenario (Scenario): the workload and machine.
+        technique (str): one of :data:`TECHNIQUES` (``"checkpointing..."`` turns checkpointing on).
+        microbatch_factor (float): micro-batch relative to today's.
+        weights_fraction (float): fraction of weights (and their grads / optimizer state) offloaded.
+        activations_fraction (float): fraction of activations offloaded.
+
+    Returns:
+        Candidate: memory, times and the throughput gain over today's run.
+
+    Raises:
+        ValueError: unknown technique, or a fraction outside [0, 1].
+
+    Example::
+
+        >>> evaluate(scenario, "offload_weights", 2, weights_fraction=0.35).throughput_gain
+    """
+    if technique not in TECHNIQUES:
+        raise ValueError(f"unknown technique {technique!r}; choose one of {TECHNIQUES}")
+    for name, value in (("weights_fraction", weights_fraction), ("activations_fraction", activations_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
+    checkpointing = technique.startswith("checkpointing")
+    activations = _activation_GB(scenario, microbatch_factor, checkpointing)
+    memory = (
+        _module_state_GB(scenario) * (1.0 - weights_fraction)
+        + activations * (1.0 - activations_fraction)
+        + scenario.other_GB
+    )
+    compute = _compute_time(scenario, microbatch_factor, checkpointing)
+    traffic = weights_fraction * naive_offload_GB(scenario) + (
+        activations_fraction * scenario.crossings["activations"] * activations
+    )
+    link_time = traffic / scenario.link_GBps
+    iteration = max(compute, link_time)
+    return Candidate(
+        technique=technique,
+        microbatch_factor=microbatch_factor,
+        weights_fraction=weights_fraction,
+        activations_fraction=activations_fraction,
+        checkpointing=checkpointing,
+        gpu_memory_GB=memory,
+        fits=memory <= scenario.capacity_GB * (1 + 1e-9),
+        compute_time_s=compute,
+        link_time_s=link_time,
+        required_link_GBps=traffic / compute,
+        iteration_time_s=iteration,
+        throughput_gain=microbatch_factor * scenario.iteration_time_s / iteration - 1.0,
+        link_bound=link_time > compute * (1 + 1e-9),
+    )
+
+
+def offload_window(scenario: Scenario, technique: str, microbatch_factor: float) -> tuple[float, float]:
+    """The offloaded fractions that work for ``technique`` at ``microbatch_factor``.
+
+    Returns:
+        ``(lowest, highest)``: offloading less than ``lowest`` does not fit in GPU memory; more than
+        ``highest`` makes the link the bottleneck. ``lowest > highest`` means every plan that fits
+        is link-bound; ``lowest > 1`` means nothing fits.
+    """
+    checkpointing = technique.startswith("checkpointing")
+    activations = _activation_GB(scenario, microbatch_factor, checkpointing)
+    kind = _OFFLOADING[technique]
+    if kind == "weights":
+        movable, fixed = _module_state_GB(scenario), activations + scenario.other_GB
+        traffic_per_unit = naive_offload_GB(scenario)
+    else:
+        movable, fixed = activations, _module_state_GB(scenario) + scenario.other_GB
+        traffic_per_unit = scenario.crossings["activations"] * activations
+    excess = movable + fixed - scenario.capacity_GB
+    lowest = 0.0 if excess <= 0 else (math.inf if movable == 0 else excess / movable)
+    budget = scenario.link_GBps * _compute_time(scenario, microbatch_factor, checkpointing)
+    highest = 1.0 if traffic_per_unit == 0 else min(1.0, budget / traffic_per_unit)
+    return lowest, highest
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2 training level
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainingProfile:
+    """What the training-level model knows about a model at one micro-batch.
+
+    Attributes:
+        name (str): model label.
+        n_blocks (int): FSDP parameter groups (transformer blocks).
+        block_params (int): parameters per block.
+        other_params (int): parameters outside the blocks (embeddings, head, final norm); they stay
+            on the GPU, as ``CoherentOffload(module_fraction<1)`` keeps the first groups.
+        tokens (int): tokens per micro-batch.
+        block_activation_bytes (int): bytes one block saves for backward.
+        block_checkpoint_bytes (int): bytes one block keeps with checkpointing (its input).
+        other_activation_bytes (int): activations outside the blocks (embeddings, logits, loss).
+        forward_s (float), backward_s (float): GPU-resident forward and backward time.
+        gpu_optimizer_s (float): fused AdamW on the GPU for all parameters.
+        host_optimizer_s (float): fused AdamW on the host for all parameters.
+        param_bytes (int): bytes per sharded (master) parameter, 4 for fp32.
+        compute_bytes (int): bytes per parameter in the compute dtype, 2 for bf16.
+        reduce_bytes (int): bytes per gradient element in the reduce dtype.
+        optimizer_state_bytes (int): optimizer state bytes per parameter (8 for AdamW).
+        fixed_bytes (int): GPU memory that does not depend on the plan (allocator slack, workspaces).
+        source (str): where the figures come from (``"analytic"``, ``"measured"``, ``"calibrated"``).
+    """
+
+    name: str
+    n_blocks: int
+    block_params: int
+    other_params: int
+    tokens: int
+    block_activation_bytes: int
+    block_checkpoint_bytes: int
+    other_activation_bytes: int
+    forward_s: float
+    backward_s: float
+    gpu_optimizer_s: float
+    host_optimizer_s: float
+    param_bytes: int = 4
+    compute_bytes: int = 2
+    reduce_bytes: int = 4
+    optimizer_state_bytes: int = 8
+    fixed_bytes: int = 0
+    source: str = "analytic"
+
+    @property
+    def total_params(self) -> int:
+        return self.n_blocks * self.block_params + self.other_params
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """One setting of the ``CoherentOffload`` knobs the training-level model predicts.
+
+    Attributes:
+        module_fraction (float): fraction of the blocks whose params, grads and optimizer state are
+            offloaded (rounded to whole blocks; the last blocks in forward order are offloaded).
+        optimizer (str | float): ``"host"``, ``"stream"``, or the fraction of offloaded groups
+            stepped on the GPU (``CoherentOffload.optimizer``).
+        activations (float): fraction of the blocks whose saved activations are offloaded.
+        checkpointing (bool): activation checkpointing per block.
+        prefetch_depth (int): groups copied ahead (0 = each copy waits for its use).
+    """
+
+    module_fraction: float = 0.0
+    optimizer: str | float = "host"
+    activations: float = 0.0
+    checkpointing: bool = False
+    prefetch_depth: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("module_fraction", "activations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"TrainingConfig.{name} must be a fraction in [0, 1], got {value!r}")
+        if not (self.optimizer in ("host", "stream") or (
+            isinstance(self.optimizer, (int, float)) and not isinstance(self.optimizer, bool)
+            and 0.0 <= self.optimizer <= 1.0
+        )):
+            raise ValueError(
+                f"TrainingConfig.optimizer must be 'host', 'stream' or a GPU fraction in [0, 1], got {self.optimizer!r}"
+            )
+        if self.prefetch_depth < 0:
+            raise ValueError(f"TrainingConfig.prefetch_depth must be >= 0, got {self.prefetch_depth}")
+
+    @property
+    def optimizer_gpu_fraction(self) -> float:
+        return {"host": 0.0, "stream": 1.0}.get(self.optimizer, self.optimizer)  # type: ignore[arg-type]
+
+    @property
+    def label(self) -> str:
+        optimizer = self.optimizer if isinstance(self.optimizer, str) else f"split{self.optimizer:.2f}"
+        parts = [f"modules={self.module_fraction:.2f}"]
+        if self.module_fraction > 0:
+            parts.append(f"opt={optimizer}")
+        if self.activations > 0:
+            parts.append(f"act={self.activations:.2f}")
+        if self.checkpointing:
+            parts.append("ckpt")
+        return " ".join(parts)
+
+    def coherent_offload_kwargs(self) -> dict[str, Any] | None:
+        """The ``CoherentOffload(...)`` keyword arguments of this setting (None: no offload at all)."""
+        if self.module_fraction == 0 and self.activations == 0:
+            return None
+        kwargs: dict[str, Any] = {}
+        if self.module_fraction == 0:
+            kwargs.update(offload_params=False, offload_grads=False, offload_optimizer_state=False)
+        else:
+            kwargs["module_fraction"] = round(self.module_fraction, 4)
+            kwargs["optimizer"] = self.optimizer
+        if self.activations > 0:
+            kwargs["activations"] = True if self.activations == 1.0 else round(self.activations, 4)
+        if self.prefetch_depth != 1:
+            kwargs["prefetch_depth"] = self.prefetch_depth
+        return kwargs
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted cost of one training step (all bytes per step).
+
+    Attributes:
+        config (TrainingConfig): the setting predicted.
+        step_s (float): predicted step time; forward_s + backward_s + optimizer_s.
+        forward_s, backward_s, optimizer_s (float): the phases, copies overlapped.
+        peak_gpu_bytes (int): predicted peak of allocated GPU memory.
+        h2d_bytes (int), d2h_bytes (int): link traffic.
+        host_optimizer_s (float): host optimizer work (overlapped with backward).
+        link_bound (bool): a copy stream, not compute, set the forward or backward time.
+    """
+
+    config: TrainingConfig
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    peak_gpu_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    host_optimizer_s: float
+    link_bound: bool
+
+    @property
+    def peak_gpu_GiB(self) -> float:
+        return self.peak_gpu_bytes / 2**30
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["config"] = dataclasses.asdict(self.config)
+        data["label"] = self.config.label
+        data["peak_gpu_GiB"] = self.peak_gpu_GiB
+        return data
+
+
+def _copy_time(h2d_bytes: float, d2h_bytes: float, platform: PlatformProfile) -> float:
+    # Each direction has its own copy engine, but both share the link's total.
+    return max(
+        h2d_bytes / (platform.h2d_GBps * 1e9),
+        d2h_bytes / (platform.d2h_GBps * 1e9),
+        (h2d_bytes + d2h_bytes) / (platform.bidirectional_GBps * 1e9),
+    )
+
+
+def predict_step(profile: TrainingProfile, config: TrainingConfig, platform: PlatformProfile) -> StepPrediction:
+    """Predict one FSDP2 training step (world size 1) under ``config`` on ``platform``.
+
+    Per step the offloaded blocks' parameters cross host-to-device twice in the compute dtype
+    (forward and the backward re-gather); gradients of host-stepped groups cross device-to-host in
+    the reduce dtype; streamed groups move fp32 parameter and state up and back (24 bytes per
+    parameter for AdamW); offloaded activations go down in forward and up in backward. Each phase
+    takes the longest of its compute and its copy streams; with ``prefetch_depth=0`` the copies
+    do not overlap compute. The host optimizer starts when the first offloaded group's gradients
+    land and overlaps the rest of backward; what is left of it after backward is exposed.
+
+    Args:
+        profile (TrainingProfile): the model at one micro-batch.
+        config (TrainingConfig): the knobs.
+        platform (PlatformProfile): link bandwidths and kind (no copies on UNIFIED).
+
+    Returns:
+        StepPrediction: step time, phases, peak GPU memory and link traffic.
+
+    Example::
+
+        >>> predict_step(profile, TrainingConfig(module_fraction=1.0), get_profile("h200-pcie")).step_s
+    """
+    n_blocks = profile.n_blocks
+    offloaded_blocks = round(config.module_fraction * n_blocks)
+    activation_blocks = round(config.activations * n_blocks)
+    gpu_fraction = config.optimizer_gpu_fraction
+    params_offloaded = offloaded_blocks * profile.block_params
+    params_total = profile.total_params
+    per_block_saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
+    activations_offloaded = activation_blocks * per_block_saved
+    # On one physical memory the offloaded state is read in place: nothing crosses a link.
+    copies = 0.0 if platform.kind in ("unified", "host_only") else 1.0
+
+    weight_bytes = params_offloaded * profile.compute_bytes * copies
+    grad_down = params_offloaded * (1.0 - gpu_fraction) * profile.reduce_bytes * copies
+    stream_bytes = (
+        params_offloaded * gpu_fraction * (profile.param_bytes + profile.optimizer_state_bytes) * copies
+    )
+    activation_bytes = activations_offloaded * copies
+
+    def phase(compute: float, h2d: float, d2h: float) -> tuple[float, bool]:
+        link = _copy_time(h2d, d2h, platform)
+        if config.prefetch_depth == 0:
+            return compute + link, link > 0
+        return max(compute, link), link > compute
+
+    forward, forward_bound = phase(profile.forward_s, weight_bytes, activation_bytes)
+    if offloaded_blocks == n_blocks and copies and config.prefetch_depth > 0:
+        # The first group's copy has nothing to hide behind.
+        forward += profile.block_params * profile.compute_bytes / (platform.h2d_GBps * 1e9)
+    backward_compute = profile.backward_s + (profile.forward_s if config.checkpointing else 0.0)
+    backward, backward_bound = phase(backward_compute, weight_bytes + activation_bytes, grad_down)
+
+    resident_share = (params_total - params_offloaded) / params_total
+    gpu_optimizer = profile.gpu_optimizer_s * resident_share
+    streamed_share = params_offloaded * gpu_fraction / params_total
+    stream_time = max(profile.gpu_optimizer_s * streamed_share, _copy_time(stream_bytes, stream_bytes, platform))
+    host_share = params_offloaded * (1.0 - gpu_fraction) / params_total
+    host_time = profile.host_optimizer_s * host_share
+    host_tail = 0.0
+    if host_time > 0:
+        # Offloaded groups run last in forward, so their gradients are the first to land.
+        first_landing = backward / n_blocks
+        host_end = max(first_landing + host_time, backward + host_time / max(offloaded_blocks, 1))
+        host_tail = max(0.0, host_end - backward)
+    optimizer = max(gpu_optimizer + stream_time, host_tail)
+
+    peak = _peak_bytes(profile, config, offloaded_blocks, activation_blocks, per_block_saved, params_offloaded)
+    return StepPrediction(
+        config=config,
+        step_s=forward + backward + optimizer,
+        forward_s=forward,
+        backward_s=backward,
+        optimizer_s=optimizer,
+        peak_gpu_bytes=int(peak),
+        h2d_bytes=int(2 * weight_bytes + activation_bytes + stream_bytes),
+        d2h_bytes=int(grad_down + activation_bytes + stream_bytes),
+        host_optimizer_s=host_time,
+        link_bound=forward_bound or backward_bound,
+    )
+
+
+def _peak_bytes(
+    profile: TrainingProfile,
+    config: TrainingConfig,
+    offloaded_blocks: int,
+    activation_blocks: int,
+    per_block_saved: int,
+    params_offloaded: int,
+) -> float:
+    # The peak is at the start of backward: resident sharded state, every activation still held,
+    # the unsharded compute-dtype parameters of the current and prefetched groups, and the
+    # current group's unsharded gradient plus its reduce-dtype copy.
+    state_per_param = profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes
+    resident_state = (profile.total_params - params_offloaded) * state_per_param
+    live_groups = 1 + max(config.prefetch_depth, 1)
+    unsharded = live_groups * profile.block_params * profile.compute_bytes
+    grad_transient = profile.block_params * (profile.compute_bytes + profile.reduce_bytes)
+    held_blocks = profile.n_blocks - activation_blocks
+    # Offloaded activations still occupy the GPU while their copy is in flight (one block).
+    in_flight = per_block_saved if activation_blocks else 0
+    activations = held_blocks * per_block_saved + in_flight + profile.other_activation_bytes
+    if config.checkpointing:
+        # Backward recomputes one block at a time: its full activations live once.
+        activations += profile.block_activation_bytes
+    streaming = 0
+    if offloaded_blocks and config.optimizer_gpu_fraction > 0:
+        # Two groups of fp32 params, grads and state pass through the GPU at once.
+        streaming = 2 * profile.block_params * state_per_param
+    return resident_state + unsharded + grad_transient + activations + streaming + profile.fixed_bytes

@@ -1,0 +1,429 @@
+"""Profile a real model: its memory breakdown (analytic, on the ``meta`` device, any machine) and
+its timings (one block at several micro-batch sizes, on a GPU).
+
+The breakdown traces one forward pass on ``meta`` tensors with ``saved_tensors_hooks``: every
+tensor autograd keeps for backward is seen with its shape and dtype, nothing is allocated or
+computed. Views are counted once through their base, parameters never. Attention is counted as a
+fused (flash / memory-efficient) kernel saves it, O(batch * heads * seq), not as the math path the
+meta device would trace, which would keep the O(seq^2) score matrix.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from torch_fsdp_offload.planner.cost_model import TrainingProfile
+from torch_fsdp_offload.planner.profiles import PlatformProfile
+
+__all__ = [
+    "BlockTiming",
+    "ModelBreakdown",
+    "measure_block_timings",
+    "measure_host_adamw_s_per_gparam",
+    "model_breakdown",
+    "resolve_model",
+    "training_profile",
+]
+
+# Share of the dense bf16 peak a transformer step reaches; calibrated on our H200 anchor run
+# (1.6B params, bs 4 x 2048: 612 TFLOP/s in forward, 543 in backward, of 835).
+_ACHIEVED_FLOPS_FRACTION = 0.65
+# Fused AdamW on the GPU is bandwidth bound: it reads param, grad and two moments and writes three
+# of them (28 bytes per fp32 parameter); our H200 took 0.0377 s for 1.611e9 params (about 1.2 TB/s).
+_GPU_ADAMW_BYTES_PER_PARAM = 28
+_GPU_ADAMW_DRAM_FRACTION = 0.29
+
+
+@dataclass(frozen=True)
+class ModelBreakdown:
+    """Where a model's training memory goes, per micro-batch, from a meta-device trace.
+
+    Attributes:
+        name (str): model label.
+        n_blocks (int): repeated blocks (FSDP groups).
+        block_params (int): parameters of the largest block.
+        other_params (int): parameters outside the blocks.
+        batch_size (int), seq_len (int): the micro-batch traced.
+        block_activation_bytes (int): bytes the largest block saves for backward.
+        block_checkpoint_bytes (int): bytes a checkpointed block keeps (its input).
+        other_activation_bytes (int): bytes saved outside the blocks (embedding, head, loss).
+        compute_bytes (int): bytes per element of the compute dtype.
+        dim (int): hidden size (block input's last dimension).
+    """
+
+    name: str
+    n_blocks: int
+    block_params: int
+    other_params: int
+    batch_size: int
+    seq_len: int
+    block_activation_bytes: int
+    block_checkpoint_bytes: int
+    other_activation_bytes: int
+    compute_bytes: int
+    dim: int
+
+    @property
+    def total_params(self) -> int:
+        return self.n_blocks * self.block_params + self.other_params
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.n_blocks * self.block_activation_bytes + self.other_activation_bytes
+
+    def training_flops(self) -> float:
+        """Forward + backward FLOPs of one step: 6 per parameter per token, plus causal attention."""
+        tokens = self.batch_size * self.seq_len
+        attention = 6 * self.n_blocks * self.batch_size * self.seq_len**2 * self.dim
+        return 6.0 * self.total_params * tokens + attention
+
+
+@dataclass(frozen=True)
+class BlockTiming:
+    """One block measured on the GPU at one micro-batch.
+
+    Attributes:
+        batch_size (int): micro-batch of the measurement.
+        forward_s (float), backward_s (float): median times of the block alone.
+        activation_bytes (int): GPU memory the forward left allocated for backward.
+    """
+
+    batch_size: int
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+
+
+def resolve_model(model: Any) -> tuple[nn.Module, str]:
+    """Turn a model argument into a module on the ``meta`` device and a label.
+
+    Args:
+        model: a built-in name (``MODEL_CONFIGS``), a transformers config name (``HF_CONFIGS``, or
+            ``"hf:<name, path or hub id>"``), a :class:`~torch_fsdp_offload.models.TransformerConfig`,
+            a factory called with no arguments under ``torch.device("meta")``, or an ``nn.Module``
+            (deep-copied to ``meta``; pass a factory for models too big to copy).
+
+    Raises:
+        ValueError: unknown name.
+        TypeError: anything else.
+    """
+    from torch_fsdp_offload import models
+
+    if isinstance(model, str):
+        if model in models.MODEL_CONFIGS:
+            return models.build_model(model, device="meta"), model
+        hf_name = model[3:] if model.startswith("hf:") else model
+        if model.startswith("hf:") or model in models.HF_CONFIGS:
+            return models.build_hf_causal_lm(hf_name, device="meta"), model
+        raise ValueError(
+            f"unknown model {model!r}; use one of {sorted(models.MODEL_CONFIGS)}, "
+            f"{sorted(models.HF_CONFIGS)}, 'hf:<config path or hub id>', or pass a module factory"
+        )
+    if isinstance(model, models.TransformerConfig):
+        return models.build_model(model, device="meta"), "custom TransformerConfig"
+    if isinstance(model, nn.Module):
+        return copy.deepcopy(model).to("meta"), type(model).__name__
+    if callable(model):
+        with torch.device("meta"):
+            built = model()
+        if not isinstance(built, nn.Module):
+            raise TypeError(f"the model factory returned {type(built).__name__}, not an nn.Module")
+        return built.to("meta"), getattr(model, "__name__", type(built).__name__)
+    raise TypeError(
+        f"cannot plan for a {type(model).__name__}; pass a model name, a TransformerConfig, a module "
+        "factory or an nn.Module"
+    )
+
+
+def _find_blocks(model: nn.Module) -> nn.ModuleList:
+    for path in ("blocks", "model.layers", "layers", "transformer.h"):
+        owner: Any = model
+        for part in path.split("."):
+            owner = getattr(owner, part, None)
+        if isinstance(owner, nn.ModuleList) and len(owner):
+            return owner
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList of blocks; the planner offloads per block "
+            "(FSDP group), so expose them as .blocks or .model.layers"
+        )
+    return max(lists, key=len)
+
+
+class _FusedAttentionAccounting(TorchFunctionMode):
+    """Replaces SDPA on meta tensors with what a fused kernel keeps: q, k, v, output and logsumexp."""
+
+    def __init__(self, recorder: _SavedTensorRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value = args[:3]
+        batch, heads, seq_len, _ = query.shape
+        value_dim = value.shape[-1]
+        # Fused kernels write the output as (batch, seq, heads, dim), so the usual
+        # transpose(1, 2).reshape afterwards is a view, not a copy.
+        output_base = torch.empty(
+            batch, seq_len, heads, value_dim, dtype=query.dtype, device=query.device, requires_grad=True
+        )
+        output = output_base.transpose(1, 2)
+        for tensor in (query, key, value, output):
+            self.recorder.pack(tensor)
+        self.recorder.add_bytes(batch * heads * seq_len * 4)  # fp32 logsumexp
+        return output
+
+
+class _SavedTensorRecorder:
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.param_ids = {id(p) for p in params}
+        self.seen: dict[int, torch.Tensor] = {}
+        self.bytes_by_owner: dict[int, int] = {}
+        self.owner = -1
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.bytes_by_owner[self.owner] = self.bytes_by_owner.get(self.owner, 0) + nbytes
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) in self.param_ids or id(tensor) in self.param_ids or id(base) in self.seen:
+            return tensor
+        self.seen[id(base)] = base  # keeps the id valid for the whole trace
+        self.add_bytes(base.untyped_storage().nbytes())
+        return tensor
+
+
+def model_breakdown(
+    model: Any,
+    *,
+    batch_size: int,
+    seq_len: int,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    vocab_size: int | None = None,
+) -> ModelBreakdown:
+    """Trace one forward pass and the loss on the ``meta`` device and count what backward needs.
+
+    Args:
+        model: see :func:`resolve_model`.
+        batch_size (int): sequences per micro-batch.
+        seq_len (int): tokens per sequence.
+        compute_dtype (torch.dtype): dtype of the forward (FSDP's ``param_dtype``).
+        vocab_size (int | None): token id range of the dummy input (default: the model's
+            ``config.vocab_size``, else 2).
+
+    Returns:
+        ModelBreakdown: parameters per block and outside, activation bytes per block.
+
+    Raises:
+        ValueError: non-positive sizes, or a model without a list of blocks.
+
+    Example::
+
+        >>> breakdown = model_breakdown("anchor-1.6b", batch_size=4, seq_len=2048)
+        >>> breakdown.n_blocks, breakdown.block_params
+        (8, 201342976)
+    """
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    module, name = resolve_model(model)
+    module = module.to(compute_dtype)
+    blocks = _find_blocks(module)
+    block_params = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    total_params = sum(p.numel() for p in module.parameters())
+    recorder = _SavedTensorRecorder(list(module.parameters()))
+    block_inputs: dict[int, int] = {}
+    dims: list[int] = []
+
+    def enter(index: int):
+        def hook(_module, args, kwargs=None):
+            recorder.owner = index
+            hidden = args[0] if args else next(iter((kwargs or {}).values()))
+            block_inputs[index] = hidden.untyped_storage().nbytes()
+            dims.append(hidden.shape[-1])
+
+        return hook
+
+    def leave(_module, _args, _output):
+        recorder.owner = -1
+
+    handles = []
+    for index, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(enter(index), with_kwargs=True))
+        handles.append(block.register_forward_hook(leave))
+    vocab = vocab_size or getattr(getattr(module, "config", None), "vocab_size", None) or 2
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _FusedAttentionAccounting(recorder):
+            output = module(tokens)
+            logits = output.logits if hasattr(output, "logits") else output
+            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % vocab)
+    finally:
+        for handle in handles:
+            handle.remove()
+    block_bytes = [recorder.bytes_by_owner.get(i, 0) for i in range(len(blocks))]
+    return ModelBreakdown(
+        name=name,
+        n_blocks=len(blocks),
+        block_params=max(block_params),
+        other_params=total_params - sum(block_params),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        block_activation_bytes=max(block_bytes),
+        block_checkpoint_bytes=max(block_inputs.values()),
+        other_activation_bytes=recorder.bytes_by_owner.get(-1, 0),
+        compute_bytes=torch.empty((), dtype=compute_dtype).element_size(),
+        dim=dims[0] if dims else 0,
+    )
+
+
+def _cuda_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_block_timings(
+    model: Any,
+    batch_sizes: Sequence[int],
+    seq_len: int,
+    *,
+    device: torch.device | str = "cuda",
+    compute_dtype: torch.dtype = torch.bfloat16,
+    repeats: int = 5,
+    memory_fraction: float = 0.5,
+) -> list[BlockTiming]:
+    """Time one block's forward and backward at several micro-batch sizes on the GPU.
+
+    One block needs little memory, so micro-batches far beyond what the whole model fits can be
+    timed (the talk's method); sizes whose activations would exceed ``memory_fraction`` of the
+    free GPU memory are skipped.
+
+    Args:
+        model: a built-in model name or :class:`~torch_fsdp_offload.models.TransformerConfig`
+            (blocks are called as ``block(x, rope)``).
+        batch_sizes: micro-batch sizes, smallest first.
+        seq_len (int): tokens per sequence.
+        device: a CUDA device.
+        compute_dtype (torch.dtype): block dtype.
+        repeats (int): timed repetitions per size (median), after one warm-up.
+        memory_fraction (float): share of free GPU memory one size may use.
+
+    Returns:
+        list[BlockTiming]: one per size that fitted.
+
+    Raises:
+        RuntimeError: no CUDA device.
+        TypeError: a model that is not a built-in transformer.
+
+    Example::
+
+        >>> [t.forward_s for t in measure_block_timings("anchor-1.6b", [1, 2, 4, 8], 2048)]
+    """
+    from torch_fsdp_offload import models
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("measure_block_timings needs a CUDA GPU; on CPU use a platform profile or a scenario")
+    config = models.MODEL_CONFIGS[model] if isinstance(model, str) else model
+    if not isinstance(config, models.TransformerConfig):
+        raise TypeError("measure_block_timings times built-in transformer blocks; pass a name or TransformerConfig")
+    device = torch.device(device)
+    block = models.TransformerBlock(config).to(device=device, dtype=compute_dtype)
+    rope = None
+    if config.rope:
+        rope = tuple(t.to(device) for t in models._rope_tables(config, None))
+    timings = []
+    for batch_size in batch_sizes:
+        estimate = 40 * batch_size * seq_len * config.dim * 2
+        free, _ = torch.cuda.mem_get_info(device)
+        if estimate > memory_fraction * free:
+            break
+        x = torch.randn(batch_size, seq_len, config.dim, device=device, dtype=compute_dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+        block(x, rope).backward(grad)  # warm-up: kernels chosen, workspaces allocated
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        output = block(x, rope)
+        activation_bytes = torch.cuda.memory_allocated(device) - before
+        del output
+        forward_s = _cuda_time(lambda: block(x, rope), repeats)
+        total_s = _cuda_time(lambda: block(x, rope).backward(grad), repeats)
+        timings.append(BlockTiming(batch_size, forward_s, max(total_s - forward_s, 0.0), activation_bytes))
+        del x, grad
+    return timings
+
+
+def measure_host_adamw_s_per_gparam(numel: int = 1 << 25) -> float:
+    """Seconds per 1e9 parameters of a fused AdamW step on this host (fp32, all threads).
+
+    Example::
+
+        >>> measure_host_adamw_s_per_gparam()
+    """
+    param = torch.zeros(numel, requires_grad=True)
+    param.grad = torch.zeros(numel)
+    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    optimizer.step()  # allocates the state
+    start = time.perf_counter()
+    optimizer.step()
+    return (time.perf_counter() - start) * 1e9 / numel
+
+
+def training_profile(
+    breakdown: ModelBreakdown,
+    platform: PlatformProfile,
+    *,
+    timing: BlockTiming | None = None,
+    host_adamw_s_per_gparam: float | None = None,
+) -> TrainingProfile:
+    """Build the training-level model input from a breakdown and, if available, a block timing.
+
+    Without a timing, forward and backward come from the FLOP count at
+    ``0.65 * platform.gpu_bf16_TFLOPS`` (forward one third). The GPU optimizer is bandwidth bound
+    (28 bytes per parameter at 29% of the DRAM peak, as measured on our H200).
+    """
+    if timing is not None:
+        forward = timing.forward_s * breakdown.n_blocks
+        backward = timing.backward_s * breakdown.n_blocks
+        block_activation = timing.activation_bytes
+        source = "measured block"
+    else:
+        total = breakdown.training_flops() / (platform.gpu_bf16_TFLOPS * 1e12 * _ACHIEVED_FLOPS_FRACTION)
+        forward, backward = total / 3, 2 * total / 3
+        block_activation = breakdown.block_activation_bytes
+        source = f"analytic (FLOPs at {_ACHIEVED_FLOPS_FRACTION:.0%} of {platform.name} peak)"
+    params = breakdown.total_params
+    host_rate = host_adamw_s_per_gparam or platform.host_adamw_s_per_gparam
+    return TrainingProfile(
+        name=breakdown.name,
+        n_blocks=breakdown.n_blocks,
+        block_params=breakdown.block_params,
+        other_params=breakdown.other_params,
+        tokens=breakdown.batch_size * breakdown.seq_len,
+        block_activation_bytes=block_activation,
+        block_checkpoint_bytes=breakdown.block_checkpoint_bytes,
+        other_activation_bytes=breakdown.other_activation_bytes,
+        forward_s=forward,
+        backward_s=backward,
+        gpu_optimizer_s=params * _GPU_ADAMW_BYTES_PER_PARAM / (platform.gpu_dram_GBps * 1e9 * _GPU_ADAMW_DRAM_FRACTION),
+        host_optimizer_s=params * host_rate / 1e9,
+        compute_bytes=breakdown.compute_bytes,
+        source=source,
+    )

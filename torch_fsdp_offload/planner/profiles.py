@@ -1,0 +1,195 @@
+"""Built-in platform profiles: the bandwidths and capacities the planner assumes for machines we
+cannot measure from here.
+
+Figures come from ``reference/platforms.md`` (NVIDIA specs, public reports, and our own x86 + H200
+PCIe measurement). Measured figures of the machine the planner runs on replace them (see
+:func:`measured_profile`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["PLATFORM_PROFILES", "PlatformProfile", "get_profile", "measured_profile"]
+
+_KINDS = ("unified", "coherent", "discrete", "host_only")
+
+
+@dataclass(frozen=True)
+class PlatformProfile:
+    """What the cost model needs to know about a CPU-GPU machine.
+
+    Attributes:
+        name (str): profile name (``"gh200"``) or ``"measured"``.
+        kind (str): ``"unified"``, ``"coherent"``, ``"discrete"`` or ``"host_only"``, as
+            :class:`torch_fsdp_offload.platform.PlatformKind` values.
+        gpu_memory_GB (float): GPU memory capacity (1 GB = 1e9 bytes).
+        gpu_dram_GBps (float): peak GPU DRAM bandwidth the model's own traffic is compared with.
+        link_GBps (float): the nominal one-way CPU-GPU link figure the talk-level analysis budgets
+            all offload traffic against (conservative on full-duplex links).
+        h2d_GBps (float), d2h_GBps (float): achieved copy bandwidth each way (large pinned copies).
+        bidirectional_GBps (float): achieved total when both ways copy at once.
+        host_adamw_s_per_gparam (float): seconds for a fused AdamW step on the host per 1e9 fp32
+            parameters (all cores).
+        gpu_bf16_TFLOPS (float): dense bf16 peak, used only to estimate compute time when no GPU
+            timing is available.
+        source (str): where the figures come from.
+    """
+
+    name: str
+    kind: str
+    gpu_memory_GB: float
+    gpu_dram_GBps: float
+    link_GBps: float
+    h2d_GBps: float
+    d2h_GBps: float
+    bidirectional_GBps: float
+    host_adamw_s_per_gparam: float
+    gpu_bf16_TFLOPS: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"PlatformProfile.kind must be one of {_KINDS}, got {self.kind!r}")
+
+
+# Measured on our x86 + H200 host: fused AdamW on 1.611e9 fp32 params took 0.361 s on 16 threads.
+_H200_HOST_ADAMW = 0.361 / 1.611
+
+PLATFORM_PROFILES: dict[str, PlatformProfile] = {
+    "h100-pcie": PlatformProfile(
+        name="h100-pcie",
+        kind="discrete",
+        gpu_memory_GB=80.0,
+        gpu_dram_GBps=3350.0,
+        link_GBps=55.0,
+        h2d_GBps=55.0,
+        d2h_GBps=55.0,
+        # Same PCIe Gen5 x16 link as our H200 host; its both-ways figure is assumed.
+        bidirectional_GBps=83.6,
+        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        gpu_bf16_TFLOPS=756.0,
+        source="platforms.md: x86 + H100 PCIe Gen5 (~55 GB/s each way); both-ways and host figures from our H200 host",
+    ),
+    "h200-pcie": PlatformProfile(
+        name="h200-pcie",
+        kind="discrete",
+        gpu_memory_GB=150.1,
+        gpu_dram_GBps=4212.3,
+        link_GBps=54.6,
+        h2d_GBps=54.6,
+        d2h_GBps=55.2,
+        bidirectional_GBps=83.6,
+        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        gpu_bf16_TFLOPS=835.0,
+        source="h200-measured.json: x86 + H200 PCIe Gen5 x16, measured 2026-11-29 (DRAM = device copy read+write)",
+    ),
+    "gh200": PlatformProfile(
+        name="gh200",
+        kind="coherent",
+        gpu_memory_GB=96.0,
+        gpu_dram_GBps=4000.0,
+        link_GBps=450.0,
+        # Middle of the public measurements (H2D 335-421, D2H 170-297 GB/s): D2H is the slow way.
+        h2d_GBps=378.0,
+        d2h_GBps=234.0,
+        bidirectional_GBps=612.0,
+        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        gpu_bf16_TFLOPS=989.0,
+        source="platforms.md: GH200 96 GB HBM3, NVLink-C2C 450 GB/s each way, public copy measurements",
+    ),
+    "gb200": PlatformProfile(
+        name="gb200",
+        kind="coherent",
+        gpu_memory_GB=186.0,
+        gpu_dram_GBps=8000.0,
+        # C2C 900 GB/s total is shared by the two GPUs of a superchip.
+        link_GBps=450.0,
+        h2d_GBps=225.0,
+        d2h_GBps=225.0,
+        bidirectional_GBps=450.0,
+        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        gpu_bf16_TFLOPS=2500.0,
+        source="platforms.md: GB200 8 TB/s HBM3e, C2C 900 GB/s shared by 2 GPUs (estimate; GB300 measured ~211/~193)",
+    ),
+    "dgx-spark": PlatformProfile(
+        name="dgx-spark",
+        kind="unified",
+        gpu_memory_GB=128.0,
+        gpu_dram_GBps=273.0,
+        link_GBps=273.0,
+        h2d_GBps=273.0,
+        d2h_GBps=273.0,
+        bidirectional_GBps=273.0,
+        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        gpu_bf16_TFLOPS=125.0,
+        source="platforms.md: DGX Spark GB10, one 128 GB LPDDR5X memory at 273 GB/s shared by CPU and GPU",
+    ),
+}
+
+
+def get_profile(name: str) -> PlatformProfile:
+    """Look up a built-in platform profile.
+
+    Args:
+        name (str): one of ``h100-pcie``, ``h200-pcie``, ``gh200``, ``gb200``, ``dgx-spark``.
+
+    Returns:
+        PlatformProfile: the built-in figures.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+
+    Example::
+
+        >>> get_profile("gh200").link_GBps
+        450.0
+    """
+    try:
+        return PLATFORM_PROFILES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown platform profile {name!r}; choose one of {', '.join(sorted(PLATFORM_PROFILES))}"
+        ) from None
+
+
+def measured_profile(platform, base: PlatformProfile | None = None) -> PlatformProfile:
+    """A profile for the machine ``platform`` describes, measured figures first.
+
+    Args:
+        platform: a :class:`torch_fsdp_offload.platform.Platform` (from ``detect_platform``).
+        base (PlatformProfile | None): figures to use where ``platform`` has no measurement
+            (default: ``h200-pcie`` for DISCRETE, ``gh200`` for COHERENT, ``dgx-spark`` for UNIFIED).
+
+    Returns:
+        PlatformProfile: named ``"measured"``, with the detected kind, GPU capacity and any measured
+        link bandwidths replacing those of ``base``.
+
+    Example::
+
+        >>> from torch_fsdp_offload.platform import detect_platform
+        >>> measured_profile(detect_platform(bandwidth=True)).h2d_GBps
+    """
+    kind = getattr(platform.kind, "value", str(platform.kind))
+    if base is None:
+        base = PLATFORM_PROFILES[
+            {"unified": "dgx-spark", "coherent": "gh200"}.get(kind, "h200-pcie")
+        ]
+    changes: dict[str, object] = {"name": "measured", "kind": kind}
+    sources = [f"detected {kind}"]
+    if getattr(platform, "gpu_total_bytes", None):
+        changes["gpu_memory_GB"] = platform.gpu_total_bytes / 1e9
+    report = getattr(platform, "bandwidth", None)
+    if report is not None:
+        changes.update(
+            h2d_GBps=report.h2d_gbps,
+            d2h_GBps=report.d2h_gbps,
+            bidirectional_GBps=report.bidirectional_gbps,
+            link_GBps=report.link_gbps,
+            gpu_dram_GBps=report.device_copy_gbps,
+        )
+        sources.append(f"link and DRAM bandwidth measured on {report.device_name}")
+    sources.append(f"other figures from {base.name}")
+    changes["source"] = ", ".join(sources)
+    return dataclasses.replace(base, **changes)

@@ -1,0 +1,335 @@
+"""The planner's result: the talk's steps as a table, JSON, and a throughput plot."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_fsdp_offload.planner.cost_model import (
+    Candidate,
+    StepPrediction,
+    TrainingProfile,
+    evaluate,
+    model_dram_bandwidth_GBps,
+    naive_offload_GB,
+    time_factor,
+)
+from torch_fsdp_offload.planner.scenario import Scenario
+from torch_fsdp_offload.planner.search import ScenarioSearch, throughput_curves
+
+__all__ = ["PlanResult", "Recommendation", "TrainingPlan"]
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What the planner recommends.
+
+    Attributes:
+        technique (str): ``"none"``, ``"offload_weights"``, ``"offload_activations"``,
+            ``"checkpointing"``, ``"checkpointing+offload_weights"``, or ``"fsdp2_step_model"``
+            when the training-level model chose it.
+        microbatch_factor (float): micro-batch to run, relative to today's.
+        weights_offload_fraction (float): fraction of the weights (blocks) offloaded.
+        activations_offload_fraction (float): fraction of the activations (blocks) offloaded.
+        checkpointing (bool): use activation checkpointing per block.
+        throughput_gain (float): expected samples per second over today's run, minus 1.
+        kwargs (dict | None): ``CoherentOffload(**kwargs)``; None means pass no offload policy.
+        reason (str): one sentence saying why.
+        predicted_step_s (float | None), predicted_peak_gpu_GiB (float | None): from the FSDP2
+            step model, when a real model was planned.
+    """
+
+    technique: str
+    microbatch_factor: float
+    weights_offload_fraction: float
+    activations_offload_fraction: float
+    checkpointing: bool
+    throughput_gain: float
+    kwargs: dict[str, Any] | None
+    reason: str
+    predicted_step_s: float | None = None
+    predicted_peak_gpu_GiB: float | None = None
+
+    @property
+    def policy(self):
+        """The recommended :class:`~torch_fsdp_offload.policy.CoherentOffload`, or None (no offload)."""
+        if self.kwargs is None:
+            return None
+        from torch_fsdp_offload.policy import CoherentOffload
+
+        return CoherentOffload(**self.kwargs)
+
+    def code(self) -> str:
+        """The recommendation as a line to paste."""
+        if self.kwargs is None:
+            return "offload_policy: none (do not pass CoherentOffload)"
+        arguments = ", ".join(f"{key}={value!r}" for key, value in self.kwargs.items())
+        return f"CoherentOffload({arguments})"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["throughput_gain_percent"] = round(100 * self.throughput_gain, 1)
+        data["coherent_offload"] = self.code()
+        return data
+
+
+def candidate_kwargs(candidate: Candidate) -> dict[str, Any] | None:
+    """``CoherentOffload`` keyword arguments for a talk-level candidate (None: no offload)."""
+    if candidate.weights_fraction == 0 and candidate.activations_fraction == 0:
+        return None
+    kwargs: dict[str, Any] = {}
+    if candidate.weights_fraction > 0:
+        kwargs["module_fraction"] = round(candidate.weights_fraction, 4)
+    else:
+        kwargs.update(offload_params=False, offload_grads=False, offload_optimizer_state=False)
+    if candidate.activations_fraction > 0:
+        kwargs["activations"] = True if candidate.activations_fraction == 1 else round(candidate.activations_fraction, 4)
+    return kwargs
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The FSDP2 step model's part of a plan for a real model.
+
+    Attributes:
+        profiles (tuple): ``(microbatch_factor, TrainingProfile)`` pairs predicted.
+        predictions (tuple): ``(microbatch_factor, StepPrediction)`` for every setting tried.
+        best (tuple | None): the chosen ``(microbatch_factor, StepPrediction)``.
+        capacity_bytes (float): GPU memory budget the peaks were checked against.
+    """
+
+    profiles: tuple[tuple[float, TrainingProfile], ...]
+    predictions: tuple[tuple[float, StepPrediction], ...]
+    best: tuple[float, StepPrediction] | None
+    capacity_bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacity_GB": self.capacity_bytes / 1e9,
+            "profiles": [{"microbatch_factor": f, **p.to_dict()} for f, p in self.profiles],
+            "predictions": [{"microbatch_factor": f, **p.to_dict()} for f, p in self.predictions],
+            "best": None if self.best is None else {"microbatch_factor": self.best[0], **self.best[1].to_dict()},
+        }
+
+
+@dataclass
+class PlanResult:
+    """Everything :func:`~torch_fsdp_offload.planner.plan` found.
+
+    Attributes:
+        scenario (Scenario): the talk-level input (given, or derived from the real model).
+        search (ScenarioSearch): the talk-level candidates and choice.
+        recommended (Recommendation): the final recommendation.
+        training (TrainingPlan | None): the FSDP2 step model's predictions (real models only).
+        notes (list[str]): caveats (what was estimated instead of measured).
+    """
+
+    scenario: Scenario
+    search: ScenarioSearch
+    recommended: Recommendation
+    training: TrainingPlan | None = None
+    notes: list[str] = field(default_factory=list)
+
+    # -- the talk's numbers --------------------------------------------------------------------
+    def scaled_factor(self) -> float:
+        """Largest measured micro-batch factor whose activations fit with all weights offloaded."""
+        s = self.scenario
+        fitting = [f for f, _ in s.microbatch_scaling if s.activations_GB * f + s.other_GB <= s.capacity_GB]
+        return max(fitting, default=1.0)
+
+    def naive_offload_bandwidth_GBps(self) -> float:
+        return naive_offload_GB(self.scenario) / self.scenario.iteration_time_s
+
+    def scaled_offload_bandwidth_GBps(self) -> float:
+        factor = self.scaled_factor()
+        return naive_offload_GB(self.scenario) / (self.scenario.iteration_time_s * time_factor(self.scenario, factor))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready result; the top-level keys are documented in docs/planner.md."""
+        s = self.scenario
+        model_bandwidth = model_dram_bandwidth_GBps(s)
+        data: dict[str, Any] = {
+            "name": s.name,
+            "platform": None if s.platform is None else dataclasses.asdict(s.platform),
+            "platform_kind": s.kind,
+            "memory_breakdown_GB": {
+                "weights": s.weights_GB,
+                "grads": s.grads_GB,
+                "optimizer_state": s.optimizer_state_GB,
+                "activations": s.activations_GB,
+                "other": s.other_GB,
+                "unused": s.unused_GB,
+            },
+            "capacity_GB": s.capacity_GB,
+            "iteration_time_s": s.iteration_time_s,
+            "model_dram_bandwidth_GBps": model_bandwidth,
+            "model_dram_utilization": model_bandwidth / s.gpu_dram_GBps,
+            "gpu_dram_peak_GBps": s.gpu_dram_GBps,
+            "link_GBps": s.link_GBps,
+            "naive_offload_bandwidth_GBps": self.naive_offload_bandwidth_GBps(),
+            "scaled_offload_bandwidth_GBps": self.scaled_offload_bandwidth_GBps(),
+            "scaled_microbatch_factor": self.scaled_factor(),
+            "microbatch_scaling": [
+                {
+                    "factor": factor,
+                    "time_factor": tf,
+                    "throughput_gain": factor / tf - 1.0,
+                    "gpu_memory_GB_without_offload": evaluate(s, "none", factor).gpu_memory_GB,
+                }
+                for factor, tf in s.microbatch_scaling
+            ],
+            "offload_blocked_reason": self.search.blocked_reason,
+            "candidates": [c.to_dict() for c in self.search.candidates],
+            "recommended": self.recommended.to_dict(),
+            "scenario": s.to_dict(),
+            "notes": list(self.notes),
+        }
+        if self.training is not None:
+            data["training"] = self.training.to_dict()
+        return data
+
+    # -- human report ---------------------------------------------------------------------------
+    def report(self) -> str:
+        """The talk's decision framework, step by step, as text."""
+        s = self.scenario
+        lines = [f"Offload plan: {s.name}"]
+        if s.platform is not None:
+            lines.append(
+                f"Platform: {s.platform.name} ({s.kind}), {s.capacity_GB:.1f} GB GPU memory, "
+                f"{s.gpu_dram_GBps:.0f} GB/s GPU DRAM, {s.link_GBps:.0f} GB/s link"
+            )
+        lines.append("")
+        lines.append(f"1. Memory breakdown (GPU capacity {s.capacity_GB:.1f} GB)")
+        rows = [
+            ("weights", s.weights_GB, ""),
+            ("grads", s.grads_GB, ""),
+            ("optimizer state", s.optimizer_state_GB, ""),
+            ("activations", s.activations_GB, f"  ({s.activations_to_dram_GB:.1f} GB reach DRAM)"),
+            ("other", s.other_GB, ""),
+            ("unused", s.unused_GB, ""),
+        ]
+        for label, amount, extra in rows:
+            if amount or label in ("weights", "activations", "unused"):
+                lines.append(f"   {label:<16}{amount:>8.1f} GB {100 * amount / s.capacity_GB:>6.1f}%{extra}")
+        lines.append(f"2. Iteration time: {s.iteration_time_s:.3f} s")
+
+        model_bandwidth = model_dram_bandwidth_GBps(s)
+        utilization = model_bandwidth / s.gpu_dram_GBps
+        if s.model_dram_GBps is not None:
+            formula = "measured"
+        else:
+            terms = [f"{s.weights_GB:.1f}", f"2 x {s.activations_to_dram_GB:.1f}"]
+            terms += [f"2 x {v:.1f}" for v in (s.grads_GB, s.optimizer_state_GB) if v]
+            formula = f"({' + '.join(terms)}) GB / {s.iteration_time_s:.3f} s"
+        verdict = (
+            "near peak: offload traffic would compete for the same DRAM"
+            if utilization > 0.85
+            else "room for offload traffic"
+        )
+        lines.append(
+            f"3. Model DRAM bandwidth: {formula} = {model_bandwidth:.0f} GB/s, "
+            f"{utilization:.0%} of the {s.gpu_dram_GBps:.0f} GB/s peak: {verdict}"
+        )
+
+        naive = self.naive_offload_bandwidth_GBps()
+        ratio = naive / s.link_GBps
+        traffic = self._naive_formula()
+        lines.append(
+            f"4. Naive offload (all weights): {traffic} GB / {s.iteration_time_s:.3f} s = {naive:.0f} GB/s "
+            f"vs a {s.link_GBps:.0f} GB/s link"
+            + (f": {ratio:.1f}x more than it carries" if ratio > 1 else ": the link keeps up")
+        )
+
+        lines.append("5. What can be gained (micro-batch scaling):")
+        lines.append("   micro-batch   time   throughput   GPU memory without offload")
+        for factor, tf in s.microbatch_scaling:
+            need = evaluate(s, "none", factor).gpu_memory_GB
+            fits = "fits" if need <= s.capacity_GB * (1 + 1e-9) else "does not fit"
+            lines.append(f"   {factor:>10g}x  {tf:>5.2f}x  {factor / tf - 1:>+10.0%}   {need:>7.1f} GB ({fits})")
+        factor = self.scaled_factor()
+        lines.append(
+            f"   At {factor:g}x (the largest that fits with all weights offloaded) the naive offload needs "
+            f"{traffic} GB / {s.iteration_time_s * time_factor(s, factor):.3f} s = "
+            f"{self.scaled_offload_bandwidth_GBps():.0f} GB/s"
+        )
+
+        lines.append("6. Partial offload and checkpointing (plans that fit):")
+        lines.append("   technique                       batch  weights  activ.  GPU GB  link need GB/s     gain")
+        for c in self.search.candidates:
+            bound = " link-bound" if c.link_bound else ""
+            lines.append(
+                f"   {c.technique:<30}{c.microbatch_factor:>5g}x  {c.weights_fraction:>7.0%}  "
+                f"{c.activations_fraction:>6.0%}  {c.gpu_memory_GB:>6.1f}  {c.required_link_GBps:>14.0f}  "
+                f"{c.throughput_gain:>+7.0%}{bound}"
+            )
+
+        if self.training is not None:
+            lines.extend(self._training_lines())
+
+        r = self.recommended
+        lines.append(f"{8 if self.training is not None else 7}. Recommendation: {r.reason}")
+        for note in self.notes:
+            lines.append(f"   Note: {note}")
+        lines.append(f"   {r.code()}")
+        return "\n".join(lines) + "\n"
+
+    def _naive_formula(self) -> str:
+        s = self.scenario
+        terms = [
+            f"{s.crossings[key]:g} x {amount:.1f}"
+            for key, amount in (("weights", s.weights_GB), ("grads", s.grads_GB), ("optimizer_state", s.optimizer_state_GB))
+            if amount and s.crossings[key]
+        ]
+        return f"({' + '.join(terms)})" if terms else "0"
+
+    def _training_lines(self) -> list[str]:
+        training = self.training
+        lines = [
+            f"7. FSDP2 step model (GPU budget {training.capacity_bytes / 2**30:.1f} GiB; "
+            f"{training.profiles[0][1].source}):"
+        ]
+        lines.append("   batch  setting                                  step s  peak GiB  tokens/s  fits")
+        ranked = sorted(training.predictions, key=lambda fp: -fp[0] / fp[1].step_s)
+        shown = [fp for fp in ranked if fp[1].peak_gpu_bytes <= training.capacity_bytes][:8]
+        resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.label == "modules=0.00"]
+        for factor, p in resident + [fp for fp in shown if fp not in resident]:
+            tokens = factor * training.profiles[0][1].tokens / p.step_s
+            fits = "yes" if p.peak_gpu_bytes <= training.capacity_bytes else "no"
+            lines.append(
+                f"   {factor:>4g}x  {p.config.label:<40}{p.step_s:>7.3f}  {p.peak_gpu_GiB:>8.1f}  {tokens:>8.0f}  {fits}"
+            )
+        return lines
+
+    # -- plot ---------------------------------------------------------------------------------
+    def plot(self, path: str) -> None:
+        """Write a PNG of throughput against the offloaded fraction, one line per technique.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install torch-fsdp-offload[plot]``).
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            raise ImportError(
+                "the plot needs matplotlib: pip install 'torch-fsdp-offload[plot]' (or pip install matplotlib)"
+            ) from exc
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for technique, curve in throughput_curves(self.scenario).items():
+            xs = [x for x, gain in curve]
+            ys = [None if gain is None else 1.0 + gain for _, gain in curve]
+            axes.plot(xs, [float("nan") if y is None else y for y in ys], label=technique)
+        axes.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        r = self.recommended
+        fraction = max(r.weights_offload_fraction, r.activations_offload_fraction)
+        axes.plot([fraction], [1.0 + r.throughput_gain], marker="*", markersize=14, color="black", label="recommended")
+        axes.set_xlabel("offloaded fraction")
+        axes.set_ylabel("throughput relative to today")
+        axes.set_title(self.scenario.name[:80])
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)

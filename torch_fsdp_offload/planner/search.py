@@ -1,0 +1,229 @@
+"""Search: which plan to recommend.
+
+Talk level (:func:`search_scenario`): for every measured micro-batch factor and technique, find
+the window of offloaded fractions that both fits in GPU memory and keeps the link hidden, and
+recommend the highest throughput gain. Inside a window the centre is chosen, so that an
+underestimated activation size (memory side) and an overestimated link speed (link side) have
+the same slack. Link-bound plans are listed but not recommended: their gain is only as good as
+the link's achieved bandwidth.
+
+Training level (:func:`search_training`): predict every ``CoherentOffload`` setting of a grid with
+the FSDP2 step model and pick the fastest that fits (tokens per second when several micro-batches
+are compared).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch_fsdp_offload.planner.cost_model import (
+    Candidate,
+    StepPrediction,
+    TECHNIQUES,
+    TrainingConfig,
+    TrainingProfile,
+    evaluate,
+    model_dram_bandwidth_GBps,
+    offload_window,
+    predict_step,
+)
+from torch_fsdp_offload.planner.profiles import PlatformProfile
+from torch_fsdp_offload.planner.scenario import Scenario
+
+__all__ = [
+    "DRAM_BOUND_UTILIZATION",
+    "ScenarioSearch",
+    "default_training_configs",
+    "offload_blocked_reason",
+    "search_scenario",
+    "search_training",
+    "throughput_curves",
+]
+
+# Above this share of peak GPU DRAM bandwidth the model leaves no room for offload traffic (the
+# talk: "above 80% or 90% of your peak bandwidth, offloading is likely not beneficial").
+DRAM_BOUND_UTILIZATION = 0.85
+# Predictions closer than this are treated as equal; the plan that moves fewer bytes wins.
+_TIE = 0.02
+
+
+@dataclass(frozen=True)
+class ScenarioSearch:
+    """Result of :func:`search_scenario`.
+
+    Attributes:
+        candidates (tuple[Candidate, ...]): every plan that fits, in technique then factor order.
+        recommended (Candidate): the plan to use.
+        blocked_reason (str | None): why offloading was ruled out altogether, if it was.
+    """
+
+    candidates: tuple[Candidate, ...]
+    recommended: Candidate
+    blocked_reason: str | None
+
+
+def offload_blocked_reason(scenario: Scenario) -> str | None:
+    """Why offloading cannot pay on this scenario at all, or None if it may."""
+    if scenario.kind == "unified":
+        return (
+            "this is a unified-memory platform: CPU and GPU share one physical memory, so "
+            "offloading cannot add capacity, it only duplicates tensors in the same DRAM and spends "
+            "its bandwidth on copies"
+        )
+    utilization = model_dram_bandwidth_GBps(scenario) / scenario.gpu_dram_GBps
+    if utilization > DRAM_BOUND_UTILIZATION:
+        return (
+            f"the model already uses {utilization:.0%} of the GPU's peak DRAM bandwidth (more than "
+            f"{DRAM_BOUND_UTILIZATION:.0%}): offload traffic would compete with it for the same DRAM"
+        )
+    return None
+
+
+def _round_into(value: float, lowest: float, highest: float, n_blocks: int | None) -> float:
+    # Whole blocks when the block count is known, else two decimals, staying inside the window.
+    if n_blocks:
+        blocks = min(
+            range(math.ceil(lowest * n_blocks - 1e-9), math.floor(highest * n_blocks + 1e-9) + 1),
+            key=lambda count: abs(count - value * n_blocks),
+            default=math.ceil(lowest * n_blocks - 1e-9),
+        )
+        return blocks / n_blocks
+    rounded = round(value, 2)
+    return rounded if lowest <= rounded <= highest else value
+
+
+def _plan_at(scenario: Scenario, technique: str, factor: float) -> Candidate | None:
+    if technique in ("none", "checkpointing"):
+        candidate = evaluate(scenario, technique, factor)
+        return candidate if candidate.fits else None
+    lowest, highest = offload_window(scenario, technique, factor)
+    if lowest > 1.0:
+        return None
+    if lowest == 0.0:
+        # Fits without offloading anything: the "none" / "checkpointing" plan covers it.
+        return None
+    fraction = (lowest + highest) / 2 if lowest <= highest else lowest
+    fraction = min(1.0, _round_into(fraction, lowest, max(lowest, highest), scenario.n_blocks))
+    key = "activations_fraction" if technique == "offload_activations" else "weights_fraction"
+    candidate = evaluate(scenario, technique, factor, **{key: fraction})
+    return candidate if candidate.fits else None
+
+
+def search_scenario(scenario: Scenario) -> ScenarioSearch:
+    """Evaluate the talk's techniques at every measured micro-batch factor and pick one.
+
+    Args:
+        scenario (Scenario): validated input.
+
+    Returns:
+        ScenarioSearch: the fitting candidates and the recommendation (today's run when nothing
+        gains).
+
+    Example::
+
+        >>> search_scenario(load_scenario("docs/examples/talk_gh200.json")).recommended.weights_fraction
+        0.35
+    """
+    blocked = offload_blocked_reason(scenario)
+    techniques = [t for t in TECHNIQUES if scenario.checkpointing is not None or not t.startswith("checkpointing")]
+    candidates = []
+    for technique in techniques:
+        for factor, _ in scenario.microbatch_scaling:
+            candidate = _plan_at(scenario, technique, factor)
+            if candidate is not None:
+                candidates.append(candidate)
+    best = evaluate(scenario, "none", 1.0)
+    for candidate in candidates:
+        offloads = candidate.weights_fraction > 0 or candidate.activations_fraction > 0
+        if candidate.link_bound or (offloads and blocked):
+            continue
+        if candidate.throughput_gain > best.throughput_gain + 1e-6:
+            best = candidate
+    return ScenarioSearch(candidates=tuple(candidates), recommended=best, blocked_reason=blocked)
+
+
+def throughput_curves(scenario: Scenario, points: int = 101) -> dict[str, list[tuple[float, float | None]]]:
+    """Throughput gain against the offloaded fraction, one curve per offload technique.
+
+    Each point is the best gain over the measured micro-batch factors that fit at that fraction
+    (link-bound plans included, so the curves show where the link takes over); ``None`` where no
+    factor fits. Checkpointing alone is a constant (fraction 0) and appears as one flat curve.
+    """
+    curves: dict[str, list[tuple[float, float | None]]] = {}
+    techniques = [t for t in TECHNIQUES[1:] if scenario.checkpointing is not None or not t.startswith("checkpointing")]
+    for technique in techniques:
+        curve = []
+        for index in range(points):
+            fraction = index / (points - 1)
+            if technique == "checkpointing":
+                kwargs = {}
+            elif technique == "offload_activations":
+                kwargs = {"activations_fraction": fraction}
+            else:
+                kwargs = {"weights_fraction": fraction}
+            gains = [
+                c.throughput_gain
+                for c in (evaluate(scenario, technique, factor, **kwargs) for factor, _ in scenario.microbatch_scaling)
+                if c.fits
+            ]
+            curve.append((fraction, max(gains) if gains else None))
+        curves[technique] = curve
+    return curves
+
+
+def default_training_configs(n_blocks: int, *, checkpointing: bool = True) -> list[TrainingConfig]:
+    """The grid :func:`search_training` explores: module fractions in whole blocks (at most 9
+    values), optimizer on the host / streamed / split in half, activations offloaded for none, half
+    or all blocks, with and without checkpointing."""
+    steps = sorted({round(n_blocks * i / 8) / n_blocks for i in range(9)})
+    configs = []
+    for checkpoint in (False, True) if checkpointing else (False,):
+        for activations in (0.0, 0.5, 1.0):
+            for fraction in steps:
+                for optimizer in (("host", "stream", 0.5) if fraction > 0 else ("host",)):
+                    configs.append(
+                        TrainingConfig(
+                            module_fraction=fraction,
+                            optimizer=optimizer,
+                            activations=activations,
+                            checkpointing=checkpoint,
+                        )
+                    )
+    return configs
+
+
+def search_training(
+    profiles: Sequence[tuple[float, TrainingProfile]],
+    platform: PlatformProfile,
+    capacity_bytes: float,
+    configs: Sequence[TrainingConfig] | None = None,
+) -> tuple[list[tuple[float, StepPrediction]], tuple[float, StepPrediction] | None]:
+    """Predict every config at every micro-batch factor and pick the highest throughput that fits.
+
+    Args:
+        profiles: ``(microbatch_factor, TrainingProfile)`` pairs (factor 1 = today's micro-batch).
+        platform (PlatformProfile): link bandwidths.
+        capacity_bytes (float): GPU memory the peak must stay within.
+        configs: settings to predict (default :func:`default_training_configs`).
+
+    Returns:
+        ``(predictions, best)``: every ``(factor, prediction)``, and the fitting one with the most
+        samples per second (within 2%, the one that moves the fewest bytes), or None if none fits.
+
+    Example::
+
+        >>> predictions, (factor, best) = search_training([(1, profile)], get_profile("h200-pcie"), 140e9)
+    """
+    predictions = []
+    for factor, profile in profiles:
+        for config in configs if configs is not None else default_training_configs(profile.n_blocks):
+            predictions.append((factor, predict_step(profile, config, platform)))
+    fitting = [(f, p) for f, p in predictions if p.peak_gpu_bytes <= capacity_bytes]
+    if not fitting:
+        return predictions, None
+    top = max(f / p.step_s for f, p in fitting)
+    close = [(f, p) for f, p in fitting if f / p.step_s >= top * (1 - _TIE)]
+    best = min(close, key=lambda fp: (fp[1].h2d_bytes + fp[1].d2h_bytes, fp[1].config.checkpointing, -fp[0] / fp[1].step_s))
+    return predictions, best
