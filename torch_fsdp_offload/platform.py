@@ -18,7 +18,7 @@ import enum
 import os
 import statistics
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -807,32 +807,37 @@ def platform_from_attributes(
 # Bandwidth
 
 
-def _chunks(nbytes: int, chunk_bytes: int) -> list[slice]:
-    return [slice(start, min(start + chunk_bytes, nbytes)) for start in range(0, nbytes, chunk_bytes)]
+def _issue_chunked_copies(
+    copies: Sequence[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]], chunk_bytes: int
+) -> None:
+    """Enqueue each (stream, dst, src) copy in chunks, alternating between the copies chunk by
+    chunk so that copies on different streams run at the same time from the start."""
+    nbytes = copies[0][1].numel()
+    for start in range(0, nbytes, chunk_bytes):
+        chunk = slice(start, min(start + chunk_bytes, nbytes))
+        for stream, dst, src in copies:
+            with torch.cuda.stream(stream):
+                dst[chunk].copy_(src[chunk], non_blocking=True)
 
 
-def _copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, chunks: list[slice]) -> None:
-    for chunk in chunks:
-        dst[chunk].copy_(src[chunk], non_blocking=True)
-
-
-def _median_gbps(nbytes: int, repeats: int, copies: Sequence[tuple[torch.cuda.Stream, Any]]) -> float:
-    """Median GB/s of ``nbytes`` moved by ``copies`` (stream, issue-function pairs) running at once.
+def _median_gbps(
+    nbytes: int, repeats: int, streams: Sequence[torch.cuda.Stream], issue: Callable[[], None]
+) -> float:
+    """Median GB/s of ``nbytes`` moved by ``issue()`` on ``streams``.
 
     Timed with CUDA events on the first stream, which waits for the others; one untimed warm-up
     pass first (it also faults in pageable pages).
     """
-    main_stream = copies[0][0]
+    main_stream = streams[0]
     seconds = []
     for attempt in range(repeats + 1):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(main_stream)
-        for stream, issue in copies:
+        for stream in streams[1:]:
             stream.wait_event(start)
-            with torch.cuda.stream(stream):
-                issue()
-        for stream, _ in copies[1:]:
+        issue()
+        for stream in streams[1:]:
             done = torch.cuda.Event()
             done.record(stream)
             main_stream.wait_event(done)
@@ -841,6 +846,53 @@ def _median_gbps(nbytes: int, repeats: int, copies: Sequence[tuple[torch.cuda.St
         if attempt:
             seconds.append(start.elapsed_time(end) / 1e3)
     return nbytes / statistics.median(seconds) / 1e9
+
+
+def _measure(
+    device: torch.device, nbytes: int, chunk_sizes: Sequence[int], repeats: int
+) -> tuple[tuple[BandwidthRow, ...], float]:
+    """The rows and the device copy GB/s; every buffer dies on return."""
+    pinned_in = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    pinned_out = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.zeros(nbytes, dtype=torch.uint8)
+    gpu_in = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    gpu_out = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    h2d_stream = torch.cuda.Stream(device)
+    d2h_stream = torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+
+    def gbps(streams: Sequence[torch.cuda.Stream], copies: Sequence[tuple], chunk_bytes: int) -> float:
+        moved = nbytes * len(copies)
+        return _median_gbps(moved, repeats, streams, lambda: _issue_chunked_copies(copies, chunk_bytes))
+
+    rows = []
+    for chunk_bytes in chunk_sizes:
+        h2d_pinned = (h2d_stream, gpu_in, pinned_in)
+        d2h_pinned = (d2h_stream, pinned_out, gpu_out)
+        rows.append(
+            BandwidthRow(
+                chunk_bytes=chunk_bytes,
+                h2d_pinned_gbps=gbps([h2d_stream], [h2d_pinned], chunk_bytes),
+                d2h_pinned_gbps=gbps([d2h_stream], [d2h_pinned], chunk_bytes),
+                bidirectional_pinned_gbps=gbps(
+                    [h2d_stream, d2h_stream], [h2d_pinned, d2h_pinned], chunk_bytes
+                ),
+                h2d_pageable_gbps=gbps([h2d_stream], [(h2d_stream, gpu_in, pageable)], chunk_bytes),
+                d2h_pageable_gbps=gbps([d2h_stream], [(d2h_stream, pageable, gpu_out)], chunk_bytes),
+            )
+        )
+
+    # Device-to-device copies are fast: repeat them so one timed pass lasts about a millisecond.
+    device_copy_repeats = 8
+
+    def device_copy() -> None:
+        with torch.cuda.stream(h2d_stream):
+            for _ in range(device_copy_repeats):
+                gpu_out.copy_(gpu_in)
+
+    device_copy_gbps = _median_gbps(2 * nbytes * device_copy_repeats, repeats, [h2d_stream], device_copy)
+    torch.cuda.synchronize(device)
+    return tuple(rows), device_copy_gbps
 
 
 def measure_bandwidth(
@@ -882,7 +934,7 @@ def measure_bandwidth(
         raise ValueError(f"sizes must be a non-empty sequence of positive byte counts, got {sizes!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if device is None and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise RuntimeError(
             "measure_bandwidth needs a CUDA device, and torch.cuda.is_available() is False: there "
             "is no CPU-GPU link to measure on this machine"
@@ -899,55 +951,10 @@ def measure_bandwidth(
         return cached
 
     nbytes = max(_MIN_BUFFER_BYTES, chunk_sizes[-1])
-    # Device-to-device copies are fast: repeat them so one timed pass lasts about a millisecond.
-    device_copy_repeats = 8
     with torch.cuda.device(resolved):
-        pinned_in = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-        pinned_out = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-        pageable = torch.zeros(nbytes, dtype=torch.uint8)
-        gpu_in = torch.zeros(nbytes, dtype=torch.uint8, device=resolved)
-        gpu_out = torch.zeros(nbytes, dtype=torch.uint8, device=resolved)
-        h2d_stream = torch.cuda.Stream(resolved)
-        d2h_stream = torch.cuda.Stream(resolved)
-        torch.cuda.synchronize(resolved)
-        rows = []
-        for chunk_bytes in chunk_sizes:
-            chunks = _chunks(nbytes, chunk_bytes)
-
-            def h2d(src: torch.Tensor = pinned_in) -> None:
-                _copy_in_chunks(gpu_in, src, chunks)
-
-            def d2h(dst: torch.Tensor = pinned_out) -> None:
-                _copy_in_chunks(dst, gpu_out, chunks)
-
-            rows.append(
-                BandwidthRow(
-                    chunk_bytes=chunk_bytes,
-                    h2d_pinned_gbps=_median_gbps(nbytes, repeats, [(h2d_stream, h2d)]),
-                    d2h_pinned_gbps=_median_gbps(nbytes, repeats, [(d2h_stream, d2h)]),
-                    bidirectional_pinned_gbps=_median_gbps(
-                        2 * nbytes, repeats, [(h2d_stream, h2d), (d2h_stream, d2h)]
-                    ),
-                    h2d_pageable_gbps=_median_gbps(
-                        nbytes, repeats, [(h2d_stream, lambda: h2d(pageable))]
-                    ),
-                    d2h_pageable_gbps=_median_gbps(
-                        nbytes, repeats, [(d2h_stream, lambda: d2h(pageable))]
-                    ),
-                )
-            )
-
-        def device_copy() -> None:
-            for _ in range(device_copy_repeats):
-                gpu_out.copy_(gpu_in)
-
-        device_copy_gbps = _median_gbps(
-            2 * nbytes * device_copy_repeats, repeats, [(h2d_stream, device_copy)]
-        )
-        torch.cuda.synchronize(resolved)
+        rows, device_copy_gbps = _measure(resolved, nbytes, chunk_sizes, repeats)
     # Hand the measurement's pinned blocks back rather than leave them in the caching host
     # allocator for the rest of the process.
-    del pinned_in, pinned_out, pageable, gpu_in, gpu_out
     host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
     if host_empty_cache is not None:
         host_empty_cache()
@@ -957,7 +964,7 @@ def measure_bandwidth(
         device_name=torch.cuda.get_device_name(resolved),
         buffer_bytes=nbytes,
         repeats=repeats,
-        rows=tuple(rows),
+        rows=rows,
         device_copy_gbps=device_copy_gbps,
         torch_version=torch.__version__,
     )
