@@ -3,7 +3,7 @@ its timings (one block at several micro-batch sizes, on a GPU).
 
 The breakdown traces one forward pass on ``meta`` tensors with ``saved_tensors_hooks``: every
 tensor autograd keeps for backward is seen with its shape and dtype, nothing is allocated or
-computed. Views are counted once through their base, parameters never. Attention is counted as a
+computed. Views are counted once through their base, parameters and buffers never. Attention is counted as a
 fused (flash / memory-efficient) kernel saves it, O(batch * heads * seq), not as the math path the
 meta device would trace, which would keep the O(seq^2) score matrix.
 """
@@ -187,8 +187,9 @@ class _FusedAttentionAccounting(TorchFunctionMode):
 
 
 class _SavedTensorRecorder:
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self.param_ids = {id(p) for p in params}
+    def __init__(self, state: Sequence[torch.Tensor]) -> None:
+        # Parameters and buffers are model state, not activations, even when saved for backward.
+        self.state_ids = {id(t) for t in state}
         self.seen: dict[int, torch.Tensor] = {}
         self.bytes_by_owner: dict[int, int] = {}
         self.owner = -1
@@ -198,7 +199,7 @@ class _SavedTensorRecorder:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         base = tensor._base if tensor._base is not None else tensor
-        if id(base) in self.param_ids or id(tensor) in self.param_ids or id(base) in self.seen:
+        if id(base) in self.state_ids or id(tensor) in self.state_ids or id(base) in self.seen:
             return tensor
         self.seen[id(base)] = base  # keeps the id valid for the whole trace
         self.add_bytes(base.untyped_storage().nbytes())
@@ -242,7 +243,7 @@ def model_breakdown(
     blocks = _find_blocks(module)
     block_params = [sum(p.numel() for p in block.parameters()) for block in blocks]
     total_params = sum(p.numel() for p in module.parameters())
-    recorder = _SavedTensorRecorder(list(module.parameters()))
+    recorder = _SavedTensorRecorder([*module.parameters(), *module.buffers()])
     block_inputs: dict[int, int] = {}
     dims: list[int] = []
 

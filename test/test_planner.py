@@ -1,0 +1,308 @@
+"""Tests of the offload planner: the talk's worked example, scenario validation, the unified and
+DRAM-bound verdicts, the analytic breakdown of a real model, and the FSDP2 step model."""
+
+import contextlib
+import copy
+import io
+import json
+import os
+import tempfile
+import unittest
+
+import torch
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TestCase,
+)
+
+from torch_fsdp_offload.__main__ import main
+from torch_fsdp_offload.models import build_model
+from torch_fsdp_offload.planner import (
+    get_profile,
+    load_scenario,
+    plan,
+    predict_step,
+    ScenarioError,
+    TrainingConfig,
+)
+from torch_fsdp_offload.planner.profile import model_breakdown, training_profile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TALK = os.path.join(REPO, "docs", "examples", "talk_gh200.json")
+
+
+def talk_data():
+    with open(TALK, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def run_cli(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+class TestTalkExample(TestCase):
+    def test_cli_json_reproduces_the_talk(self):
+        code, out, _ = run_cli("--scenario", TALK, "--json")
+        self.assertEqual(code, 0)
+        result = json.loads(out)
+        # (72 + 2 x 15) GB / 0.1 s: "about a terabyte per second".
+        self.assertAlmostEqual(result["model_dram_bandwidth_GBps"], 1020.0, delta=1.0)
+        # 2 x 72 GB / 0.1 s: "something like 1,500 GB per second".
+        self.assertAlmostEqual(result["naive_offload_bandwidth_GBps"], 1500.0, delta=0.05 * 1500)
+        # The same bytes over twice the time at 4x the micro-batch: "750".
+        self.assertAlmostEqual(result["scaled_offload_bandwidth_GBps"], 750.0, delta=0.05 * 750)
+        recommended = result["recommended"]
+        self.assertAlmostEqual(recommended["weights_offload_fraction"], 1 / 3, delta=0.03)
+        self.assertAlmostEqual(recommended["throughput_gain"], 0.40, delta=0.01)
+        self.assertEqual(recommended["microbatch_factor"], 2.0)
+        self.assertEqual(recommended["coherent_offload"], "CoherentOffload(module_fraction=0.35)")
+
+    def test_human_report(self):
+        self.assertExpectedInline(
+            plan(scenario=TALK).report(),
+            """\
+Offload plan: talk: Grace Hopper offload example (Jouanneaux, NVIDIA)
+Platform: gh200 (coherent), 96.0 GB GPU memory, 4000 GB/s GPU DRAM, 450 GB/s link
+
+1. Memory breakdown (GPU capacity 96.0 GB)
+   weights             72.0 GB   75.0%
+   activations         21.0 GB   21.9%  (15.0 GB reach DRAM)
+   unused               3.0 GB    3.1%
+2. Iteration time: 0.100 s
+3. Model DRAM bandwidth: (72.0 + 2 x 15.0) GB / 0.100 s = 1020 GB/s, 26% of the 4000 GB/s peak: room for offload traffic
+4. Naive offload (all weights): (2 x 72.0) GB / 0.100 s = 1440 GB/s vs a 450 GB/s link: 3.2x more than it carries
+5. What can be gained (micro-batch scaling):
+   micro-batch   time   throughput   GPU memory without offload
+            1x   1.00x         +0%      93.0 GB (fits)
+            2x   1.43x        +40%     114.0 GB (does not fit)
+            4x   2.00x       +100%     156.0 GB (does not fit)
+   At 4x (the largest that fits with all weights offloaded) the naive offload needs (2 x 72.0) GB / 0.200 s = 720 GB/s
+6. Partial offload and checkpointing (plans that fit):
+   technique                       batch  weights  activ.  GPU GB  link need GB/s     gain
+   none                              1x       0%      0%    93.0               0      +0%
+   offload_weights                   2x      35%      0%    88.8             353     +40%
+   offload_weights                   4x      83%      0%    96.0             600     +50% link-bound
+   offload_activations               2x       0%     60%    88.8             353     +40%
+   offload_activations               4x       0%     71%    96.0             600     +50% link-bound
+7. Recommendation: offload 35% of the weights and run 2x the micro-batch: +40% throughput; the link stays hidden at 78% (353 of 450 GB/s).
+   Note: offload_weights at 4x predicts +50% but is link-bound (needs 600 GB/s to hide): it pays only if the link really delivers 450 GB/s, so it is not recommended
+   CoherentOffload(module_fraction=0.35)
+""",
+        )
+
+    def test_recommended_policy_is_constructible(self):
+        recommended = plan(scenario=TALK).recommended
+        policy = recommended.policy
+        self.assertEqual(type(policy).__name__, "CoherentOffload")
+        self.assertEqual(policy.module_fraction, 0.35)
+        self.assertEqual(policy.activations, False)
+
+    def test_link_bound_plan_is_listed_not_recommended(self):
+        result = plan(scenario=TALK)
+        bound = [c for c in result.search.candidates if c.link_bound]
+        self.assertTrue(bound)
+        self.assertGreater(max(c.throughput_gain for c in bound), result.recommended.throughput_gain)
+        self.assertFalse(any(c.link_bound for c in [result.search.recommended]))
+
+    def test_unified_platform_says_offload_cannot_add_capacity(self):
+        result = plan(scenario=TALK, platform="dgx-spark")
+        self.assertIsNone(result.recommended.kwargs)
+        self.assertIsNone(result.recommended.policy)
+        self.assertEqual(result.recommended.throughput_gain, 0.0)
+        self.assertIn("one physical memory", result.report())
+        self.assertIn("cannot add capacity", result.report())
+        self.assertIn("duplicates", result.to_dict()["offload_blocked_reason"])
+
+    def test_dram_bound_model_is_not_offloaded(self):
+        data = talk_data()
+        # 3.8 TB/s of the 4 TB/s peak: no DRAM bandwidth left for offload traffic.
+        data["model_dram_GBps"] = 3800
+        result = plan(scenario=data)
+        self.assertIsNone(result.recommended.kwargs)
+        self.assertIn("95% of the GPU's peak DRAM bandwidth", result.recommended.reason)
+
+    def test_checkpointing_is_compared(self):
+        data = talk_data()
+        data["checkpointing"] = {"recompute_time_fraction": 0.33, "activation_memory_fraction": 0.5}
+        result = plan(scenario=data)
+        techniques = {c.technique for c in result.search.candidates}
+        self.assertIn("checkpointing+offload_weights", techniques)
+        # Checkpointing at 2x: 72 + 21 = 93 GB fits without offload, at 1.43 x 1.33 the time.
+        ckpt = [c for c in result.search.candidates if c.technique == "checkpointing" and c.microbatch_factor == 2]
+        self.assertEqual(len(ckpt), 1)
+        self.assertAlmostEqual(ckpt[0].throughput_gain, 2 / (1.4286 * 1.33) - 1, places=3)
+
+    def test_plot_writes_png_or_names_the_missing_extra(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "plan.png")
+            code, _, err = run_cli("--scenario", TALK, "--plot", path)
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                self.assertEqual(code, 2)
+                self.assertIn("pip install", err)
+            else:
+                self.assertEqual(code, 0)
+                with open(path, "rb") as handle:
+                    self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
+
+
+@instantiate_parametrized_tests
+class TestScenarioValidation(TestCase):
+    @parametrize(
+        "name, mutate, message",
+        [
+            ("missing_iteration_time", lambda d: d.pop("iteration_time_s"), "missing required key 'iteration_time_s'"),
+            ("missing_scaling", lambda d: d.pop("microbatch_scaling"), "missing required key 'microbatch_scaling'"),
+            ("missing_weights", lambda d: d["memory_GB"].pop("weights"), "missing required key 'memory_GB.weights'"),
+            ("negative_weights", lambda d: d["memory_GB"].update(weights=-1), "'weights' must be >= 0, got -1"),
+            ("zero_iteration_time", lambda d: d.update(iteration_time_s=0), "'iteration_time_s' must be > 0"),
+            ("negative_link", lambda d: d["bandwidth_GBps"].update(link=-450), "'link' must be > 0"),
+            ("typo_key", lambda d: d.update(iteration_time="0.1"), "unknown key 'iteration_time'; did you mean 'iteration_time_s'?"),
+            ("dram_above_activations", lambda d: d.update(activations_to_dram_GB=30), "activations_to_dram_GB (30) exceeds memory_GB.activations"),
+            (
+                "recompute_above_one",
+                lambda d: d.update(checkpointing={"recompute_time_fraction": 1.5, "activation_memory_fraction": 0.1}),
+                "'recompute_time_fraction' is a fraction and must lie in [0, 1], got 1.5",
+            ),
+            (
+                "negative_memory_fraction",
+                lambda d: d.update(checkpointing={"recompute_time_fraction": 0.3, "activation_memory_fraction": -0.1}),
+                "'activation_memory_fraction' must be >= 0",
+            ),
+            ("falling_time", lambda d: d.update(microbatch_scaling=[[1, 1.0], [2, 0.9]]), "a larger micro-batch cannot take less time"),
+            ("factor_below_one", lambda d: d.update(microbatch_scaling=[[0.5, 1.0]]), "must be >= 1"),
+            ("negative_unused", lambda d: d["memory_GB"].update(unused=-3), "'unused' must be >= 0"),
+            ("capacity_and_unused", lambda d: d["memory_GB"].update(capacity=50), "give either memory_GB.capacity or memory_GB.unused"),
+            ("unknown_platform", lambda d: d.update(platform="h300"), "unknown platform profile 'h300'"),
+        ],
+        name_fn=lambda name, mutate, message: name,
+    )
+    def test_bad_scenario_is_rejected(self, name, mutate, message):
+        data = copy.deepcopy(talk_data())
+        mutate(data)
+        with self.assertRaises(ScenarioError) as context:
+            load_scenario(data)
+        self.assertIn(message, str(context.exception))
+
+    def test_breakdown_larger_than_capacity(self):
+        data = talk_data()
+        del data["memory_GB"]["unused"]
+        data["memory_GB"]["capacity"] = 80
+        with self.assertRaisesRegex(ScenarioError, "exceeds the GPU capacity"):
+            load_scenario(data)
+
+    def test_cli_reports_bad_file(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "bad.json")
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write("{not json")
+            code, _, err = run_cli("--scenario", path)
+        self.assertEqual(code, 2)
+        self.assertIn("not valid JSON", err)
+
+    def test_capacity_from_platform_profile(self):
+        data = talk_data()
+        del data["memory_GB"]["unused"]
+        del data["bandwidth_GBps"]
+        scenario = load_scenario(data)
+        self.assertEqual(scenario.capacity_GB, get_profile("gh200").gpu_memory_GB)
+        self.assertEqual(scenario.link_GBps, 450.0)
+
+
+class TestRealModel(TestCase):
+    def test_tiny_breakdown_on_cpu(self):
+        model = build_model("tiny")
+        breakdown = model_breakdown("tiny", batch_size=2, seq_len=64, compute_dtype=torch.float32)
+        self.assertEqual(breakdown.n_blocks, len(model.blocks))
+        self.assertEqual(breakdown.block_params, sum(p.numel() for p in model.blocks[0].parameters()))
+        self.assertEqual(breakdown.total_params, model.param_count())
+        # A checkpointed block keeps only its input: batch x seq x dim in the compute dtype.
+        self.assertEqual(breakdown.block_checkpoint_bytes, 2 * 64 * 64 * 4)
+        self.assertGreater(breakdown.block_activation_bytes, 8 * breakdown.block_checkpoint_bytes)
+        doubled = model_breakdown("tiny", batch_size=4, seq_len=64, compute_dtype=torch.float32)
+        self.assertEqual(doubled.block_activation_bytes, 2 * breakdown.block_activation_bytes)
+
+    def test_attention_is_counted_as_a_fused_kernel_keeps_it(self):
+        # Quadrupling the sequence grows a block's activations about 4-fold, not 16-fold as the
+        # seq^2 score matrix of the math path traced on meta would.
+        short = model_breakdown("tiny", batch_size=1, seq_len=64)
+        long = model_breakdown("tiny", batch_size=1, seq_len=256)
+        self.assertGreaterEqual(long.block_activation_bytes, 4 * short.block_activation_bytes)
+        self.assertLess(long.block_activation_bytes, 4.5 * short.block_activation_bytes)
+
+    def test_plan_needs_a_platform_without_gpu(self):
+        if torch.cuda.is_available():
+            self.skipTest("this machine has a GPU to measure")
+        with self.assertRaisesRegex(ValueError, "pass platform="):
+            plan("tiny")
+
+    def test_plan_for_a_profile(self):
+        result = plan("tiny", platform="h200-pcie", batch_size=2, seq_len=64)
+        data = result.to_dict()
+        self.assertIn("training", data)
+        self.assertIn("FSDP2 step model", result.report())
+        # A tiny model fits: offloading only costs time.
+        self.assertIsNone(result.recommended.kwargs)
+
+    @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
+    def test_plan_measures_on_gpu(self):
+        result = plan("small", batch_size=2, seq_len=512, microbatch_factors=(1, 2))
+        self.assertEqual(result.training.profiles[0][1].source, "measured block")
+        self.assertEqual([f for f, _ in result.scenario.microbatch_scaling], [1.0, 2.0])
+
+
+class TestStepModel(TestCase):
+    def setUp(self):
+        super().setUp()
+        self.platform = get_profile("h200-pcie")
+        breakdown = model_breakdown("anchor-1.6b", batch_size=4, seq_len=2048)
+        self.profile = training_profile(breakdown, self.platform)
+
+    def predict(self, platform=None, **knobs):
+        return predict_step(self.profile, TrainingConfig(**knobs), platform or self.platform)
+
+    def test_offloading_more_needs_less_gpu_memory(self):
+        peaks = [self.predict(module_fraction=f).peak_gpu_bytes for f in (0.0, 0.5, 1.0)]
+        self.assertEqual(peaks, sorted(peaks, reverse=True))
+        activations = [self.predict(activations=f).peak_gpu_bytes for f in (0.0, 0.5, 1.0)]
+        self.assertEqual(activations, sorted(activations, reverse=True))
+
+    def test_link_traffic(self):
+        full = self.predict(module_fraction=1.0, optimizer="host")
+        params = self.profile.n_blocks * self.profile.block_params
+        # bf16 weights up twice (forward, backward re-gather); fp32 grads down once.
+        self.assertEqual(full.h2d_bytes, 2 * params * 2)
+        self.assertEqual(full.d2h_bytes, params * 4)
+        streamed = self.predict(module_fraction=1.0, optimizer="stream")
+        self.assertEqual(streamed.d2h_bytes, params * 12)
+
+    def test_unified_moves_nothing(self):
+        spark = self.predict(platform=get_profile("dgx-spark"), module_fraction=1.0, activations=1.0)
+        self.assertEqual((spark.h2d_bytes, spark.d2h_bytes), (0, 0))
+        self.assertFalse(spark.link_bound)
+
+    def test_overlap_beats_serial_copies(self):
+        overlapped = self.predict(module_fraction=1.0, prefetch_depth=1)
+        serial = self.predict(module_fraction=1.0, prefetch_depth=0)
+        self.assertLess(overlapped.step_s, serial.step_s)
+
+    def test_checkpointing_trades_time_for_memory(self):
+        plain, ckpt = self.predict(), self.predict(checkpointing=True)
+        self.assertLess(ckpt.peak_gpu_bytes, plain.peak_gpu_bytes)
+        self.assertGreater(ckpt.step_s, plain.step_s)
+
+    def test_bad_config(self):
+        with self.assertRaisesRegex(ValueError, "module_fraction must be a fraction in \\[0, 1\\]"):
+            TrainingConfig(module_fraction=1.5)
+        with self.assertRaisesRegex(ValueError, "optimizer must be 'host', 'stream'"):
+            TrainingConfig(optimizer="gpu")
+
+
+if __name__ == "__main__":
+    run_tests()
