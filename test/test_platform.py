@@ -488,7 +488,13 @@ class TestOnGPU(PlatformTestCase):
             from_bindings = platform_module._read_attributes_cuda_bindings(0)
         except ImportError:
             self.skipTest("cuda.bindings is not installed")
-        self.assertEqual(platform_module._read_attributes_libcuda(0), from_bindings)
+        from_libcuda = platform_module._read_attributes_libcuda(0)
+        for name in ("Integrated", "PageableMemoryAccess", "PageableMemoryAccessUsesHostPageTables",
+                     "HostNativeAtomicSupported", "ConcurrentManagedAccess"):
+            self.assertIsNotNone(from_libcuda[name], name)
+        for name, value in from_bindings.items():
+            if value is not None and from_libcuda[name] is not None:
+                self.assertEqual(from_libcuda[name], value, name)
 
     def test_measure_bandwidth(self) -> None:
         report = measure_bandwidth(sizes=(4 * MiB, 64 * MiB), repeats=2)
