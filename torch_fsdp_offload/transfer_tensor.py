@@ -75,7 +75,7 @@ def _host_alias(transfer_tensor: "TransferTensor") -> torch.Tensor:
 
 
 class _HostToDevice(torch.autograd.Function):
-    """Hands a TransferTensor's bytes to the device; backward moves the gradient down to the host."""
+    """Hands a TransferTensor's bytes to the device; backward moves the gradient to the host."""
 
     @staticmethod
     def forward(ctx, host: torch.Tensor, to_device: Callable[[], torch.Tensor], platform: Platform):
@@ -87,7 +87,8 @@ class _HostToDevice(torch.autograd.Function):
         device = ctx.platform.device
         engine = get_transfer_engine(device)
         # Pinned, so the copy down runs at link speed and the host gradient can go up again fast.
-        host_grad = pinned_empty(grad.shape, grad.dtype, device=device if device.type == "cuda" else None)
+        pin_device = device if device.type == "cuda" else None
+        host_grad = pinned_empty(grad.shape, grad.dtype, device=pin_device)
         # The autograd engine reads the host gradient right after backward returns.
         engine.d2h(grad.contiguous(), host_grad, label="transfer_tensor_grad").synchronize()
         return host_grad, None, None
@@ -112,7 +113,8 @@ class TransferTensor(torch.Tensor):
 
     Ordering with the host: a GPU operation that writes into a ``TransferTensor`` (``out=``,
     in-place) returns once the result is in host memory, and an operation that writes into it
-    (on the CPU or the GPU) first waits until earlier GPU operations have finished reading it. On
+    (on the CPU or the GPU) first waits until earlier GPU operations have finished reading it;
+    writes through a plain alias of the bytes (``.cpu()``, ``.data``, a view) bypass that wait. On
     UNIFIED and COHERENT platforms autograd may keep the device alias for backward: do not write
     into the tensor between a forward that reads it and that backward (PyTorch cannot see the
     write there and would not raise, unlike for an ordinary tensor).
@@ -127,6 +129,12 @@ class TransferTensor(torch.Tensor):
     time (plain host memory where the machine has no accelerator), whatever kind it was saved from.
 
     Create one with :meth:`empty` or :meth:`from_tensor`; the constructor is not public.
+
+    Raises:
+        RuntimeError: an operation mixes it with tensors on a GPU other than its platform's, or
+            with tensors on two GPUs; or a GPU operation writes into one that requires grad while
+            grad mode is on. Raised before anything is copied.
+        TypeError: ``TransferTensor(...)`` is called directly.
 
     Example::
 
@@ -364,14 +372,18 @@ class TransferTensor(torch.Tensor):
             target = torch.device("cpu")
         elif func is torch.Tensor.cuda:
             index = kwargs.get("device", rest[0] if rest else None)
-            target = torch.device("cuda", index) if isinstance(index, int) else torch.device(index or "cuda")
+            if isinstance(index, int):
+                target = torch.device("cuda", index)
+            else:
+                target = torch.device(index or "cuda")
         else:
             parse_kwargs = {key: value for key, value in kwargs.items() if key != "copy"}
             target = torch._C._nn._parse_to(*rest, **parse_kwargs)[0]
         home = self.home_device
         # Only a move to the home device takes the zero-copy / engine path; a move to the host or
         # to another GPU is an ordinary conversion or copy of the host bytes.
-        if target is not None and target.type == home.type != "cpu" and _normalize_device(target) == home:
+        to_home = target is not None and target.type == home.type != "cpu"
+        if to_home and _normalize_device(target) == home:
             source = self._read_form(home)
         else:
             source = _host_alias(self)
@@ -381,7 +393,8 @@ class TransferTensor(torch.Tensor):
     @classmethod
     def _run_on_device(cls, func, args, kwargs, flat_args, spec, device, written):
         written_ids = {id(transfer_tensor) for transfer_tensor in written}
-        read_ids = {id(arg) for arg in pytree.tree_leaves((args, {k: v for k, v in kwargs.items() if k != "out"}))}
+        inputs = (args, {key: value for key, value in kwargs.items() if key != "out"})
+        read_ids = {id(arg) for arg in pytree.tree_leaves(inputs)}
         forms: dict[int, torch.Tensor] = {}
         writes: list[tuple[TransferTensor, torch.Tensor]] = []
         zero_copy_reads: list[TransferTensor] = []
@@ -408,11 +421,9 @@ class TransferTensor(torch.Tensor):
             transfer_tensor._pending_device_read = torch.cuda.current_stream(device).record_event()
         for transfer_tensor, form in writes:
             transfer_tensor._write_back(form)
-        results_for_forms = {id(form): tt for tt, form in writes}
-        return pytree.tree_map(
-            lambda out: results_for_forms.get(id(out), out) if isinstance(out, torch.Tensor) else out,
-            result,
-        )
+        # An in-place or out= operation returns what it wrote: give back the TransferTensor.
+        written_for_form = {id(form): transfer_tensor for transfer_tensor, form in writes}
+        return pytree.tree_map(lambda out: written_for_form.get(id(out), out), result)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         with DisableTorchFunctionSubclass():
@@ -420,7 +431,8 @@ class TransferTensor(torch.Tensor):
         prefix = "TransferTensor("
         body = body[len("tensor(") : -1].replace("\n", "\n" + " " * (len(prefix) - len("tensor(")))
         grad = ", requires_grad=True" if self.requires_grad else ""
-        return f"{prefix}{body}{grad}, memory={self._memory!r}, platform={self._platform.kind.value!r})"
+        platform = self._platform.kind.value
+        return f"{prefix}{body}{grad}, memory={self._memory!r}, platform={platform!r})"
 
     def __reduce_ex__(self, protocol):
         with DisableTorchFunctionSubclass():
@@ -477,7 +489,8 @@ def _compute_device(flat_args: list) -> torch.device | None:
 
 def _written_transfer_tensors(func, args, kwargs) -> list[TransferTensor]:
     """The TransferTensors an operation writes: ``out=`` targets and in-place ``self``."""
-    written = [out for out in pytree.tree_leaves(kwargs.get("out")) if isinstance(out, TransferTensor)]
+    outs = pytree.tree_leaves(kwargs.get("out"))
+    written = [out for out in outs if isinstance(out, TransferTensor)]
     name = getattr(func, "__name__", "")
     inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
     if inplace and args and isinstance(args[0], TransferTensor):
