@@ -304,5 +304,39 @@ class TestStepModel(TestCase):
             TrainingConfig(optimizer="gpu")
 
 
+class TestValidationScript(TestCase):
+    def test_reads_benchmark_rows_defensively(self):
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("planner_validate", os.path.join(REPO, "benchmarks", "planner_validate.py"))
+        validate = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(validate)
+        rows = [
+            {"name": "resident", "batch_size": 4, "step_s": 0.183, "fwd_s": 0.045, "bwd_s": 0.101, "opt_s": 0.038, "peak_gpu_GiB": 30.2},
+            {"name": "stock_cpu_offload+fused_cpu_adamw", "batch_size": 4, "step_s": 0.79, "peak_gpu_GiB": 27.1},
+            {"name": "coherent(depth=2,fraction=0.5)", "batch_size": 4, "step_s": 0.2, "peak_gpu_GiB": 20.0},
+            {"name": "coherent(depth=1)", "batch_size": 4, "error": "OOM"},
+        ]
+        self.assertEqual(
+            validate.row_config(rows[2], "host"),
+            TrainingConfig(module_fraction=0.5, prefetch_depth=2),
+        )
+        self.assertIsNone(validate.row_config(rows[1], "host"))
+        with tempfile.TemporaryDirectory() as tmp:
+            results, out = os.path.join(tmp, "fsdp_offload.json"), os.path.join(tmp, "validate.json")
+            with open(results, "w", encoding="utf-8") as handle:
+                json.dump({"model": "anchor-1.6b", "seq_len": 2048, "rows": rows}, handle)
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.assertEqual(validate.main([results, "--out", out]), 0)
+            with open(out, encoding="utf-8") as handle:
+                written = json.load(handle)
+        by_name = {r["name"]: r for r in written["files"][0]["rows"]}
+        self.assertTrue(by_name["resident"]["calibration"])
+        self.assertAlmostEqual(by_name["resident"]["peak_error"], 0.0, places=2)
+        self.assertIn("skipped", by_name["stock_cpu_offload+fused_cpu_adamw"])
+        self.assertIn("OOM", by_name["coherent(depth=1)"]["skipped"])
+        self.assertEqual(written["summary"]["rows_predicted"], 1)
+
+
 if __name__ == "__main__":
     run_tests()

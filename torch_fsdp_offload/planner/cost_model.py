@@ -339,7 +339,8 @@ class TrainingConfig:
             kwargs.update(offload_params=False, offload_grads=False, offload_optimizer_state=False)
         else:
             kwargs["module_fraction"] = round(self.module_fraction, 4)
-            kwargs["optimizer"] = self.optimizer
+            if self.optimizer != "host":
+                kwargs["optimizer"] = self.optimizer
         if self.activations > 0:
             kwargs["activations"] = True if self.activations == 1.0 else round(self.activations, 4)
         if self.prefetch_depth != 1:

@@ -175,22 +175,17 @@ def throughput_curves(scenario: Scenario, points: int = 101) -> dict[str, list[t
 
 def default_training_configs(n_blocks: int, *, checkpointing: bool = True) -> list[TrainingConfig]:
     """The grid :func:`search_training` explores: module fractions in whole blocks (at most 9
-    values), optimizer on the host / streamed / split in half, activations offloaded for none, half
-    or all blocks, with and without checkpointing."""
+    values), activations offloaded for none, half or all blocks, with and without checkpointing.
+    The optimizer of offloaded groups steps on the host, the placement ``CoherentOffload``
+    implements; pass configs with ``optimizer="stream"`` or a split to predict the others."""
     steps = sorted({round(n_blocks * i / 8) / n_blocks for i in range(9)})
     configs = []
     for checkpoint in (False, True) if checkpointing else (False,):
         for activations in (0.0, 0.5, 1.0):
             for fraction in steps:
-                for optimizer in (("host", "stream", 0.5) if fraction > 0 else ("host",)):
-                    configs.append(
-                        TrainingConfig(
-                            module_fraction=fraction,
-                            optimizer=optimizer,
-                            activations=activations,
-                            checkpointing=checkpoint,
-                        )
-                    )
+                configs.append(
+                    TrainingConfig(module_fraction=fraction, activations=activations, checkpointing=checkpoint)
+                )
     return configs
 
 
