@@ -285,10 +285,11 @@ class TestPinnedOnGPU(TestCase):
         host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
         if host_empty_cache is not None:
             host_empty_cache()
+        host_memory_stats = getattr(torch.cuda, "host_memory_stats", dict)
         key = "allocated_bytes.current"
-        torch_before = torch.cuda.host_memory_stats().get(key)
+        torch_before = host_memory_stats().get(key)
         theirs = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        torch_after = torch.cuda.host_memory_stats().get(key)
+        torch_after = host_memory_stats().get(key)
         self.assertTrue(theirs.is_pinned())
         if torch_before is not None and torch_after is not None:
             self.assertGreaterEqual(torch_after - torch_before, 1 << (nbytes - 1).bit_length())
@@ -314,7 +315,7 @@ class TestPinnedOnGPU(TestCase):
         view = device_view(host, "cuda")
         self.assertTrue(view.is_cuda)
         self.assertEqual(view.data_ptr(), host.data_ptr())
-        self.assertEqual(view.sum().item(), expected.sum().item(), atol=1e-3, rtol=1e-5)
+        self.assertEqual(view.sum().item(), expected.sum().item(), atol=1e-2, rtol=1e-4)
         view.mul_(2)
         torch.cuda.synchronize()
         self.assertEqual(host, expected * 2)

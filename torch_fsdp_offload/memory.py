@@ -55,6 +55,8 @@ HUGE_PAGE_SIZE = 2 << 20
 # cudaHostRegisterPortable: the pages count as pinned for every CUDA context of the process, as in
 # torch.cuda._pin_memory_utils.
 _CUDA_HOST_REGISTER_PORTABLE = 1
+# cudaMemAttachGlobal (a #define in cuda_runtime_api.h): any stream on any device may access the memory.
+_CUDA_MEM_ATTACH_GLOBAL = 1
 # Linux capability that lets a process lock memory beyond RLIMIT_MEMLOCK (include/uapi/linux/capability.h).
 _CAP_IPC_LOCK = 14
 _MANAGED_ADVICE = ("read_mostly", "preferred_location", "accessed_by")
@@ -627,7 +629,7 @@ def managed_empty(
     with torch.cuda.device(device):
         (ptr,) = _check_cuda(
             runtime,
-            runtime.cudaMallocManaged(nbytes, runtime.cudaMemAttachFlags.cudaMemAttachGlobal.value),
+            runtime.cudaMallocManaged(nbytes, _CUDA_MEM_ATTACH_GLOBAL),
             f"cudaMallocManaged({nbytes})",
         )
     ptr = int(ptr)

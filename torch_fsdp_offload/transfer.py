@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from torch_fsdp_offload.platform import _chunks, _copy_in_chunks, _resolve_device
+from torch_fsdp_offload.platform import _resolve_device
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -77,6 +77,16 @@ class TransferStats:
         self.h2d_bytes = self.d2h_bytes = self.h2d_copies = self.d2h_copies = 0
 
 
+def _chunks(nbytes: int, chunk_bytes: int) -> list[slice]:
+    return [slice(start, min(start + chunk_bytes, nbytes)) for start in range(0, nbytes, chunk_bytes)]
+
+
+def _copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, chunks: list[slice]) -> None:
+    # All chunks are issued back to back: no host sync between them.
+    for chunk in chunks:
+        dst[chunk].copy_(src[chunk], non_blocking=True)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -91,31 +101,30 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
-def _runs(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-    """Split ``tensors`` (contiguous) into runs that lie back to back in one storage.
+def _runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Flat uint8 views of ``tensors`` (contiguous), neighbours in one storage merged into one view.
 
-    Returns ``(bytes, first_index)`` per run: a uint8 view covering the run and the index of its first
-    tensor. Tensors carved out of one flat buffer (the usual layout of a parameter group) then move
-    in one copy instead of one per tensor; separate allocations are never merged.
+    Tensors carved out of one flat buffer (the usual layout of a parameter group) then move in one
+    copy instead of one per tensor; separate allocations are never merged.
     """
-    runs: list[tuple[torch.Tensor, int]] = []
+    runs: list[torch.Tensor] = []
     index = 0
     while index < len(tensors):
         first = tensors[index]
-        storage = first.untyped_storage()
+        storage_ptr = first.untyped_storage().data_ptr()
         end = first.data_ptr() + _nbytes(first)
         last = index
         while last + 1 < len(tensors):
             candidate = tensors[last + 1]
-            if candidate.untyped_storage().data_ptr() != storage.data_ptr() or candidate.data_ptr() != end:
+            if candidate.untyped_storage().data_ptr() != storage_ptr or candidate.data_ptr() != end:
                 break
             end += _nbytes(candidate)
             last += 1
         if last == index:
-            runs.append((_as_bytes(first), index))
+            runs.append(_as_bytes(first))
         else:
-            start = first.data_ptr() - storage.data_ptr()
-            runs.append((_storage_bytes(first)[start : start + end - first.data_ptr()], index))
+            start = first.data_ptr() - storage_ptr
+            runs.append(_storage_bytes(first)[start : start + end - first.data_ptr()])
         index = last + 1
     return runs
 
@@ -343,7 +352,7 @@ class TransferEngine:
         _check_tensor(src, self.device, "d2h", "src")
         _check_tensor(dst, "cpu", "d2h", "dst")
         _check_same(dst, src, "d2h")
-        return self._issue([src], dst, to_device=False, coalesced=False, label=label, chunk_bytes=chunk_bytes)
+        return self._issue([dst], src, to_device=False, coalesced=False, label=label, chunk_bytes=chunk_bytes)
 
     def h2d_coalesced(
         self,
@@ -446,27 +455,26 @@ class TransferEngine:
         ``device_tensor`` is flat for coalesced copies and shaped like the host tensor otherwise;
         None means allocate it (host to device only).
         """
-        single = not coalesced
         nbytes = sum(_nbytes(tensor) for tensor in host_tensors)
         stream = self.h2d_stream if to_device else self.d2h_stream
         with self._lock, torch.profiler.record_function(_PROFILER_PREFIX + label), torch.no_grad():
             allocated = device_tensor is None
             if allocated:
-                shape = host_tensors[0].shape if single else (sum(t.numel() for t in host_tensors),)
+                shape = (sum(t.numel() for t in host_tensors),) if coalesced else host_tensors[0].shape
                 with _on_stream(stream):
                     device_tensor = torch.empty(shape, dtype=host_tensors[0].dtype, device=self.device)
             if to_device:
-                views = [device_tensor] if single else _split(device_tensor, host_tensors)
+                views = _split(device_tensor, host_tensors) if coalesced else [device_tensor]
                 destination = device_tensor
             else:
                 views = list(host_tensors)
-                destination = host_tensors[0] if single else None
+                destination = None if coalesced else host_tensors[0]
             if nbytes == 0:
                 return Transfer(destination, views, label=label, nbytes=0)
 
             device_bytes = _as_bytes(device_tensor)
             host_runs = _runs(host_tensors)
-            host_ranges = [_byte_range(run) for run, _ in host_runs]
+            host_ranges = [_byte_range(run) for run in host_runs]
             device_range = [_byte_range(device_bytes)]
             reads, writes = (host_ranges, device_range) if to_device else (device_range, host_ranges)
             if stream is not None:
@@ -476,7 +484,7 @@ class TransferEngine:
                     device_tensor.record_stream(stream)
             with _on_stream(stream):
                 offset = 0
-                for run, _ in host_runs:
+                for run in host_runs:
                     device_run = device_bytes[offset : offset + run.numel()]
                     if to_device:
                         _copy_in_chunks(device_run, run, _chunks(run.numel(), chunk_bytes))
@@ -494,7 +502,9 @@ class TransferEngine:
                 label=label,
                 nbytes=nbytes,
                 event=event,
-                keep_alive=[*host_tensors, device_tensor],
+                # Device memory needs no reference: it was allocated on the copy stream, or
+                # record_stream above keeps the allocator from reusing it before the copy ends.
+                keep_alive=host_tensors,
                 reads=reads,
                 writes=writes,
                 copy_stream=stream,

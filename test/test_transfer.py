@@ -1,0 +1,421 @@
+"""Tests for torch_fsdp_offload.transfer: the transfer engine, Transfer handles, the prefetch queue.
+
+On the CPU the engine's "device" is the CPU (HOST_ONLY, or a platform forced to ``discrete``): every
+copy still runs, in chunks, and is counted, so all logic except the streams is tested here. The GPU
+tests add the streams, events and the buffer-lifetime rules; they are meant to pass under
+``TORCH_CUDA_SANITIZER=1`` too (one of them runs a script under it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import unittest
+from unittest import mock
+
+import torch
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+from torch_fsdp_offload import transfer
+from torch_fsdp_offload.memory import memory_stats, pinned_empty
+from torch_fsdp_offload.platform import detect_platform
+from torch_fsdp_offload.transfer import (
+    DEFAULT_CHUNK_BYTES,
+    PrefetchQueue,
+    TransferEngine,
+    TransferStats,
+    get_transfer_engine,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+MiB = 1 << 20
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _random_bits(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bit patterns (NaN payloads and all) of ``dtype``, to check copies are bit-exact."""
+    generator = torch.Generator().manual_seed(seed)
+    nbytes = numel * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+class TestTransferEngineOnCPU(TestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.engine = TransferEngine("cpu")
+
+    @parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.bool])
+    @parametrize("numel", [0, 1, 7, 8, 9, 64, 1001])
+    def test_round_trip_across_chunk_boundaries(self, dtype, numel) -> None:
+        chunk_bytes = 8
+        src = _random_bits(numel, dtype) if dtype is not torch.bool else torch.rand(numel) > 0.5
+        nbytes = numel * dtype.itemsize
+        with mock.patch.object(transfer, "_copy_in_chunks", wraps=transfer._copy_in_chunks) as copy:
+            on_device = self.engine.h2d(src, chunk_bytes=chunk_bytes).wait()
+            back = torch.empty_like(src)
+            self.engine.d2h(on_device, back, chunk_bytes=chunk_bytes).synchronize()
+        self.assertTrue(_same_bits(on_device, src))
+        self.assertTrue(_same_bits(back, src))
+        if nbytes == 0:
+            copy.assert_not_called()
+        for call in copy.call_args_list:  # each direction: chunks tile [0, nbytes) in order
+            chunks = call.args[2]
+            self.assertEqual(len(chunks), -(-nbytes // chunk_bytes))
+            self.assertEqual([c.start for c in chunks], list(range(0, nbytes, chunk_bytes)))
+            self.assertEqual(chunks[-1].stop, nbytes)
+            self.assertTrue(all(c.stop - c.start <= chunk_bytes for c in chunks))
+        self.assertEqual(
+            self.engine.stats,
+            TransferStats(nbytes, nbytes, int(nbytes > 0), int(nbytes > 0)),
+        )
+
+    def test_default_chunk_size_and_override(self) -> None:
+        self.assertEqual(self.engine.chunk_bytes, DEFAULT_CHUNK_BYTES)
+        src = torch.arange(100, dtype=torch.int32)
+        with mock.patch.object(transfer, "_copy_in_chunks", wraps=transfer._copy_in_chunks) as copy:
+            self.engine.h2d(src)
+            self.engine.h2d(src, chunk_bytes=128)
+        self.assertEqual([len(call.args[2]) for call in copy.call_args_list], [1, 4])
+
+    def test_into_given_destination(self) -> None:
+        src = torch.arange(12, dtype=torch.float32).view(3, 4)
+        dst = torch.zeros(12, dtype=torch.float32)  # same count, other shape: a flat copy
+        result = self.engine.h2d(src, dst)
+        self.assertIs(result.tensor, dst)
+        self.assertEqual(dst, src.reshape(-1))
+        self.assertTrue(result.done())
+        self.assertIs(result.wait(), dst)
+
+    def test_zero_dim_tensor(self) -> None:
+        src = torch.tensor(3.5, dtype=torch.float64)
+        out = self.engine.h2d(src).wait()
+        self.assertEqual(out.shape, ())
+        self.assertEqual(out.item(), 3.5)
+
+    def test_coalesced_round_trip_bit_exact(self) -> None:
+        srcs = [
+            _random_bits(5, torch.bfloat16, seed=1).view(5),
+            _random_bits(12, torch.bfloat16, seed=2).view(3, 4),
+            _random_bits(0, torch.bfloat16),
+            _random_bits(1, torch.bfloat16, seed=3).view(()),
+            _random_bits(1000, torch.bfloat16, seed=4).view(10, 100),
+        ]
+        result = self.engine.h2d_coalesced(srcs, chunk_bytes=64)
+        flat = result.wait()
+        self.assertEqual(flat.shape, (1018,))
+        self.assertEqual([view.shape for view in result.views], [src.shape for src in srcs])
+        for view, src in zip(result.views, srcs):
+            self.assertTrue(_same_bits(view, src))
+            self.assertEqual(view.untyped_storage().data_ptr(), flat.untyped_storage().data_ptr())
+        dsts = [torch.empty_like(src) for src in srcs]
+        back = self.engine.d2h_coalesced(flat, dsts)
+        back.synchronize()
+        self.assertIsNone(back.tensor)
+        for dst, src in zip(dsts, srcs):
+            self.assertTrue(_same_bits(dst, src))
+        self.assertEqual(self.engine.stats, TransferStats(2036, 2036, 1, 1))
+
+    def test_coalesced_merges_neighbours_in_one_storage(self) -> None:
+        flat_host = torch.arange(30, dtype=torch.float32)
+        parts = list(flat_host.split([10, 5, 15]))
+        separate = torch.full((4,), 7.0)
+        with mock.patch.object(transfer, "_copy_in_chunks", wraps=transfer._copy_in_chunks) as copy:
+            result = self.engine.h2d_coalesced([*parts, separate, parts[0]])
+        # parts[0..2] are back to back in one storage: one copy; ``separate`` and the repeat: one each.
+        self.assertEqual([call.args[0].numel() for call in copy.call_args_list], [120, 16, 40])
+        self.assertEqual(result.tensor, torch.cat([flat_host, separate, parts[0]]))
+
+    def test_into_given_flat_buffer(self) -> None:
+        srcs = [torch.ones(3), torch.full((2, 2), 2.0)]
+        flat = torch.zeros(7)
+        result = self.engine.h2d_coalesced(srcs, flat)
+        self.assertIs(result.wait(), flat)
+        self.assertEqual(flat, torch.tensor([1, 1, 1, 2, 2, 2, 2], dtype=torch.float32))
+
+    def test_counters_and_reset(self) -> None:
+        self.engine.h2d(torch.ones(10, dtype=torch.float16))
+        self.engine.h2d(torch.ones(0))  # nothing crosses: not counted
+        self.engine.d2h(torch.ones(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64))
+        self.assertEqual(self.engine.stats, TransferStats(h2d_bytes=20, d2h_bytes=24, h2d_copies=1, d2h_copies=1))
+        self.engine.stats.reset()
+        self.assertEqual(self.engine.stats, TransferStats())
+
+    def test_profiler_labels(self) -> None:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            self.engine.h2d(torch.ones(4), label="layer3.weights")
+            self.engine.d2h(torch.ones(4), torch.empty(4))
+            self.engine.h2d_coalesced([torch.ones(2), torch.ones(2)])
+        names = {event.name for event in profile.events()}
+        for label in ("layer3.weights", "d2h", "h2d_coalesced"):
+            self.assertIn(f"torch_fsdp_offload::{label}", names)
+
+    def test_errors_raised_before_copying(self) -> None:
+        engine = self.engine
+        cases = [
+            (lambda: engine.h2d(torch.ones(4, 4).t()), ValueError, "src must be contiguous"),
+            (lambda: engine.h2d(torch.ones(4), torch.empty(5)), ValueError, "must match src"),
+            (lambda: engine.h2d(torch.ones(4), torch.empty(4, dtype=torch.float16)), ValueError, "must match src"),
+            (lambda: engine.h2d(torch.ones(4), torch.empty(4, device="meta")), ValueError, "dst must be on cpu"),
+            (lambda: engine.h2d(torch.ones(4, device="meta")), ValueError, "src must be on cpu"),
+            (lambda: engine.h2d([1.0]), TypeError, "src must be a torch.Tensor"),
+            (lambda: engine.h2d(torch.ones(4), chunk_bytes=0), ValueError, "chunk_bytes must be a positive int"),
+            (lambda: engine.h2d(torch.ones(4), chunk_bytes=True), ValueError, "chunk_bytes must be a positive int"),
+            (lambda: engine.d2h(torch.ones(4), torch.empty(2, 2).t()), ValueError, "dst must be contiguous"),
+            (lambda: engine.h2d_coalesced([]), ValueError, "srcs is empty"),
+            (
+                lambda: engine.h2d_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)]),
+                ValueError,
+                "mixes dtypes",
+            ),
+            (lambda: engine.h2d_coalesced([torch.ones(2)], torch.empty(3)), ValueError, "with 2 elements"),
+            (lambda: engine.h2d_coalesced([torch.ones(2)], torch.empty(1, 2)), ValueError, "must be 1-D"),
+            (lambda: engine.d2h_coalesced(torch.ones(5), [torch.empty(2), torch.empty(2)]), ValueError, "with 4"),
+            (
+                lambda: engine.d2h_coalesced(torch.ones(4), [torch.empty(2), torch.empty(4)[::2]]),
+                ValueError,
+                r"dsts\[1\] must be contiguous",
+            ),
+        ]
+        for call, error, message in cases:
+            with self.subTest(message=message):
+                with self.assertRaisesRegex(error, message):
+                    call()
+        self.assertEqual(engine.stats, TransferStats())
+
+    def test_engine_without_streams(self) -> None:
+        self.assertIsNone(self.engine.h2d_stream)
+        self.assertIsNone(self.engine.d2h_stream)
+        with self.assertRaisesRegex(ValueError, "chunk_bytes must be a positive int"):
+            TransferEngine("cpu", chunk_bytes=-1)
+
+    def test_one_engine_per_device(self) -> None:
+        engine = get_transfer_engine("cpu")
+        self.assertIs(engine, get_transfer_engine(torch.device("cpu")))
+        with self.assertRaisesRegex(ValueError, "is not supported"):
+            get_transfer_engine("meta")
+
+    def test_forced_discrete_platform_copies_on_the_cpu(self) -> None:
+        platform = detect_platform(kind="discrete")
+        if platform.device.type != "cpu":
+            self.skipTest("a GPU is present: the platform's device is the GPU")
+        engine = get_transfer_engine(platform.device)
+        before = TransferStats(**vars(engine.stats))
+        host = pinned_empty(256, torch.float32)
+        engine.h2d(host.fill_(1.0)).wait()
+        self.assertEqual(engine.stats.h2d_bytes - before.h2d_bytes, 1024)
+        self.assertEqual(engine.stats.h2d_copies - before.h2d_copies, 1)
+
+
+class TestPrefetchQueueOnCPU(TestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.engine = TransferEngine("cpu")
+        self.hosts = {name: torch.full((4,), float(index)) for index, name in enumerate("abcde")}
+
+    def test_bound_ordering_and_eviction(self) -> None:
+        queue = PrefetchQueue(self.engine, prefetch_depth=2)
+        self.assertTrue(queue.prefetch("a", self.hosts["a"]))
+        self.assertTrue(queue.prefetch("b", self.hosts["b"]))
+        self.assertFalse(queue.prefetch("a", self.hosts["a"]))  # already queued: no second copy
+        self.assertEqual(queue.names(), ["a", "b"])
+        self.assertTrue(queue.prefetch("c", self.hosts["c"]))  # full: the oldest goes
+        self.assertEqual(queue.names(), ["b", "c"])
+        self.assertEqual(len(queue), 2)
+        self.assertNotIn("a", queue)
+        self.assertEqual(queue.evictions, 1)
+        self.assertEqual(queue.get("c"), self.hosts["c"])  # any queued name, in any order
+        self.assertEqual(queue.names(), ["b"])
+        self.assertEqual(queue.get("b"), self.hosts["b"])
+        self.assertEqual(len(queue), 0)
+        self.assertEqual((queue.hits, queue.misses), (2, 0))
+        self.assertEqual(self.engine.stats.h2d_copies, 3)
+
+    def test_never_more_than_depth_in_flight(self) -> None:
+        queue = PrefetchQueue(self.engine, prefetch_depth=3)
+        for name in "abcde":
+            queue.prefetch(name, self.hosts[name])
+            self.assertLessEqual(len(queue), 3)
+        self.assertEqual(queue.names(), ["c", "d", "e"])
+        self.assertEqual(queue.evictions, 2)
+
+    def test_miss_copies_on_demand(self) -> None:
+        queue = PrefetchQueue(self.engine, prefetch_depth=1)
+        with self.assertRaisesRegex(KeyError, "not queued"):
+            queue.get("a")
+        self.assertEqual(queue.get("a", self.hosts["a"]), self.hosts["a"])
+        self.assertEqual((queue.hits, queue.misses), (0, 1))
+
+    def test_labels_and_clear(self) -> None:
+        queue = PrefetchQueue(self.engine, prefetch_depth=2, label="params")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            queue.prefetch("block0", self.hosts["a"])
+        self.assertIn("torch_fsdp_offload::params:block0", {event.name for event in profile.events()})
+        queue.clear()
+        self.assertEqual(len(queue), 0)
+
+    def test_invalid_depth_and_bad_source(self) -> None:
+        for depth in (0, -1, 1.5, True):
+            with self.assertRaisesRegex(ValueError, "prefetch_depth must be an int >= 1"):
+                PrefetchQueue(self.engine, prefetch_depth=depth)
+        queue = PrefetchQueue(self.engine, prefetch_depth=1)
+        queue.prefetch("a", self.hosts["a"])
+        with self.assertRaisesRegex(ValueError, "src must be contiguous"):
+            queue.prefetch("b", torch.ones(2, 2).t())
+        self.assertEqual(queue.names(), ["a"])  # nothing evicted by the refused copy
+
+
+@unittest.skipIf(not HAS_CUDA, "needs a GPU")
+class TestTransferEngineOnGPU(TestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.engine = get_transfer_engine(torch.cuda.current_device())
+        self.engine.synchronize()
+        self.engine.stats.reset()
+
+    def test_streams(self) -> None:
+        self.assertIsInstance(self.engine.h2d_stream, torch.cuda.Stream)
+        self.assertIsInstance(self.engine.d2h_stream, torch.cuda.Stream)
+        self.assertNotEqual(self.engine.h2d_stream, self.engine.d2h_stream)
+        self.assertNotEqual(self.engine.h2d_stream, torch.cuda.current_stream())
+
+    def test_async_round_trip_in_chunks(self) -> None:
+        numel = 10 * MiB // 4 + 3
+        host = pinned_empty(numel, torch.float32)
+        host.copy_(_random_bits(numel, torch.float32))
+        on_device = self.engine.h2d(host, chunk_bytes=MiB).wait()
+        self.assertTrue(on_device.is_cuda)
+        back = pinned_empty(numel, torch.float32)
+        self.engine.d2h(on_device, back, chunk_bytes=MiB).synchronize()
+        self.assertTrue(_same_bits(back, host))
+        self.assertEqual(self.engine.stats, TransferStats(4 * numel, 4 * numel, 1, 1))
+
+    def test_consumer_sees_finished_data(self) -> None:
+        numel = 64 * MiB  # 256 MiB of float32: several milliseconds on the link
+        host = pinned_empty(numel, torch.float32).fill_(2.0)
+        weights = self.engine.h2d(host).wait()  # the current stream waits for this copy
+        self.assertEqual(weights.sum().item(), 2.0 * numel)
+
+        produced = torch.full((numel,), 7.0, device="cuda") * 3  # queued on the current stream
+        landed = pinned_empty(numel, torch.float32)
+        copy = self.engine.d2h(produced, landed)  # must wait for the multiplication
+        del produced  # the copy still reads it: its memory must not be handed out again
+        overwrite = torch.zeros(numel, device="cuda")
+        overwrite.fill_(-1.0)
+        copy.wait()
+        self.assertTrue(bool((landed == 21.0).all()))
+
+    def test_host_buffers_live_until_the_copy_finished(self) -> None:
+        before = memory_stats()
+        target = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(2_000_000_000)  # about a second: the copy below waits behind it
+        host = pinned_empty(MiB, torch.uint8).fill_(5)
+        self.engine.h2d(host, target)  # a given destination: ordered after the current stream
+        del host  # and the Transfer is dropped too
+        self.assertEqual(memory_stats()["pinned_count"], before["pinned_count"] + 1)
+        self.engine.synchronize()
+        self.assertEqual(memory_stats()["pinned_count"], before["pinned_count"])
+        self.assertTrue(bool((target == 5).all()))
+
+    def test_upload_waits_for_download_of_the_same_host_buffer(self) -> None:
+        staging = pinned_empty(16 * MiB, torch.uint8).fill_(0)
+        source = torch.full((16 * MiB,), 9, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(200_000_000)  # delays the download, which waits for the current stream
+        self.engine.d2h(source, staging)
+        uploaded = self.engine.h2d(staging).wait()  # reads what the download writes: must follow it
+        self.assertTrue(bool((uploaded == 9).all()))
+
+    def test_coalesced_round_trip(self) -> None:
+        flat_host = pinned_empty(3 * MiB, torch.bfloat16)
+        flat_host.copy_(_random_bits(3 * MiB, torch.bfloat16))
+        parts = list(flat_host.split([MiB, 2 * MiB - 5, 5]))
+        result = self.engine.h2d_coalesced(parts, chunk_bytes=MiB)
+        flat = result.wait()
+        self.assertTrue(_same_bits(flat.cpu(), flat_host))
+        dsts = [pinned_empty(part.shape, part.dtype) for part in parts]
+        self.engine.d2h_coalesced(flat, dsts).synchronize()
+        for dst, part in zip(dsts, parts):
+            self.assertTrue(_same_bits(dst, part))
+
+    def test_wait_on_a_side_stream(self) -> None:
+        host = pinned_empty(MiB, torch.float32).fill_(3.0)
+        consumer = torch.cuda.Stream()
+        result = self.engine.h2d(host)
+        with torch.cuda.stream(consumer):
+            total = result.wait(consumer).sum()
+        consumer.synchronize()
+        self.assertEqual(total.item(), 3.0 * MiB)
+        self.assertTrue(result.done())
+
+    def test_prefetch_queue(self) -> None:
+        hosts = [pinned_empty(MiB, torch.float32).fill_(float(i)) for i in range(4)]
+        queue = PrefetchQueue(self.engine, prefetch_depth=2)
+        for index in range(4):
+            for ahead in range(index, min(index + 2, 4)):
+                queue.prefetch(f"block{ahead}", hosts[ahead])
+            self.assertLessEqual(len(queue), 2)
+            self.assertEqual(queue.get(f"block{index}").sum().item(), float(index) * MiB)
+        self.assertEqual((queue.hits, queue.misses, queue.evictions), (4, 0, 0))
+
+    def test_device_errors(self) -> None:
+        with self.assertRaisesRegex(ValueError, "src must be on cpu"):
+            self.engine.h2d(torch.ones(4, device="cuda"))
+        with self.assertRaisesRegex(ValueError, "src must be on cuda"):
+            self.engine.d2h(torch.ones(4), torch.empty(4))
+        with self.assertRaisesRegex(ValueError, "dst must be on cpu"):
+            self.engine.d2h(torch.ones(4, device="cuda"), torch.empty(4, device="cuda"))
+
+    def test_clean_under_the_cuda_sanitizer(self) -> None:
+        script = textwrap.dedent(
+            """
+            import torch
+            from torch.cuda._sanitizer import CUDASanitizerErrors
+            from torch_fsdp_offload.memory import pinned_empty
+            from torch_fsdp_offload.transfer import PrefetchQueue, get_transfer_engine
+
+            engine = get_transfer_engine(torch.cuda.current_device())
+            host = pinned_empty((1024, 1024), torch.float32).fill_(1.0)
+            weights = engine.h2d(host, chunk_bytes=1 << 20).wait()
+            grads = weights * 2
+            out = pinned_empty((1024, 1024), torch.float32)
+            engine.d2h(grads, out, chunk_bytes=1 << 20).wait()
+            flat = engine.h2d_coalesced(list(host.split(256))).wait()
+            engine.d2h_coalesced(flat * 3, [pinned_empty(256 * 1024, torch.float32) for _ in range(4)]).wait()
+            queue = PrefetchQueue(engine, prefetch_depth=2)
+            for index in range(3):
+                queue.prefetch(f"b{index}", host)
+            total = queue.get("b2").sum() + queue.get("b1").sum()
+            engine.synchronize()
+            assert bool((out == 2.0).all()) and total.item() == 2 * 1024 * 1024
+            try:  # a consumer that skips Transfer.wait must be caught: proves the sanitizer is on
+                engine.h2d(host).tensor.sum()
+            except CUDASanitizerErrors:
+                print("race detected as expected")
+            """
+        )
+        env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
+        self.assertEqual(result.returncode, 0, msg=result.stderr[-4000:])
+        self.assertIn("race detected as expected", result.stdout, msg=result.stderr[-4000:])
+
+
+instantiate_parametrized_tests(TestTransferEngineOnCPU)
+
+if __name__ == "__main__":
+    run_tests()
