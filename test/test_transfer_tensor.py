@@ -48,7 +48,7 @@ def _cpu_platform(kind):
 def _serving(transfer_tensor, platform):
     """Point a TransferTensor at another platform's GPU: on a CPU machine ``empty`` cannot pin
     memory for a ``cuda:0`` it does not have, but the dispatch only reads the home device."""
-    transfer_tensor._platform = platform
+    transfer_tensor._host_bytes.platform = platform
     return transfer_tensor
 
 
@@ -167,6 +167,27 @@ class TestTransferTensorCPU(_EngineCountingTestCase):
         (as_double.sum() + host.sum()).backward()
         self.assertEqual(t.grad, torch.full((3,), 2.0))
         self.assertEqual(_engine_stats("cpu"), (0, 0))
+
+    def test_parameter_of_a_module(self):
+        linear = torch.nn.Linear(3, 2, bias=False)
+        expected_weight = linear.weight.detach().clone()
+        host_weight = TransferTensor.from_tensor(expected_weight, platform=_cpu_platform("discrete"))
+        linear.weight = torch.nn.Parameter(host_weight)
+        self.assertIsInstance(linear.weight, TransferTensor)
+        self.assertIsInstance(linear.weight, torch.nn.Parameter)
+        self.assertEqual(linear.weight.data_ptr(), host_weight.data_ptr())
+        x = torch.randn(5, 3)
+        linear(x).sum().backward()
+        self.assertEqual(linear.weight.grad, torch.ones(5, 2).T @ x)
+        self.assertEqual(_engine_stats("cpu"), (1, 1))
+
+    def test_detach_shares_host_bytes(self):
+        t = TransferTensor.from_tensor(torch.zeros(3), platform=_cpu_platform("discrete"))
+        detached = t.detach()
+        self.assertIsInstance(detached, TransferTensor)
+        self.assertEqual(detached.memory, "pinned")
+        detached.fill_(1.0)
+        self.assertEqual(t.cpu(), torch.ones(3))
 
     def test_repr_shows_data_and_memory_kind(self):
         t = TransferTensor.from_tensor(torch.arange(3.0), platform=_cpu_platform("discrete"))

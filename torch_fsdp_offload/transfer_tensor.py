@@ -11,6 +11,7 @@ host bytes in place.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -72,6 +73,19 @@ def _host_alias(transfer_tensor: "TransferTensor") -> torch.Tensor:
     """A plain ``torch.Tensor`` over the same host bytes that stays in the autograd graph."""
     with DisableTorchFunctionSubclass():
         return transfer_tensor.as_subclass(torch.Tensor)
+
+
+@dataclasses.dataclass(eq=False)
+class _HostBytes:
+    """What every TransferTensor over one host allocation (the tensor and its detached aliases)
+    shares."""
+
+    memory: str
+    platform: Platform
+    # Keeps a managed allocation (and its device pointer) alive; None for pinned memory.
+    managed_buffer: Any
+    # The last H2D copy or GPU operation reading the bytes (anything with synchronize()).
+    pending_device_read: Any = None
 
 
 class _HostToDevice(torch.autograd.Function):
@@ -145,9 +159,7 @@ class TransferTensor(torch.Tensor):
         >>> out = torch.add(t, z)                       # runs on the GPU, out is a CUDA tensor
     """
 
-    _memory: str
-    _platform: Platform
-    _managed_buffer: Any
+    _host_bytes: _HostBytes
 
     def __new__(cls, *args, **kwargs):
         raise TypeError(
@@ -203,7 +215,8 @@ class TransferTensor(torch.Tensor):
         else:
             device = resolved_platform.device if resolved_platform.device.type != "cpu" else None
             host = pinned_empty(shape, dtype, device=device)
-        return cls._wrap(host, resolved_memory, resolved_platform, managed_buffer, requires_grad)
+        host_bytes = _HostBytes(resolved_memory, resolved_platform, managed_buffer)
+        return cls._wrap(host, host_bytes, requires_grad)
 
     @classmethod
     def from_tensor(
@@ -260,42 +273,30 @@ class TransferTensor(torch.Tensor):
         return resolved_memory, resolved_platform
 
     @classmethod
-    def _wrap(
-        cls,
-        host: torch.Tensor,
-        memory: str,
-        platform: Platform,
-        managed_buffer: Any,
-        requires_grad: bool,
-    ) -> "TransferTensor":
+    def _wrap(cls, host: torch.Tensor, host_bytes: _HostBytes, requires_grad: bool) -> "TransferTensor":
         result = torch.Tensor._make_subclass(cls, host, requires_grad)
-        result._memory = memory
-        result._platform = platform
-        # Keeps the managed allocation (and its device pointer) alive as long as the tensor.
-        result._managed_buffer = managed_buffer
-        # The last H2D copy or GPU operation reading the host bytes (anything with synchronize()).
-        result._pending_device_read = None
+        result._host_bytes = host_bytes
         return result
 
     @property
     def memory(self) -> str:
         """The host memory kind: ``"pinned"`` or ``"managed"``."""
-        return self._memory
+        return self._host_bytes.memory
 
     @property
     def platform(self) -> Platform:
         """The platform whose GPU this tensor's bytes are handed to."""
-        return self._platform
+        return self._host_bytes.platform
 
     @property
     def home_device(self) -> torch.device:
         """The device that operations mixing this tensor with device tensors run on."""
-        return _normalize_device(self._platform.device)
+        return _normalize_device(self._host_bytes.platform.device)
 
     @property
     def zero_copy(self) -> bool:
         """Whether the device reads the host bytes in place (everything but DISCRETE)."""
-        return self._platform.kind is not PlatformKind.DISCRETE
+        return self._host_bytes.platform.kind is not PlatformKind.DISCRETE
 
     def _device_data(self, device: torch.device, *, need_data: bool = True) -> torch.Tensor:
         """The bytes as the device sees them, outside autograd: an alias or an engine copy."""
@@ -304,13 +305,13 @@ class TransferTensor(torch.Tensor):
         if self.zero_copy:
             if device.type == "cpu":
                 return host
-            if self._managed_buffer is not None:
-                return self._managed_buffer.device_tensor.detach()
+            if self._host_bytes.managed_buffer is not None:
+                return self._host_bytes.managed_buffer.device_tensor.detach()
             return device_view(host, device)
         if not need_data:
             return torch.empty(host.shape, dtype=host.dtype, device=device)
         transfer = get_transfer_engine(device).h2d(host, label="transfer_tensor")
-        self._pending_device_read = transfer
+        self._host_bytes.pending_device_read = transfer
         return transfer.wait()
 
     def _read_form(self, device: torch.device) -> torch.Tensor:
@@ -318,7 +319,7 @@ class TransferTensor(torch.Tensor):
         if self.zero_copy and device.type == "cpu":
             return _host_alias(self)
         return _HostToDevice.apply(
-            _host_alias(self), lambda: self._device_data(device), self._platform
+            _host_alias(self), lambda: self._device_data(device), self._host_bytes.platform
         )
 
     def _write_form(self, device: torch.device, reads_old_data: bool) -> torch.Tensor:
@@ -331,9 +332,10 @@ class TransferTensor(torch.Tensor):
 
     def _wait_for_device_reads(self) -> None:
         """Blocks until no queued GPU work reads the host bytes any more, before they change."""
-        if self._pending_device_read is not None:
-            self._pending_device_read.synchronize()
-            self._pending_device_read = None
+        host_bytes = self._host_bytes
+        if host_bytes.pending_device_read is not None:
+            host_bytes.pending_device_read.synchronize()
+            host_bytes.pending_device_read = None
 
     def _write_back(self, written: torch.Tensor) -> None:
         """Makes a device result written for this tensor visible in host memory."""
@@ -358,6 +360,12 @@ class TransferTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
             return cls._move(func, args, kwargs)
+        if func is torch.Tensor.detach:
+            # Still the same host bytes, so still a TransferTensor: this is also what lets
+            # nn.Parameter wrap one (Parameter checks that detach() keeps the type).
+            with DisableTorchFunctionSubclass():
+                detached = func(*args, **kwargs)
+            return cls._wrap(detached, args[0]._host_bytes, requires_grad=False)
         flat_args, spec = pytree.tree_flatten((args, kwargs))
         device = _compute_device(flat_args)
         if device is None:
@@ -418,7 +426,8 @@ class TransferTensor(torch.Tensor):
         with DisableTorchFunctionSubclass():
             result = func(*moved_args, **moved_kwargs)
         for transfer_tensor in zero_copy_reads:
-            transfer_tensor._pending_device_read = torch.cuda.current_stream(device).record_event()
+            read_done = torch.cuda.current_stream(device).record_event()
+            transfer_tensor._host_bytes.pending_device_read = read_done
         for transfer_tensor, form in writes:
             transfer_tensor._write_back(form)
         # An in-place or out= operation returns what it wrote: give back the TransferTensor.
@@ -431,8 +440,8 @@ class TransferTensor(torch.Tensor):
         prefix = "TransferTensor("
         body = body[len("tensor(") : -1].replace("\n", "\n" + " " * (len(prefix) - len("tensor(")))
         grad = ", requires_grad=True" if self.requires_grad else ""
-        platform = self._platform.kind.value
-        return f"{prefix}{body}{grad}, memory={self._memory!r}, platform={platform!r})"
+        platform = self.platform.kind.value
+        return f"{prefix}{body}{grad}, memory={self.memory!r}, platform={platform!r})"
 
     def __reduce_ex__(self, protocol):
         with DisableTorchFunctionSubclass():
@@ -443,7 +452,7 @@ class TransferTensor(torch.Tensor):
         if id(self) in memo:
             return memo[id(self)]
         result = TransferTensor.from_tensor(
-            self, memory=self._memory, platform=self._platform, requires_grad=self.requires_grad
+            self, memory=self.memory, platform=self.platform, requires_grad=self.requires_grad
         )
         memo[id(self)] = result
         return result
