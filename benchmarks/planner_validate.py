@@ -49,16 +49,25 @@ TARGET_ERROR = 0.15
 _OUTPUT_NAME = "planner_validate.json"
 
 
+def _value(row: dict, *keys, default=None):
+    return next((row[k] for k in keys if k in row), default)
+
+
 def row_config(row: dict, default_optimizer) -> TrainingConfig | None:
     """The TrainingConfig a benchmark row ran, or None when the step model does not describe it."""
-    name = str(row.get("name", ""))
-    explicit = dict(row.get("config") or {})
+    name = str(_value(row, "name", "row", default=""))
+    explicit = dict(row.get("config") or {}) if isinstance(row.get("config"), dict) else {}
     explicit.update({k: row[k] for k in ("module_fraction", "optimizer", "activations", "checkpointing", "prefetch_depth") if k in row})
     if "stock" in name or "save_on_cpu" in name:
         return None
     knobs: dict = {}
-    if name.startswith("resident"):
+    # "coherent(...)" rows offload parameter groups; "offload(...)" rows (activations.py) offload
+    # the activations of a fraction of the blocks.
+    fraction_knob = "activations" if name.startswith("offload") else "module_fraction"
+    if name.startswith(("resident", "checkpoint")):
         knobs["module_fraction"] = 0.0
+    elif name.startswith("offload"):
+        knobs.update(module_fraction=0.0, activations=1.0)
     elif name.startswith("coherent") or explicit:
         knobs["module_fraction"] = 1.0
         knobs["optimizer"] = default_optimizer
@@ -70,7 +79,7 @@ def row_config(row: dict, default_optimizer) -> TrainingConfig | None:
         if key == "depth":
             knobs["prefetch_depth"] = int(value)
         elif key == "fraction":
-            knobs["module_fraction"] = float(value)
+            knobs[fraction_knob] = float(value)
         elif key == "optimizer":
             knobs["optimizer"] = value if value in ("host", "stream") else float(value)
         elif key in ("activations", "act"):
@@ -102,50 +111,71 @@ def auto_optimizer(kind: str) -> str:
     return "host" if resolved == "host" else "stream"
 
 
+def _groups(data: dict, seq_len: int) -> list[tuple[str, int, int, list[dict]]]:
+    # fsdp_offload.py: {"rows": [...]} with a batch_size per row; activations.py: {"configs":
+    # [{"config", "batch_size", "seq_len", "rows": [...]}]}.
+    groups: dict[tuple[str, int, int], list[dict]] = {}
+    for row in data.get("rows", []):
+        if isinstance(row, dict):
+            groups.setdefault((f"bs {int(row.get('batch_size', 0))}", int(row.get("batch_size", 0)), seq_len), []).append(row)
+    for config in data.get("configs", []):
+        if isinstance(config, dict):
+            key = (str(config.get("config", "")), int(config.get("batch_size", 0)), int(config.get("seq_len", seq_len)))
+            groups.setdefault(key, []).extend(r for r in config.get("rows", []) if isinstance(r, dict))
+    return [(label, batch, seq, rows) for (label, batch, seq), rows in groups.items()]
+
+
 def validate_file(path: str, args) -> dict:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
-    rows = [r for r in data.get("rows", []) if isinstance(r, dict)]
-    model = data.get("model", args.model)
+    model = str(data.get("model", args.model)).split(" ")[0]
     seq_len = int(data.get("seq_len", args.seq_len))
     platform = get_profile(args.platform)
-    link = data.get("link_GBps") or {}
+    link = data.get("link_GBps") or data.get("bandwidth") or {}
     if isinstance(link, dict) and link:
         platform = dataclasses.replace(
             platform,
             name=f"{platform.name} (link measured in the run)",
-            h2d_GBps=float(link.get("h2d_GBps", platform.h2d_GBps)),
-            d2h_GBps=float(link.get("d2h_GBps", platform.d2h_GBps)),
-            bidirectional_GBps=float(link.get("both_GBps", link.get("bidirectional_GBps", platform.bidirectional_GBps))),
+            h2d_GBps=float(_value(link, "h2d_GBps", "h2d_gbps", default=platform.h2d_GBps)),
+            d2h_GBps=float(_value(link, "d2h_GBps", "d2h_gbps", default=platform.d2h_GBps)),
+            bidirectional_GBps=float(
+                _value(link, "both_GBps", "bidirectional_GBps", "bidirectional_gbps", default=platform.bidirectional_GBps)
+            ),
         )
+    # activations.py trains a plain (unsharded) module with bf16 weights, grads and AdamW state.
+    state_bytes = (
+        {"param_bytes": 2, "reduce_bytes": 2, "optimizer_state_bytes": 4}
+        if data.get("benchmark") == "activations"
+        else {}
+    )
     default_optimizer = auto_optimizer(platform.kind)
-    groups: dict[int, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(int(row.get("batch_size", 0)), []).append(row)
     results = []
     agreements = []
-    for batch_size, group in sorted(groups.items()):
-        resident = next((r for r in group if r.get("name") == "resident" and "error" not in r), None)
+    for label, batch_size, seq_len, group in sorted(_groups(data, seq_len), key=lambda g: (g[1], g[0])):
+        resident = next(
+            (r for r in group if _value(r, "name", "row") == "resident" and "error" not in r), None
+        )
         if resident is None:
-            print(f"{path}: batch {batch_size}: no resident row to calibrate from; skipped")
+            print(f"{path}: {label}: no resident row to calibrate from; skipped")
             continue
         breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len)
         profile = training_profile(breakdown, platform, host_adamw_s_per_gparam=args.host_adamw_s_per_gparam)
         profile = dataclasses.replace(
             profile,
-            forward_s=float(resident.get("fwd_s", profile.forward_s)),
-            backward_s=float(resident.get("bwd_s", profile.backward_s)),
-            gpu_optimizer_s=float(resident.get("opt_s", profile.gpu_optimizer_s)),
+            forward_s=float(_value(resident, "fwd_s", "forward_s", default=profile.forward_s)),
+            backward_s=float(_value(resident, "bwd_s", "backward_s", default=profile.backward_s)),
+            gpu_optimizer_s=float(_value(resident, "opt_s", "optimizer_s", default=profile.gpu_optimizer_s)),
             source="calibrated on the resident row",
+            **state_bytes,
         )
         # Activation bytes per block: what the resident peak leaves after everything else.
         empty = predict_step(dataclasses.replace(profile, block_activation_bytes=0, other_activation_bytes=0), TrainingConfig(), platform)
-        measured_peak = float(resident["peak_gpu_GiB"]) * GiB
+        measured_peak = float(_value(resident, "peak_gpu_GiB", "peak_gib")) * GiB
         per_block = max(0.0, (measured_peak - empty.peak_gpu_bytes) / profile.n_blocks)
         profile = dataclasses.replace(profile, block_activation_bytes=int(per_block), other_activation_bytes=0)
         predicted = []
         for row in group:
-            entry = {"file": os.path.basename(path), "name": row.get("name"), "batch_size": batch_size}
+            entry = {"file": os.path.basename(path), "group": label, "name": _value(row, "name", "row"), "batch_size": batch_size}
             if "error" in row:
                 entry["skipped"] = f"benchmark error: {row['error']}"
                 results.append(entry)
@@ -156,21 +186,23 @@ def validate_file(path: str, args) -> dict:
                 results.append(entry)
                 continue
             prediction = predict_step(profile, config, platform)
+            measured_peak = float(_value(row, "peak_gpu_GiB", "peak_gib"))
             entry.update(
                 config=config.label,
                 measured_step_s=float(row["step_s"]),
                 predicted_step_s=prediction.step_s,
                 step_error=prediction.step_s / float(row["step_s"]) - 1.0,
-                measured_peak_GiB=float(row["peak_gpu_GiB"]),
+                measured_peak_GiB=measured_peak,
                 predicted_peak_GiB=prediction.peak_gpu_GiB,
-                peak_error=prediction.peak_gpu_GiB / float(row["peak_gpu_GiB"]) - 1.0,
+                peak_error=prediction.peak_gpu_GiB / measured_peak - 1.0,
                 calibration=row is resident,
             )
             results.append(entry)
             predicted.append(entry)
+        predicted_resident = next((e for e in predicted if e["calibration"]), None)
         capacity = args.gpu_memory_GiB * GiB
         fitting = [e for e in predicted if e["predicted_peak_GiB"] * GiB <= capacity]
-        for scope, pool in (("all rows", predicted), ("offload rows", [e for e in predicted if e["name"] != "resident"])):
+        for scope, pool in (("all rows", predicted), ("without resident", [e for e in predicted if e is not predicted_resident])):
             pool_fit = [e for e in pool if e in fitting]
             if len(pool) < 2 or not pool_fit:
                 continue
@@ -183,6 +215,7 @@ def validate_file(path: str, args) -> dict:
             agreements.append(
                 {
                     "file": os.path.basename(path),
+                    "group": label,
                     "batch_size": batch_size,
                     "scope": scope,
                     "planner_pick": chosen["name"],
@@ -228,7 +261,7 @@ def print_table(files: list[dict], summary: dict) -> None:
             )
         for a in f["agreements"]:
             print(
-                f"  bs {a['batch_size']} ({a['scope']}): planner picks {a['planner_pick']}, measured best {a['measured_best']}: "
+                f"  {a['group']} ({a['scope']}): planner picks {a['planner_pick']}, measured best {a['measured_best']}: "
                 f"{'agree' if a['agree'] else 'DISAGREE'}; pairwise order agreement {a['pairwise_order_agreement']:.0%}"
             )
     print(json.dumps(summary, indent=1))
