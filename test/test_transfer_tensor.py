@@ -142,6 +142,15 @@ class TestTransferTensorCPU(_EngineCountingTestCase):
         self.assertIsInstance(t, TransferTensor)
         self.assertEqual(t.cpu(), torch.tensor([2.0, 6.0, 6.0, 2.0]))
 
+    def test_foreach_inplace_writes_back(self):
+        params = [
+            TransferTensor.from_tensor(torch.zeros(2), platform=_cpu_platform("discrete"))
+            for _ in range(2)
+        ]
+        torch._foreach_add_(params, [torch.ones(2), torch.full((2,), 2.0)])
+        self.assertEqual([param.cpu() for param in params], [torch.ones(2), torch.full((2,), 2.0)])
+        self.assertEqual(_engine_stats("cpu"), (2, 2))
+
     def test_write_into_leaf_requiring_grad_is_refused(self):
         t = TransferTensor.from_tensor(
             torch.zeros(2), platform=_cpu_platform("discrete"), requires_grad=True

@@ -22,9 +22,9 @@ from torch_fsdp_offload.memory import device_view, managed_empty, pinned_empty
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 from torch_fsdp_offload.transfer import get_transfer_engine
 
-__all__ = ["TransferTensor", "TRANSFER_TENSOR_MEMORY_KINDS"]
+__all__ = ["TransferTensor"]
 
-TRANSFER_TENSOR_MEMORY_KINDS = ("auto", "pinned", "managed")
+_MEMORY_KINDS = ("auto", "pinned", "managed")
 
 PlatformLike = Union[Platform, PlatformKind, str, None]
 
@@ -255,10 +255,10 @@ class TransferTensor(torch.Tensor):
 
     @staticmethod
     def _check_memory(memory: str, platform: PlatformLike) -> tuple[str, Platform]:
-        if memory not in TRANSFER_TENSOR_MEMORY_KINDS:
+        if memory not in _MEMORY_KINDS:
             raise ValueError(
                 f"unknown memory kind {memory!r} for TransferTensor; use one of "
-                f"{', '.join(repr(kind) for kind in TRANSFER_TENSOR_MEMORY_KINDS)}"
+                f"{', '.join(repr(kind) for kind in _MEMORY_KINDS)}"
             )
         resolved_platform = _resolve_platform(platform)
         # Pinned is the talk's recommended default on every platform; managed only pays where
@@ -497,13 +497,15 @@ def _compute_device(flat_args: list) -> torch.device | None:
 
 
 def _written_transfer_tensors(func, args, kwargs) -> list[TransferTensor]:
-    """The TransferTensors an operation writes: ``out=`` targets and in-place ``self``."""
+    """The TransferTensors an operation writes: ``out=`` targets and in-place targets."""
     outs = pytree.tree_leaves(kwargs.get("out"))
     written = [out for out in outs if isinstance(out, TransferTensor)]
     name = getattr(func, "__name__", "")
     inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
-    if inplace and args and isinstance(args[0], TransferTensor):
-        written.append(args[0])
+    if inplace and args:
+        # ``torch._foreach_*_`` (optimizers) write every tensor of their first list in place.
+        targets = args[0] if isinstance(args[0], (list, tuple)) else (args[0],)
+        written.extend(target for target in targets if isinstance(target, TransferTensor))
     return written
 
 
