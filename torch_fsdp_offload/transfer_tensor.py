@@ -461,10 +461,11 @@ class TransferTensor(torch.Tensor):
 def _compute_device(flat_args: list) -> torch.device | None:
     """The device a mixed operation runs on, or None when it runs on the host bytes as they are.
 
-    It is the device of the operation's plain tensors (CPU scalars aside); the operation is moved
-    only when some TransferTensor's home device is that device. On a machine without a GPU a
-    forced platform kind has home device ``cpu``, which makes plain CPU tensors device tensors:
-    that is how the copy and zero-copy paths run on the CPU.
+    It is the device of the operation's plain non-CPU tensors (beside which PyTorch accepts CPU
+    scalars), else the CPU; the operation is moved only when some TransferTensor's home device is
+    that device, and a GPU operation refuses TransferTensors of another GPU. On a machine without a
+    GPU a forced platform kind has home device ``cpu``, which makes plain CPU tensors device
+    tensors: that is how the copy and zero-copy paths run on the CPU.
     """
     plain_devices = set()
     homes = set()
