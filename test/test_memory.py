@@ -7,6 +7,7 @@ zero-copy views.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import threading
@@ -263,6 +264,84 @@ class TestCapacityChecks(TestCase):
             with self.assertRaisesRegex(HostMemoryError, "only 8.0 MiB is available"):
                 pinned_empty(9 * MiB, torch.uint8, device="cpu")
             self.assertEqual(memory_stats()["reserved_bytes"], start)
+
+
+class _FakeCudart:
+    """Stands in for ``torch.cuda.cudart()``: records registrations, fails on request."""
+
+    def __init__(self, register_result: int = 0) -> None:
+        self.register_result = register_result
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        if self.register_result == 0:
+            self.registered[ptr] = nbytes
+        return self.register_result
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        del self.registered[ptr]
+        return 0
+
+    def cudaGetErrorString(self, result: int) -> str:
+        return "out of memory"
+
+
+@unittest.skipIf(HAS_CUDA, "the GPU tests pin for real; a fake runtime there could meet real blocks")
+class TestPinningBookkeeping(TestCase):
+    """The pinned path's accounting on the CPU, with the CUDA runtime replaced by a recorder."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        empty_cache()
+        self.cudart = _FakeCudart()
+        for patch in (
+            mock.patch.object(memory, "_resolve_pin_device", return_value=torch.device("cuda", 0)),
+            mock.patch.object(torch.cuda, "device", return_value=contextlib.nullcontext()),
+            mock.patch.object(torch.cuda, "cudart", return_value=self.cudart),
+        ):
+            patch.start()
+            self.addCleanup(patch.stop)
+        self.addCleanup(empty_cache)  # runs first: unpins cached blocks through the fake
+
+    def test_registers_exact_pages_and_unregisters_on_release(self) -> None:
+        before = memory_stats()
+        tensor = pinned_empty(3 * PAGE_SIZE + 5, torch.uint8)
+        self.assertEqual(self.cudart.registered, {tensor.data_ptr(): 4 * PAGE_SIZE})
+        after = memory_stats()
+        self.assertEqual(after["pinned_bytes"] - before["pinned_bytes"], 3 * PAGE_SIZE + 5)
+        self.assertEqual(after["pinned_count"] - before["pinned_count"], 1)
+        self.assertEqual(after["locked_bytes"] - before["locked_bytes"], 4 * PAGE_SIZE)
+        del tensor
+        self.assertEqual(len(self.cudart.registered), 1)  # cached, still pinned for reuse
+        empty_cache()
+        self.assertEqual(self.cudart.registered, {})
+        self.assertEqual(memory_stats(), before)
+
+    def test_locked_memory_limit_counts_what_is_pinned(self) -> None:
+        with mock.patch.object(memory, "_locked_memory_limit_bytes", return_value=3 * PAGE_SIZE):
+            first = pinned_empty(2 * PAGE_SIZE, torch.uint8)
+            with self.assertRaisesRegex(HostMemoryError, "already holds 8.0 KiB pinned"):
+                pinned_empty(2 * PAGE_SIZE, torch.uint8)
+            self.assertEqual(len(self.cudart.registered), 1)
+            address = first.data_ptr()
+            del first
+            reused = pinned_empty(2 * PAGE_SIZE - 1, torch.uint8)  # the cached block: no new pinning
+            self.assertEqual(reused.data_ptr(), address)
+            del reused
+            third = pinned_empty(3 * PAGE_SIZE, torch.uint8)  # fits once the cached block is unpinned
+            self.assertEqual(list(self.cudart.registered.values()), [3 * PAGE_SIZE])
+            del third
+
+    def test_registration_failure_leaves_nothing_behind(self) -> None:
+        self.cudart.register_result = 2
+        before = memory_stats()
+        with self.assertRaises(HostMemoryError) as caught:
+            pinned_empty(2 * PAGE_SIZE, torch.uint8)
+        self.assertExpectedInline(
+            str(caught.exception),
+            """cudaHostRegister of 8.0 KiB failed: out of memory (error 2). Check `ulimit -l`, lower the offload fraction, or use memory="managed".""",
+        )
+        self.assertEqual(memory_stats(), before)
 
 
 @unittest.skipIf(not HAS_CUDA, "needs a GPU")

@@ -241,6 +241,10 @@ class _HostPool:
             mapping.madvise(mmap.MADV_HUGEPAGE, offset, capacity)
         block = _HostBlock(mapping, offset, base + offset, capacity, pinned)
         if pinned:
+            if hasattr(mmap, "MADV_DONTFORK"):
+                # Forked children (DataLoader workers) cannot use CUDA, and without this the kernel
+                # may copy each DMA-pinned page into every child at fork (early copy-on-write).
+                mapping.madvise(mmap.MADV_DONTFORK, offset, capacity)
             self._register(block, device)
         with self._lock:
             self.reserved_bytes += capacity
