@@ -189,6 +189,10 @@ class TestTransferTensorCPU(_EngineCountingTestCase):
         linear(x).sum().backward()
         self.assertEqual(linear.weight.grad, torch.ones(5, 2).T @ x)
         self.assertEqual(_engine_stats("cpu"), (1, 1))
+        copied = copy.deepcopy(linear)
+        self.assertIsInstance(copied.weight, TransferTensor)
+        self.assertIsInstance(copied.weight, torch.nn.Parameter)
+        self.assertNotEqual(copied.weight.data_ptr(), linear.weight.data_ptr())
 
     def test_detach_shares_host_bytes(self):
         t = TransferTensor.from_tensor(torch.zeros(3), platform=_cpu_platform("discrete"))

@@ -454,6 +454,9 @@ class TransferTensor(torch.Tensor):
         result = TransferTensor.from_tensor(
             self, memory=self.memory, platform=self.platform, requires_grad=self.requires_grad
         )
+        if isinstance(self, torch.nn.Parameter):
+            # copy.deepcopy(module) must keep its parameters parameters.
+            result = torch.nn.Parameter(result, requires_grad=self.requires_grad)
         memo[id(self)] = result
         return result
 
