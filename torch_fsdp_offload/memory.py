@@ -66,6 +66,13 @@ class HostMemoryError(MemoryError):
     """An allocation asked for more host, locked or managed memory than the machine can give.
 
     The message names the request, what is available, the limit that applies and how to fix it.
+
+    Example::
+
+        >>> try:
+        ...     shards = pinned_empty(total_numel, torch.bfloat16)
+        ... except HostMemoryError as error:
+        ...     print(error)  # "Cannot pin 80.0 GiB of host memory ... Raise the limit ..."
     """
 
 
@@ -571,6 +578,13 @@ class ManagedBuffer:
         nbytes (int): size of the allocation in bytes.
 
     The memory is freed with ``cudaFree`` when both tensors (and every view of them) are gone.
+
+    Example::
+
+        >>> buffer = managed_empty(1024, torch.float32, "cuda")
+        >>> buffer.host_view.fill_(1.0)  # written by the CPU ...
+        >>> buffer.device_tensor.sum().item()  # ... read by the GPU, same bytes
+        1024.0
     """
 
     device_tensor: torch.Tensor
