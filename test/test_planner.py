@@ -250,6 +250,15 @@ class TestRealModel(TestCase):
         # A tiny model fits: offloading only costs time.
         self.assertIsNone(result.recommended.kwargs)
 
+    def test_model_that_does_not_fit_gets_a_plan_that_fits(self):
+        # llama-1b at 12 x 2048: about 24 GB of state and 59 GB of activations, over 90% of 80 GB.
+        result = plan("llama-1b", platform="h100-pcie", batch_size=12, seq_len=2048)
+        resident = [p for f, p in result.training.predictions if p.config.label == "modules=0.00"][0]
+        self.assertGreater(resident.peak_gpu_bytes, result.training.capacity_bytes)
+        recommended = result.recommended
+        self.assertTrue(recommended.checkpointing or recommended.kwargs is not None)
+        self.assertLessEqual(recommended.predicted_peak_gpu_GiB * 2**30, result.training.capacity_bytes)
+
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_plan_measures_on_gpu(self):
         result = plan("small", batch_size=2, seq_len=512, microbatch_factors=(1, 2))

@@ -48,7 +48,12 @@ def _resolve_platform(platform: str | PlatformProfile | None, *, need: bool) -> 
 def _talk_recommendation(scenario: Scenario, candidate: Candidate, blocked: str | None) -> Recommendation:
     kwargs = candidate_kwargs(candidate)
     k = candidate.microbatch_factor
-    if candidate.technique == "none" and k == 1:
+    if not candidate.fits:
+        reason = (
+            f"nothing fits: today's run needs {candidate.gpu_memory_GB:.1f} GB of {scenario.capacity_GB:.1f} GB and no "
+            "plan fits with the link hidden; use more GPUs (shard further) or a smaller micro-batch."
+        )
+    elif candidate.technique == "none" and k == 1:
         reason = f"do not offload: {blocked}." if blocked else (
             "do not offload: no plan that fits in GPU memory beats today's run without the link becoming the bottleneck."
         )
@@ -131,6 +136,11 @@ def _plan_model(
     host_rate = None
     if measure:
         timings = measure_block_timings(model, [batch_size * f for f in factors], seq_len, compute_dtype=compute_dtype)
+        if not timings:
+            raise ValueError(
+                f"one block at micro-batch {batch_size} x {seq_len} does not fit in half of the free GPU memory; "
+                "plan a smaller micro-batch or pass platform= to predict analytically"
+            )
         factors = factors[: len(timings)]
         host_rate = measure_host_adamw_s_per_gparam()
     else:

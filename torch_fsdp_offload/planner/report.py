@@ -63,9 +63,12 @@ class Recommendation:
     def code(self) -> str:
         """The recommendation as a line to paste."""
         if self.kwargs is None:
+            if self.checkpointing:
+                return "offload_policy: none (do not pass CoherentOffload); checkpoint each block instead"
             return "offload_policy: none (do not pass CoherentOffload)"
         arguments = ", ".join(f"{key}={value!r}" for key, value in self.kwargs.items())
-        return f"CoherentOffload({arguments})"
+        code = f"CoherentOffload({arguments})"
+        return code + " with activation checkpointing per block" if self.checkpointing else code
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -119,7 +119,7 @@ def search_scenario(scenario: Scenario) -> ScenarioSearch:
 
     Returns:
         ScenarioSearch: the fitting candidates and the recommendation (today's run when nothing
-        gains).
+        gains; check ``recommended.fits`` when today's run may not fit).
 
     Example::
 
@@ -134,13 +134,16 @@ def search_scenario(scenario: Scenario) -> ScenarioSearch:
             candidate = _plan_at(scenario, technique, factor)
             if candidate is not None:
                 candidates.append(candidate)
-    best = evaluate(scenario, "none", 1.0)
+    best = None
     for candidate in candidates:
         offloads = candidate.weights_fraction > 0 or candidate.activations_fraction > 0
         if candidate.link_bound or (offloads and blocked):
             continue
-        if candidate.throughput_gain > best.throughput_gain + 1e-6:
+        if best is None or candidate.throughput_gain > best.throughput_gain + 1e-6:
             best = candidate
+    if best is None:
+        # Nothing fits with the link hidden: today's run is reported as it is (it does not fit).
+        best = evaluate(scenario, "none", 1.0)
     return ScenarioSearch(candidates=tuple(candidates), recommended=best, blocked_reason=blocked)
 
 
