@@ -321,7 +321,7 @@ class TestTransferEngineOnGPU(TestCase):
     def test_host_buffers_live_until_the_copy_finished(self) -> None:
         before = memory_stats()
         target = torch.empty(MiB, dtype=torch.uint8, device="cuda")
-        torch.cuda._sleep(2_000_000_000)  # about a second: the copy below waits behind it
+        torch.cuda._sleep(500_000_000)  # a quarter second or so: the copy below waits behind it
         host = pinned_empty(MiB, torch.uint8).fill_(5)
         self.engine.h2d(host, target)  # a given destination: ordered after the current stream
         del host  # and the Transfer is dropped too
