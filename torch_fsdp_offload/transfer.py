@@ -184,7 +184,7 @@ class Transfer:
         self.label = label
         self.nbytes = nbytes
         self._event = event
-        # Sources and destinations that must outlive the copy; dropped once its event completed.
+        # Host tensors that must outlive the copy; dropped once its event completed.
         self._keep_alive: list[torch.Tensor] | None = list(keep_alive) if event is not None else None
         self._reads = tuple(reads)
         self._writes = tuple(writes)
