@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.profiler import record_function
 
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
@@ -49,8 +50,8 @@ __all__ = ["ActivationOffload", "ActivationOffloadStats", "offload_activations"]
 # frees nothing) and, in backward, decide reloads before copies land (so skips them). Two blocks
 # keep the GPU queue full while tying those decisions to GPU progress.
 _CPU_LEAD_BLOCKS = 2
-_D2H_LABEL = "activations_d2h"
-_H2D_LABEL = "activations_h2d"
+_D2H_LABEL = "torch_fsdp_offload::activations_d2h"
+_H2D_LABEL = "activations_h2d"  # the engine adds the torch_fsdp_offload:: prefix
 _BLOCK_LIST_NAMES = ("blocks", "layers", "model.layers")
 _NONE_YET = 0x7FFFFFFF
 
@@ -96,27 +97,27 @@ class ActivationOffloadStats:
 class _PinnedPool:
     """Pinned host buffers by exact byte size. The first step allocates them; later steps reuse them.
 
-    A buffer handed back may still be read by an H2D copy in flight: the transfer engine orders the
-    next D2H copy into it after that read (it waits on copies whose host memory overlaps).
+    A buffer comes back with the event of the last H2D copy that read it (None if none): the next
+    D2H copy into it must wait for that event.
     """
 
     def __init__(self, pin_device: torch.device) -> None:
         self._pin_device = pin_device
-        self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = collections.defaultdict(list)
         self._lock = threading.Lock()
         self.pinned_bytes = 0
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         with self._lock:
             free_buffers = self._free[nbytes]
             if free_buffers:
                 return free_buffers.pop()
             self.pinned_bytes += nbytes
-        return pinned_empty(nbytes, torch.uint8, device=self._pin_device)
+        return pinned_empty(nbytes, torch.uint8, device=self._pin_device), None
 
-    def release(self, host: torch.Tensor) -> None:
+    def release(self, host: torch.Tensor, read_done: torch.cuda.Event | None) -> None:
         with self._lock:
-            self._free[host.numel()].append(host)
+            self._free[host.numel()].append((host, read_done))
 
 
 class _Stored:
@@ -134,7 +135,8 @@ class _Stored:
         "device_data",
         "is_original",
         "retained",
-        "d2h",
+        "d2h_done",
+        "host_read_done",
         "h2d",
         "handles",
         "unpacked",
@@ -149,20 +151,21 @@ class _Stored:
         self.dtype = original.dtype
         self.nbytes = original.untyped_storage().nbytes()
         self.numel = self.nbytes // original.element_size()
-        self.host = pool.acquire(self.nbytes).view(self.dtype)
+        host, self.host_read_done = pool.acquire(self.nbytes)
+        self.host = host.view(self.dtype)
         self.pool = pool
         # The whole storage as a 1-D tensor: the original until released, later a reloaded copy.
         self.device_data: torch.Tensor | None = original.detach().as_strided((self.numel,), (1,), 0)
         self.is_original = True
         self.retained = False
-        self.d2h: Transfer | None = None
+        self.d2h_done: torch.cuda.Event | None = None
         self.h2d: Transfer | None = None  # the reload that device_data came from, if any
         self.handles = 0
         self.unpacked = 0
         self.unpack_task = -1
 
     def __del__(self) -> None:
-        self.pool.release(self.host.view(torch.uint8))
+        self.pool.release(self.host.view(torch.uint8), self.host_read_done)
 
 
 class _Kept:
@@ -310,7 +313,13 @@ class ActivationOffload:
 
     A tensor's GPU memory is released once its D2H copy has landed. If backward comes within
     ``prefetch_blocks`` of a block before its copies landed (a link slower than the forward), the
-    device copies still alive are used in place and not reloaded.
+    device copies still alive are used in place and not reloaded. So that "landed" is judged in GPU
+    time, the CPU runs at most two blocks ahead of the GPU while blocks are offloaded (it waits on an
+    event recorded at the start of the block two back).
+
+    Under ``torch.autocast`` with fp32 weights, the bf16 weight casts autograd saves are not
+    parameters and are offloaded like activations; keep weights in the compute dtype (or use FSDP's
+    ``MixedPrecisionPolicy``, whose unsharded parameters are parameters) to avoid moving them.
 
     Composes with ``torch.utils.checkpoint`` (either flavour): only what autograd saves outside the
     checkpointed regions, i.e. the checkpoint inputs, is offloaded; tensors saved by the recomputation
@@ -371,6 +380,7 @@ class ActivationOffload:
         self._copies = self.platform.copies_needed
         self._cuda = self._copies and self.device.type == "cuda"
         self._engine = get_transfer_engine(self.device) if self._copies else None
+        self._d2h_stream = self._engine.d2h_stream if self._cuda else None
         self._pool = _PinnedPool(self.device)
         self._lock = threading.Lock()
         self._pending: collections.deque[_Stored] = collections.deque()  # D2H copies not seen landed
@@ -498,7 +508,7 @@ class ActivationOffload:
         self._root = None
         with self._lock:
             for stored in self._pending:
-                stored.d2h.synchronize()
+                stored.d2h_done.synchronize()
         self._poll()
 
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
@@ -594,7 +604,7 @@ class ActivationOffload:
             # The graph that saved this storage before is gone: offload it afresh.
         else:
             self.stats.saved_bytes += nbytes
-        if not pass_.offloading or nbytes < self.min_offload_bytes or nbytes % tensor.element_size():
+        if not pass_.offloading or nbytes < max(self.min_offload_bytes, 1) or nbytes % tensor.element_size():
             pass_.storages[key] = (weakref.ref(storage), None)
             return self._keep(tensor, pass_, trigger)
         stored = self._offload(tensor, pass_)
@@ -621,18 +631,32 @@ class ActivationOffload:
 
     def _offload(self, tensor: torch.Tensor, pass_: _Pass) -> _Stored:
         stored = _Stored(pass_, pass_.block, tensor, self._pool)
-        # The engine starts the copy after the work queued so far on this stream (what produced the
-        # tensor) and keeps the allocator from reusing the memory before the copy has read it.
-        stored.d2h = self._engine.d2h(stored.device_data, stored.host, label=_D2H_LABEL)
-        if self._cuda:
-            with self._lock:
-                self._pending.append(stored)
-        else:
-            stored.device_data = None
-            stored.is_original = False
+        # Not TransferEngine.d2h: it record_stream()s the source on the D2H stream, and the allocator
+        # then holds freed memory until that stream drains everything queued at the time of the free,
+        # which, with copies lagging compute, is long after this copy landed. Here the original stays
+        # referenced until its own event is seen complete (_poll), then is freed for immediate reuse.
+        with record_function(_D2H_LABEL):
+            if self._cuda:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+                self._d2h_stream.wait_event(ready)
+                if stored.host_read_done is not None:
+                    self._d2h_stream.wait_event(stored.host_read_done)
+                    stored.host_read_done = None
+                with torch.cuda.stream(self._d2h_stream):
+                    stored.host.copy_(stored.device_data, non_blocking=True)
+                stored.d2h_done = torch.cuda.Event()
+                stored.d2h_done.record(self._d2h_stream)
+                with self._lock:
+                    self._pending.append(stored)
+            else:
+                stored.host.copy_(stored.device_data)
+                stored.device_data = None
+                stored.is_original = False
         pass_.blocks[stored.block].append(weakref.ref(stored))
-        self.stats.d2h_copies += 1
-        self.stats.d2h_bytes += stored.nbytes
+        for stats in (self.stats, self._engine.stats):
+            stats.d2h_copies += 1
+            stats.d2h_bytes += stored.nbytes
         self.stats.offloaded_bytes += stored.nbytes
         return stored
 
@@ -641,7 +665,7 @@ class ActivationOffload:
         if not self._cuda:
             return
         with self._lock:
-            while self._pending and self._pending[0].d2h.done():
+            while self._pending and self._pending[0].d2h_done.query():
                 stored = self._pending.popleft()
                 if stored.is_original and not stored.retained:
                     stored.device_data = None
@@ -705,9 +729,13 @@ class ActivationOffload:
                 stored.retained = True
                 self.stats.reused_device_copies += 1
             return
-        # The engine orders this read of the host buffer after the D2H copy that fills it.
+        if self._cuda:
+            self._engine.h2d_stream.wait_event(stored.d2h_done)
         stored.h2d = self._engine.h2d(stored.host, label=_H2D_LABEL)
         stored.device_data = stored.h2d.tensor
+        if self._cuda:
+            stored.host_read_done = torch.cuda.Event()
+            stored.host_read_done.record(self._engine.h2d_stream)
         self.stats.h2d_copies += 1
         self.stats.h2d_bytes += stored.nbytes
         if ahead:
@@ -716,8 +744,9 @@ class ActivationOffload:
             self.stats.on_demand_copies += 1
 
     def _release_device_copy(self, stored: _Stored) -> None:
-        # Freeing an original whose D2H copy is still running is safe: the engine recorded the
-        # copy's stream on it.
+        if stored.is_original and self._cuda and not stored.d2h_done.query():
+            # Its D2H copy still reads it: the allocator must not hand the memory out before that lands.
+            stored.device_data.record_stream(self._d2h_stream)
         stored.device_data = None
         stored.h2d = None
         stored.is_original = False
