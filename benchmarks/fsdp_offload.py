@@ -1,0 +1,240 @@
+"""FSDP2 training step: GPU-resident vs stock CPUOffloadPolicy vs CoherentOffload, one process.
+
+The model of ``shared/reference/anchors.md`` (``anchor-1.6b``: 8 blocks, d 4096, SDPA + 4x GELU
+MLP, LayerNorm, 1.61B params), bf16 compute (MixedPrecisionPolicy(param bf16, reduce fp32)),
+AdamW, FSDP2 at world size 1, micro-batches 4, 8 and 16 x 2048 tokens.
+
+Every row runs in this process, after the link was measured in the same process. For each row:
+median step time and its forward / backward / optimizer parts (CUDA events, no extra syncs
+inside a step), peak GPU memory, the bytes that crossed the link each way, and the lower bound
+
+    LB = max(T_gpu, H2D / BW_h2d, D2H / BW_d2h, (H2D + D2H) / BW_both, T_host_unhidden)
+
+where T_gpu is the resident row's forward + backward (the GPU work any offload must still do),
+the bandwidths are measured here, and T_host_unhidden is the host optimizer time that cannot hide
+under backward: a group's host step can start only when its gradients landed and the next
+forward needs the first group, whose gradients land last, so at best the host work of all but the
+backward of one group is hidden: T_host_unhidden = T_gpu + T_host - T_bwd * (N - 1) / N, with
+T_host the measured host optimizer time of the row (for rows without a host optimizer, 0).
+
+Usage (GPU machine):
+    python benchmarks/fsdp_offload.py --out benchmarks/results/fsdp_offload.json [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
+from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
+from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
+from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
+
+GiB = 1 << 30
+
+
+def _shard(model: nn.Module, offload_policy) -> None:
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs = {"mp_policy": mp_policy}
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, model_name: str, profile_dir=None):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = build_model(model_name, device="cuda")
+    params = sum(p.numel() for p in model.parameters())
+    if name == "resident":
+        _shard(model, None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    elif name == "stock_cpu_offload+fused_cpu_adamw":
+        _shard(model, CPUOffloadPolicy(pin_memory=True))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    elif name.startswith("coherent"):
+        fraction = float(name.split("fraction=")[1]) if "fraction=" in name else 1.0
+        depth = int(name.split("depth=")[1].split(",")[0]) if "depth=" in name else 1
+        _shard(model, CoherentOffload(prefetch_depth=depth, module_fraction=fraction))
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+    else:
+        raise ValueError(name)
+    engine = get_transfer_engine("cuda")
+    tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(0))
+    step_s, fwd_s, bwd_s, opt_s, host_s, losses = [], [], [], [], [], []
+    h2d = d2h = 0
+    profiler = None
+    for step in range(warmup + steps):
+        if step == warmup:
+            engine.stats.reset()
+            if profile_dir is not None:
+                profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                )
+                profiler.__enter__()
+        torch.cuda.synchronize()
+        start_event, fwd_event, bwd_event = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        end_event = torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start_event.record()
+        loss = causal_lm_loss(model(tokens), tokens)
+        fwd_event.record()
+        loss.backward()
+        bwd_event.record()
+        optimizer.step()
+        optimizer.zero_grad()
+        end_event.record()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if step >= warmup:
+            step_s.append(t1 - t0)
+            fwd_s.append(start_event.elapsed_time(fwd_event) / 1e3)
+            bwd_s.append(fwd_event.elapsed_time(bwd_event) / 1e3)
+            opt_s.append((t1 - t0) - start_event.elapsed_time(bwd_event) / 1e3)
+            host_s.append(getattr(optimizer, "last_host_step_seconds", 0.0))
+            losses.append(loss.item())
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        os.makedirs(profile_dir, exist_ok=True)
+        trace = os.path.join(profile_dir, f"{name.replace('=', '').replace(',', '_')}_bs{batch_size}.trace.json")
+        profiler.export_chrome_trace(trace)
+    if name.startswith("coherent"):
+        h2d = engine.stats.h2d_bytes / steps
+        d2h = engine.stats.d2h_bytes / steps
+    elif name.startswith("stock"):
+        # FSDP copies every fp32 shard in for forward and again for backward (the root group is
+        # not resharded after forward), and every fp32 gradient out.
+        root_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+        h2d = 4 * (2 * params - root_params)
+        d2h = 4 * params
+    row = {
+        "name": name,
+        "batch_size": batch_size,
+        "params_M": round(params / 1e6, 1),
+        "step_s": statistics.median(step_s),
+        "fwd_s": statistics.median(fwd_s),
+        "bwd_s": statistics.median(bwd_s),
+        "opt_s": statistics.median(opt_s),
+        "host_optimizer_s": statistics.median(host_s),
+        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2),
+        "h2d_GB": round(h2d / 1e9, 3),
+        "d2h_GB": round(d2h / 1e9, 3),
+        "tokens_per_s": round(batch_size * seq_len / statistics.median(step_s)),
+        "loss_last": losses[-1],
+        "n_blocks": len(model.blocks),
+    }
+    del model, optimizer, loss
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def lower_bound(row: dict, resident: dict, bandwidth: dict) -> float:
+    t_gpu = resident["fwd_s"] + resident["bwd_s"]
+    terms = [
+        t_gpu,
+        row["h2d_GB"] / bandwidth["h2d_GBps"],
+        row["d2h_GB"] / bandwidth["d2h_GBps"],
+        (row["h2d_GB"] + row["d2h_GB"]) / bandwidth["both_GBps"],
+    ]
+    if row["host_optimizer_s"]:
+        n = row["n_blocks"] + 1
+        terms.append(t_gpu + row["host_optimizer_s"] - resident["bwd_s"] * (n - 1) / n)
+    return max(terms)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="anchor-1.6b")
+    parser.add_argument("--batch-sizes", default="4,8,16")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--rows",
+        default="resident,stock_cpu_offload+fused_cpu_adamw,coherent(depth=1),coherent(depth=2),coherent(fraction=0.75)",
+    )
+    parser.add_argument("--out", default="benchmarks/results/fsdp_offload.json")
+    parser.add_argument("--profile", default=None, help="directory for a chrome trace of each CoherentOffload row at the first batch size")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/fsdp_offload.py needs a GPU", file=sys.stderr)
+        return 2
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    report = measure_bandwidth(0)
+    bandwidth = {"h2d_GBps": report.h2d_gbps, "d2h_GBps": report.d2h_gbps, "both_GBps": report.bidirectional_gbps}
+    print(f"link measured in this run: H2D {bandwidth['h2d_GBps']:.1f} GB/s, D2H {bandwidth['d2h_GBps']:.1f} GB/s, both {bandwidth['both_GBps']:.1f} GB/s")
+    rows = []
+    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+        resident = None
+        for name in args.rows.split(","):
+            profile_dir = args.profile if (args.profile and name.startswith("coherent") and batch_size == int(args.batch_sizes.split(",")[0])) else None
+            try:
+                row = run_row(name, batch_size, args.seq_len, args.steps, args.warmup, args.model, profile_dir)
+            except torch.OutOfMemoryError as error:
+                row = {"name": name, "batch_size": batch_size, "error": f"OOM: {error}"[:200]}
+                gc.collect()
+                torch.cuda.empty_cache()
+            if name == "resident" and "error" not in row:
+                resident = row
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for row in rows:
+            if row["batch_size"] == batch_size and "error" not in row and resident is not None:
+                row["lower_bound_s"] = round(lower_bound(row, resident, bandwidth), 4)
+                row["step_over_lb"] = round(row["step_s"] / row["lower_bound_s"], 2)
+                row["peak_vs_resident"] = round(row["peak_gpu_GiB"] / resident["peak_gpu_GiB"], 2)
+                stock = next((r for r in rows if r["batch_size"] == batch_size and r["name"].startswith("stock") and "error" not in r), None)
+                if stock is not None:
+                    row["speedup_vs_stock"] = round(stock["step_s"] / row["step_s"], 2)
+    header = f"{'row':42s} {'bs':>3s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'host opt':>8s} {'peak GiB':>8s} {'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'vs stock':>8s}"
+    print(header)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:42s} {r['batch_size']:>3d} {r['error']}")
+            continue
+        print(
+            f"{r['name']:42s} {r['batch_size']:>3d} {r['step_s']:7.3f} {r['fwd_s']:6.3f} {r['bwd_s']:6.3f} {r['opt_s']:6.3f} "
+            f"{r['host_optimizer_s']:8.3f} {r['peak_gpu_GiB']:8.1f} {r['h2d_GB']:7.2f} {r['d2h_GB']:7.2f} "
+            f"{r.get('lower_bound_s', float('nan')):6.3f} {r.get('step_over_lb', float('nan')):5.2f} {r.get('speedup_vs_stock', float('nan')):8.2f}"
+        )
+    result = {
+        "benchmark": "fsdp_offload",
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "link_GBps": bandwidth,
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,471 @@
+"""``CoherentFSDPParamGroup``: FSDP2's parameter group, with CoherentOffload's data path.
+
+Per offloaded group the shards live in one exact-size host buffer (fp32 master), with a
+compute-dtype mirror when mixed precision halves the bytes to move. Copy-in is one coalesced H2D
+copy of that mirror into a device staging buffer, on our H2D stream, issued ``prefetch_depth``
+groups ahead in forward and backward order; FSDP's all-gather (or its world-size-1 copy) then reads
+the staging buffer. Reduced gradients go down on our D2H stream into persistent host buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import OffloadPolicy
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_param_group_module
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+from torch_fsdp_offload import optim
+from torch_fsdp_offload.memory import check_host_capacity, pinned_empty
+from torch_fsdp_offload.platform import PlatformKind
+from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan
+from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
+
+logger = logging.getLogger(__name__)
+
+_BaseParamGroup = fsdp_param_group_module.FSDPParamGroup
+
+# Every live coherent group, so a root can find its groups at lazy init.
+_live_groups: "weakref.WeakSet[CoherentFSDPParamGroup]" = weakref.WeakSet()
+_logged_plans: set[int] = set()
+
+
+def _resolved_plan(policy: CoherentOffload) -> ResolvedPlan:
+    plan = getattr(policy, "_resolved_plan", None)
+    if plan is None:
+        plan = policy.resolve()
+        object.__setattr__(policy, "_resolved_plan", plan)
+        if id(policy) not in _logged_plans:
+            _logged_plans.add(id(policy))
+            logger.info(plan.describe())
+    return plan
+
+
+def _fqn_sort_key(fqn: str) -> list:
+    # The root ("") first, then submodules in numeric order (blocks.2 before blocks.10): the
+    # order in which a standard transformer's groups run in forward.
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in fqn.split(".") if part]
+
+
+class CoherentFSDPParam(FSDPParam):
+    """An ``FSDPParam`` whose copy-in reads its group's coalesced, prefetched staging buffer."""
+
+    _offload: "GroupOffload"
+
+    @property
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        offload = self._offload
+        if (
+            not offload.active
+            or self.sharded_state != ShardedState.SHARDED
+            or hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")
+        ):
+            return super().all_gather_inputs
+        return [offload.take_input(self)]
+
+    def reset_sharded_param(self) -> None:
+        super().reset_sharded_param()
+        # load_state_dict(assign=True) or Module._apply can swap the local tensor out of our
+        # host buffer; bring the data home so copies and the optimizer see one layout.
+        if self._offload.homed:
+            self._offload.rehome_param(self)
+            self._offload.mark_dirty()
+
+
+class GroupOffload:
+    """Host buffers, copies and gradient offload of one FSDP parameter group."""
+
+    def __init__(self, group: "CoherentFSDPParamGroup", policy: CoherentOffload, plan: ResolvedPlan):
+        self.group = weakref.proxy(group)
+        self.policy = policy
+        self.plan = plan
+        self.device = group.device
+        self.engine = get_transfer_engine(group.device)
+        # Offloaded through FSDP's CPU-offload path; False for groups that stay resident
+        # (module_fraction) and on UNIFIED / HOST_ONLY, where nothing is copied.
+        self.offloaded = plan.offload_params and plan.platform not in (
+            PlatformKind.UNIFIED,
+            PlatformKind.HOST_ONLY,
+        )
+        self.homed = False
+        self.master: torch.Tensor | None = None  # orig-dtype shards, exact size
+        self.mirror: torch.Tensor | None = None  # param-dtype copy of master (mixed precision)
+        # Whether the parameters may have changed since the mirror and any in-flight copy were
+        # made: set when gradients land (an optimizer step may follow) and when the shards are
+        # reset or loaded; cleared by refresh_mirror(). Version counters cannot tell: fused
+        # optimizer kernels on DTensors update parameters without bumping them.
+        self.dirty = True
+        self.lock = threading.Lock()
+        self.grads: torch.Tensor | None = None  # reduced gradient shards, orig dtype
+        self.offsets: dict[CoherentFSDPParam, tuple[int, int]] = {}
+        self.numel = 0
+        self._inflight: Transfer | None = None
+        self._inputs_left: set[CoherentFSDPParam] = set()
+        self.grad_transfer: Transfer | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.offloaded and self.homed and self.plan.copies
+
+    def layout(self) -> None:
+        offset = 0
+        for fsdp_param in self.group.fsdp_params:
+            numel = fsdp_param._sharded_param_data.numel()
+            self.offsets[fsdp_param] = (offset, numel)
+            offset += numel
+        self.numel = offset
+
+    def host_bytes(self) -> int:
+        """Host bytes this group will pin: master, gradient buffer and (at most) a mirror."""
+        itemsize = self.group.fsdp_params[0]._sharded_param_data.element_size()
+        return self.numel * itemsize * 2 + self.numel * 2
+
+    # -- placement -------------------------------------------------------------------------
+    @torch.no_grad()
+    def home(self) -> None:
+        """Move every shard of the group into one exact-size host buffer (once, at lazy init)."""
+        if self.homed or not self.offloaded:
+            return
+        self.layout()
+        first = self.group.fsdp_params[0]._sharded_param_data
+        self.master = pinned_empty((self.numel,), first.dtype)
+        for fsdp_param in self.group.fsdp_params:
+            self.rehome_param(fsdp_param)
+        self.homed = True
+
+    @torch.no_grad()
+    def rehome_param(self, fsdp_param: CoherentFSDPParam) -> None:
+        offset, numel = self.offsets[fsdp_param]
+        slot = self.master[offset : offset + numel]
+        data = fsdp_param._sharded_param_data
+        if data.data_ptr() == slot.data_ptr() and data.numel() == numel:
+            return
+        slot.copy_(data.reshape(-1))
+        fsdp_param._sharded_param_data = slot
+        shard_dim = fsdp_param.fsdp_placement.dim
+        length = fsdp_param.sharded_size[shard_dim] if fsdp_param.sharded_size.numel() > 0 else 0
+        fsdp_param.sharded_param._local_tensor = slot.view(
+            fsdp_param.padded_sharded_param_size
+        ).narrow(shard_dim, 0, length)
+
+    # -- copy-in ---------------------------------------------------------------------------
+    def mark_dirty(self) -> None:
+        """The parameters may change (gradients landed, or shards were reset/loaded)."""
+        with self.lock:
+            self.dirty = True
+            self._inflight = None
+
+    @torch.no_grad()
+    def refresh_mirror(self) -> None:
+        """Make the copy-in source current: cast the master into the compute-dtype mirror.
+
+        :class:`~torch_fsdp_offload.OffloadOptimizer` calls this right after stepping the group
+        (in its worker thread); otherwise the first copy-in after a change does it.
+        """
+        if not self.homed:
+            return  # before lazy init: the first copy-in refreshes
+        with self.lock:
+            param_dtype = self.group.fsdp_params[0].param_dtype
+            if param_dtype is not None and param_dtype != self.master.dtype:
+                if self.mirror is None or self.mirror.dtype != param_dtype:
+                    self.mirror = pinned_empty((self.numel,), param_dtype)
+                with torch.profiler.record_function("torch_fsdp_offload::cast_master_to_mirror"):
+                    self.mirror.copy_(self.master)
+            else:
+                self.mirror = None
+            self.dirty = False
+            self._inflight = None
+
+    def issue_h2d(self) -> None:
+        """Start this group's coalesced copy-in unless a current one is in flight."""
+        if self.dirty:
+            self.refresh_mirror()
+        with self.lock:
+            if self._inflight is not None:
+                return
+            source = self.mirror if self.mirror is not None else self.master
+            self._inflight = self.engine.h2d(
+                source,
+                label=f"params_h2d:{self.group._module_fqn or 'root'}",
+                chunk_bytes=self.plan.chunk_bytes,
+            )
+            self._inputs_left = set(self.group.fsdp_params)
+
+    def take_input(self, fsdp_param: CoherentFSDPParam) -> torch.Tensor:
+        """``fsdp_param``'s padded shard on the device, in param dtype, ready on this stream."""
+        self.issue_h2d()  # no-op when prefetched and still current
+        staging = self._inflight.wait()
+        offset, numel = self.offsets[fsdp_param]
+        self._inputs_left.discard(fsdp_param)
+        if not self._inputs_left:
+            # Every parameter took its view; FSDP's copy-in holds them until it is done.
+            self._inflight = None
+        return staging[offset : offset + numel]
+
+    # -- gradients -------------------------------------------------------------------------
+    @torch.no_grad()
+    def offload_grads(self, post_reduce_event: Any) -> bool:
+        """Copy the group's reduced gradient shards into the persistent host buffer.
+
+        Returns whether any gradient was copied."""
+        # Fresh reduced gradients: those not already in our host buffer.
+        with_grad = [
+            p
+            for p in self.group.fsdp_params
+            if p.sharded_param.grad is not None and not _is_host_grad(self, p)
+        ]
+        if not with_grad:
+            return False
+        if self.grads is None:
+            self.grads = pinned_empty((self.numel,), self.master.dtype)
+        device_grads = [p.sharded_param.grad._local_tensor for p in with_grad]
+        copy_stream = self.engine.d2h_stream
+        with torch.profiler.record_function("torch_fsdp_offload::grads_coalesce"):
+            if copy_stream is not None:
+                if post_reduce_event is not None:
+                    copy_stream.wait_event(post_reduce_event)
+                else:
+                    copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                for grad in device_grads:
+                    grad.record_stream(copy_stream)
+            with torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext():
+                flat = torch.empty(self.numel, dtype=self.master.dtype, device=self.device)
+                views = [self._padded_view(flat, p) for p in with_grad]
+                torch._foreach_copy_(views, device_grads)
+                self.grad_transfer = self.engine.d2h(
+                    flat,
+                    self.grads,
+                    label=f"grads_d2h:{self.group._module_fqn or 'root'}",
+                    chunk_bytes=self.plan.chunk_bytes,
+                )
+        for p in with_grad:
+            p.sharded_param.grad = p.to_sharded_dtensor(self._padded_view(self.grads, p))
+            # FSDP's finalize_backward calls .synchronize() on it: plain torch.optim users are safe.
+            p.grad_offload_event = self.grad_transfer
+        return True
+
+    def _padded_view(self, flat: torch.Tensor, fsdp_param: CoherentFSDPParam) -> torch.Tensor:
+        offset, _ = self.offsets[fsdp_param]
+        return flat[offset : offset + fsdp_param.sharded_size.numel()].view(fsdp_param.sharded_size)
+
+    def wait_grads(self) -> None:
+        """Block the host until this group's gradient copy has landed."""
+        if self.grad_transfer is not None:
+            self.grad_transfer.synchronize()
+            self.grad_transfer = None
+            for p in self.group.fsdp_params:
+                p.grad_offload_event = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p.sharded_param for p in self.group.fsdp_params]
+
+    def prefetch_next_forward(self) -> None:
+        """Start the copies the next forward needs first (after the optimizer stepped)."""
+        schedule = getattr(self.group.comm_ctx, "coherent_schedule", None)
+        if schedule is not None:
+            schedule.prefetch_first(self.plan.prefetch_depth)
+
+
+def _is_host_grad(offload: GroupOffload, fsdp_param: FSDPParam) -> bool:
+    if offload.grads is None:
+        return False
+    ptr = fsdp_param.sharded_param.grad._local_tensor.data_ptr()
+    base = offload.grads.data_ptr()
+    return base <= ptr < base + offload.grads.numel() * offload.grads.element_size()
+
+
+class RootSchedule:
+    """Forward order of a root's offloaded groups, learned in the first forward, for prefetch."""
+
+    def __init__(self) -> None:
+        self.order: list[GroupOffload] = []
+        self.learning = True
+
+    def on_unshard(self, offload: GroupOffload, backward: bool, depth: int) -> None:
+        if backward:
+            self.learning = False
+        elif self.learning and offload not in self.order:
+            self.order.append(offload)
+        offload.issue_h2d()
+        if offload not in self.order or depth == 0:
+            return
+        index = self.order.index(offload)
+        ahead = (
+            self.order[max(0, index - depth) : index][::-1]
+            if backward
+            else self.order[index + 1 : index + 1 + depth]
+        )
+        for neighbour in ahead:
+            # A group still unsharded (e.g. the root, kept after forward) needs no copy-in.
+            if neighbour.active and not neighbour.group.is_unsharded:
+                neighbour.issue_h2d()
+
+    def prefetch_first(self, depth: int) -> None:
+        """Start the next forward's first copies (called after the optimizer step)."""
+        for offload in self.order[: max(depth, 1)]:
+            if offload.active:
+                offload.issue_h2d()
+
+
+class CoherentFSDPParamGroup(_BaseParamGroup):
+    """FSDPParamGroup that applies a :class:`CoherentOffload` policy; otherwise unchanged."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        policy = kwargs["offload_policy"] if "offload_policy" in kwargs else args[-1]
+        if not isinstance(policy, CoherentOffload):
+            self._offload = None
+            super().__init__(*args, **kwargs)
+            return
+        plan = _resolved_plan(policy)
+        offloaded = plan.offload_params and plan.platform not in (
+            PlatformKind.UNIFIED,
+            PlatformKind.HOST_ONLY,
+        )
+        # FSDP places shards on the host only for a CPUOffloadPolicy; on UNIFIED and HOST_ONLY
+        # the shards stay where compute runs, and nothing crosses a link.
+        fsdp_policy = policy if offloaded else OffloadPolicy()
+        if "offload_policy" in kwargs:
+            kwargs["offload_policy"] = fsdp_policy
+        else:
+            args = (*args[:-1], fsdp_policy)
+        super().__init__(*args, **kwargs)
+        self.offload_policy = fsdp_policy
+        self.coherent_policy = policy
+        self._offload = GroupOffload(self, policy, plan)
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.__class__ = CoherentFSDPParam
+            fsdp_param._offload = self._offload
+        if offloaded:
+            self._offload.layout()
+            check_host_capacity(
+                sum(g._offload.host_bytes() for g in _live_groups if g._offload.offloaded and not g._offload.homed)
+                + self._offload.host_bytes(),
+                pinned=plan.memory == "pinned",
+                what="CoherentOffload shards, gradients and compute-dtype mirrors",
+            )
+        _live_groups.add(self)
+        optim.register_offloaded_group(self._offload)
+
+    # -- lazy init ---------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        if self._offload is not None:
+            self._root_lazy_init()
+        super().lazy_init()
+        if self._offload is not None:
+            self._offload.home()
+
+    def _root_lazy_init(self) -> None:
+        if getattr(self.comm_ctx, "coherent_schedule", None) is not None:
+            return
+        self.comm_ctx.coherent_schedule = RootSchedule()
+        groups = [g for g in list(_live_groups) if g.comm_ctx is self.comm_ctx]
+        by_policy: dict[int, list[CoherentFSDPParamGroup]] = {}
+        for g in groups:
+            by_policy.setdefault(id(g.coherent_policy), []).append(g)
+        for same_policy in by_policy.values():
+            fraction = same_policy[0]._offload.plan.module_fraction
+            if fraction >= 1.0:
+                continue
+            same_policy.sort(key=lambda g: _fqn_sort_key(g._module_fqn or ""))
+            n_resident = len(same_policy) - round(fraction * len(same_policy))
+            for g in same_policy[:n_resident]:
+                g._make_resident()
+
+    @torch.no_grad()
+    def _make_resident(self) -> None:
+        """Keep this group on the device (partial offload): undo FSDP's host placement."""
+        if not self._offload.offloaded:
+            return
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.offload_to_cpu = False
+            fsdp_param.pin_memory = False
+            padded = fsdp_param._sharded_param_data.to(self.device)
+            fsdp_param._sharded_param_data = padded
+            shard_dim = fsdp_param.fsdp_placement.dim
+            length = fsdp_param.sharded_size[shard_dim] if fsdp_param.sharded_size.numel() > 0 else 0
+            fsdp_param.sharded_param._local_tensor = padded.view(
+                fsdp_param.padded_sharded_param_size
+            ).narrow(shard_dim, 0, length)
+        self._offload.offloaded = False
+        self.offload_policy = OffloadPolicy()
+
+    # -- runtime -----------------------------------------------------------------------
+    def unshard(self, async_op: bool = False):
+        offload = self._offload
+        if (
+            offload is not None
+            and offload.active
+            and self._all_gather_result is None
+            and not self.is_unsharded
+            and not (not self.unshard_in_backward and self._training_state == TrainingState.PRE_BACKWARD)
+            and self.sharded_state_is_sharded()
+        ):
+            schedule: RootSchedule = self.comm_ctx.coherent_schedule
+            schedule.on_unshard(
+                offload,
+                backward=self._training_state == TrainingState.PRE_BACKWARD,
+                depth=offload.plan.prefetch_depth,
+            )
+        return super().unshard(async_op)
+
+    def sharded_state_is_sharded(self) -> bool:
+        return self.is_sharded and not self.is_sharded_post_forward
+
+    def post_backward(self, *unused: Any):
+        offload = self._offload
+        if offload is None or not offload.active:
+            return super().post_backward(*unused)
+        params = self.fsdp_params
+        # FSDP would copy each reduced gradient to the host synchronously-ish and allocate a
+        # fresh pinned tensor per step; keep them on the device through the reduce, then move
+        # them ourselves, coalesced, on the D2H stream, into persistent host buffers.
+        accumulated = {}
+        hooks = {}
+        for p in params:
+            p.offload_to_cpu = False
+            grad = p.sharded_param.grad
+            if grad is not None:
+                # The next D2H lands in the same host buffer: keep a copy to add back.
+                local = grad._local_tensor
+                accumulated[p] = local.clone() if _is_host_grad(offload, p) else local
+                p.sharded_param.grad = None
+            param_hooks = getattr(p.sharded_param, "_post_accumulate_grad_hooks", None)
+            if param_hooks:
+                hooks[p] = param_hooks
+                p.sharded_param._post_accumulate_grad_hooks = None
+        try:
+            super().post_backward(*unused)
+        finally:
+            for p in params:
+                p.offload_to_cpu = True
+            for p, param_hooks in hooks.items():
+                p.sharded_param._post_accumulate_grad_hooks = param_hooks
+        if not offload.offload_grads(self._post_reduce_event):
+            return
+        offload.mark_dirty()
+        if accumulated or hooks:
+            # Accumulating across reduce-scatters, and post-accumulate-grad hooks, need the
+            # gradient on the host now.
+            offload.wait_grads()
+            for p, previous in accumulated.items():
+                if p.sharded_param.grad is not None:
+                    p.sharded_param.grad._local_tensor.add_(previous.to(offload.grads.device))
+                else:
+                    p.sharded_param.grad = p.to_sharded_dtensor(previous)
+            for p, param_hooks in hooks.items():
+                for hook in param_hooks.values():
+                    hook(p.sharded_param)
+        state = _get_module_fsdp_state(self.modules[0])
+        is_last_backward = state is None or state._state_ctx.is_last_backward
+        optim.notify_grads_ready(offload, is_last_backward=is_last_backward)
+
+

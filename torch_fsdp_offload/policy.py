@@ -1,0 +1,278 @@
+"""``CoherentOffload``: the offload policy users pass to FSDP."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
+
+logger = logging.getLogger(__name__)
+
+MemoryKind = Literal["auto", "pinned", "managed"]
+OptimizerPlacement = Literal["auto", "host"]
+
+_MEMORY_KINDS = ("auto", "pinned", "managed")
+_OPTIMIZER_PLACEMENTS = ("auto", "host")
+_MIN_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """What a :class:`CoherentOffload` does on one machine, after ``auto`` is resolved.
+
+    Attributes:
+        platform (PlatformKind): the platform class the plan was made for.
+        memory (str): ``"pinned"``, ``"managed"`` or ``"host"`` (no accelerator: plain host memory).
+        copies (bool): whether shards cross a link at all (False on UNIFIED and HOST_ONLY
+            unless a copy path was forced for tests).
+        offload_params (bool), offload_grads (bool), offload_optimizer_state (bool): as asked.
+        optimizer (str): where the optimizer step of the offloaded groups runs: ``"host"``
+            (fused, all cores, overlapped with backward) or ``"device"`` (nothing is offloaded
+            for the step: UNIFIED memory, or ``offload_params=False``).
+        prefetch_depth (int), chunk_bytes (int), module_fraction (float): as asked.
+        activations (float): fraction of blocks whose saved activations are offloaded.
+        reason (str): one line saying why ``auto`` choices were made.
+    """
+
+    platform: PlatformKind
+    memory: str
+    copies: bool
+    offload_params: bool
+    offload_grads: bool
+    offload_optimizer_state: bool
+    optimizer: str
+    prefetch_depth: int
+    chunk_bytes: int
+    module_fraction: float
+    activations: float
+    reason: str
+
+    def describe(self) -> str:
+        return (
+            f"CoherentOffload plan on {self.platform.value}: memory={self.memory}, "
+            f"copies={'yes' if self.copies else 'none'}, params={self.offload_params}, "
+            f"grads={self.offload_grads}, optimizer state={self.offload_optimizer_state}, "
+            f"optimizer step={self.optimizer}, prefetch depth={self.prefetch_depth}, "
+            f"chunk={self.chunk_bytes >> 20} MiB, modules offloaded={self.module_fraction:.2f}, "
+            f"activations offloaded={self.activations:.2f}. Why: {self.reason}"
+        )
+
+
+@dataclass(eq=False)
+class CoherentOffload(CPUOffloadPolicy):
+    """Offloads FSDP's sharded parameters, gradients and optimizer state to host memory of the
+    right kind for the machine, and moves them over the CPU-GPU link on dedicated streams,
+    coalesced per parameter group, in the compute dtype, prefetched ahead of use.
+
+    It is a :class:`torch.distributed.fsdp.CPUOffloadPolicy`, so FSDP2's ``fully_shard`` accepts
+    it wherever it accepts an offload policy (per module, or as a value of a per-parameter map),
+    and FSDP's own CPU-offload checks and gradient placement apply. ``pin_memory`` is managed by
+    this policy (it allocates exact-size pinned memory itself) and must be left at its default.
+
+    Attributes:
+        memory (str): ``"auto"`` (default) picks from the detected platform: ``"managed"`` on
+            UNIFIED machines (one allocation the GPU reads in place, nothing is copied),
+            ``"pinned"`` elsewhere. ``"pinned"`` forces exact-size page-locked host memory (the
+            fast DMA source on PCIe). ``"managed"`` forces ``cudaMallocManaged`` memory and
+            needs a GPU that supports managed memory.
+        offload_params (bool): keep sharded parameters (the fp32 master copy) in host memory.
+            Default True. False makes the policy a no-op for parameters (useful with
+            ``activations`` alone).
+        offload_grads (bool): move reduced gradient shards to persistent pinned host buffers
+            on the D2H stream. Default True. Must be True when ``offload_params`` is True: the
+            gradients go where the master parameters and the optimizer are.
+        offload_optimizer_state (bool): keep optimizer state in host memory. Default True.
+            Must be True when ``offload_params`` is True (state is created next to the
+            parameters); the ``optimizer`` placement decides where the step runs.
+        optimizer (str): where the optimizer step of offloaded groups runs, used by
+            :class:`torch_fsdp_offload.OffloadOptimizer`. ``"host"``: on the CPU (fused, all
+            cores), each group as soon as its gradients landed, overlapping backward.
+            ``"auto"`` (default): ``"host"`` where shards are offloaded; on UNIFIED memory the
+            shards are device memory read in place and the step runs on the GPU. (Streaming
+            the step through the GPU, or splitting it, is not built yet.)
+        prefetch_depth (int): how many parameter groups ahead the H2D copy is issued, in
+            forward and in backward. Default 1. 0 copies each group only when it is needed.
+        chunk_bytes (int): size of the pieces a large copy is split into, so copies in both
+            directions interleave and completion can be tracked. Default 64 MiB (at or near the
+            link's peak on PCIe Gen5); at least 1 MiB.
+        module_fraction (float): fraction of the FSDP parameter groups that are offloaded, in
+            [0, 1]. Default 1.0. With less, the groups that run first in forward (and last in
+            backward) stay on the GPU: their copies would be the hardest to hide.
+        activations (bool or float): offload what the FSDP-wrapped blocks save for backward
+            (True = 1.0, or the fraction of blocks, counted from the first). Default False.
+        platform (str or None): force a platform class (``"unified"``, ``"coherent"``,
+            ``"discrete"``, ``"host_only"``) instead of detecting it; the environment variable
+            ``TORCH_FSDP_OFFLOAD_PLATFORM`` does the same for every policy.
+
+    Raises:
+        ValueError: a knob outside its range or of the wrong type, or an unsupported
+            combination (for example ``offload_grads=False`` with ``offload_params=True``).
+
+    Example::
+
+        >>> from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+        >>> from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+        >>> policy = CoherentOffload(prefetch_depth=2)
+        >>> mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        >>> for block in model.blocks:
+        ...     fully_shard(block, mp_policy=mp, offload_policy=policy)
+        >>> fully_shard(model, mp_policy=mp, offload_policy=policy)
+        >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4)
+        >>> policy.resolve().describe()
+    """
+
+    pin_memory: bool = False
+    memory: MemoryKind = "auto"
+    offload_params: bool = True
+    offload_grads: bool = True
+    offload_optimizer_state: bool = True
+    optimizer: OptimizerPlacement = "auto"
+    prefetch_depth: int = 1
+    chunk_bytes: int = 64 << 20
+    module_fraction: float = 1.0
+    activations: Union[bool, float] = False
+    platform: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pin_memory:
+            raise ValueError(
+                "CoherentOffload(pin_memory=True) is not supported: the policy allocates "
+                "exact-size pinned memory itself (FSDP's pin_memory path rounds every shard up "
+                "to a power of two). Leave pin_memory at its default and choose memory="
+                "'pinned' or 'managed' instead."
+            )
+        if self.memory not in _MEMORY_KINDS:
+            raise ValueError(
+                f"CoherentOffload(memory={self.memory!r}) is not a memory kind; use one of "
+                f"{', '.join(map(repr, _MEMORY_KINDS))}."
+            )
+        for name in ("offload_params", "offload_grads", "offload_optimizer_state"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CoherentOffload({name}=...) must be True or False.")
+        if self.offload_params and not (self.offload_grads and self.offload_optimizer_state):
+            raise ValueError(
+                "CoherentOffload(offload_params=True) needs offload_grads=True and "
+                "offload_optimizer_state=True: the gradients and the optimizer state live next "
+                "to the fp32 master parameters in host memory. To keep a part of the model "
+                "(and its optimizer) on the GPU, lower module_fraction instead."
+            )
+        if not self.offload_params and (self.offload_grads or self.offload_optimizer_state):
+            raise ValueError(
+                "CoherentOffload(offload_params=False) keeps parameters, gradients and optimizer "
+                "state on the GPU; set offload_grads=False and offload_optimizer_state=False too "
+                "(or offload_params=True)."
+            )
+        if self.optimizer not in _OPTIMIZER_PLACEMENTS:
+            raise ValueError(
+                f"CoherentOffload(optimizer={self.optimizer!r}) is not a placement; use 'auto' or "
+                "'host'. (Streaming the step through the GPU is not built yet.)"
+            )
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or (
+            self.prefetch_depth < 0
+        ):
+            raise ValueError(
+                f"CoherentOffload(prefetch_depth={self.prefetch_depth!r}) must be an int >= 0 "
+                "(0 = copy each group only when it is needed)."
+            )
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or (
+            self.chunk_bytes < _MIN_CHUNK_BYTES
+        ):
+            raise ValueError(
+                f"CoherentOffload(chunk_bytes={self.chunk_bytes!r}) must be an int >= 1 MiB "
+                f"({_MIN_CHUNK_BYTES}); smaller copies cannot reach the link's bandwidth."
+            )
+        if not _is_fraction(self.module_fraction):
+            raise ValueError(
+                f"CoherentOffload(module_fraction={self.module_fraction!r}) must be a number in "
+                "[0, 1]: the fraction of FSDP parameter groups to offload."
+            )
+        if not (isinstance(self.activations, bool) or _is_fraction(self.activations)):
+            raise ValueError(
+                f"CoherentOffload(activations={self.activations!r}) must be True, False or a "
+                "fraction in [0, 1] of the blocks whose activations are offloaded."
+            )
+        if self.platform is not None and self.platform not in {k.value for k in PlatformKind}:
+            raise ValueError(
+                f"CoherentOffload(platform={self.platform!r}) is not a platform class; use one "
+                f"of {', '.join(repr(k.value) for k in PlatformKind)}, or None to detect it."
+            )
+        # Installs the FSDP2 integration (idempotent); fails with a clear message on an
+        # unsupported torch before any module is sharded.
+        from torch_fsdp_offload._fsdp2 import install
+
+        install()
+
+    def detect(self) -> Platform:
+        """The platform this policy plans for (``platform`` override, env var, or detection)."""
+        return detect_platform(kind=self.platform)
+
+    def resolve(self, platform: Platform | None = None) -> ResolvedPlan:
+        """Resolve every ``auto`` knob for ``platform`` (default: :meth:`detect`).
+
+        Raises:
+            ValueError: ``memory='managed'`` on a platform without managed memory.
+        """
+        platform = platform or self.detect()
+        kind = platform.kind
+        reasons = []
+        if kind == PlatformKind.HOST_ONLY:
+            memory = "host"
+            reasons.append("no accelerator: shards already live where compute runs")
+        elif self.memory == "auto":
+            memory = "managed" if kind == PlatformKind.UNIFIED else "pinned"
+            reasons.append(
+                "unified memory: one allocation read in place"
+                if kind == PlatformKind.UNIFIED
+                else "pinned memory is the fast DMA source"
+            )
+        else:
+            memory = self.memory
+        if memory == "managed" and platform.device.type == "cuda" and not platform.supports_managed_memory:
+            raise ValueError(
+                f"CoherentOffload(memory='managed') on {platform.device}: this GPU does not "
+                "support managed memory (ManagedMemory/ConcurrentManagedAccess). Use "
+                "memory='pinned' or 'auto'."
+            )
+        copies = kind in (PlatformKind.DISCRETE, PlatformKind.COHERENT) and self.offload_params
+        if kind == PlatformKind.HOST_ONLY or copies or not self.offload_params:
+            optimizer = "host" if copies or kind == PlatformKind.HOST_ONLY else "device"
+        else:
+            # UNIFIED: the shards are device memory read in place, so the step runs on the GPU.
+            optimizer = "device"
+            reasons.append("optimizer on the GPU: the shards are read in place")
+        activations = float(self.activations) if not isinstance(self.activations, bool) else (
+            1.0 if self.activations else 0.0
+        )
+        return ResolvedPlan(
+            platform=kind,
+            memory=memory,
+            copies=copies,
+            offload_params=self.offload_params,
+            offload_grads=self.offload_grads,
+            offload_optimizer_state=self.offload_optimizer_state,
+            optimizer=optimizer,
+            prefetch_depth=self.prefetch_depth,
+            chunk_bytes=self.chunk_bytes,
+            module_fraction=float(self.module_fraction),
+            activations=activations,
+            reason="; ".join(reasons) or "as configured",
+        )
+
+    def replace(self, **changes) -> "CoherentOffload":
+        """A copy with some knobs changed (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _is_fraction(value) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and 0.0 <= value <= 1.0
+    )
