@@ -654,6 +654,7 @@ class ActivationOffload:
                 stored.device_data = None
                 stored.is_original = False
         pass_.blocks[stored.block].append(weakref.ref(stored))
+        # Counted in the engine too: its counters are the process's record of what crossed the link.
         for stats in (self.stats, self._engine.stats):
             stats.d2h_copies += 1
             stats.d2h_bytes += stored.nbytes
