@@ -1,0 +1,187 @@
+"""End-to-end tests of ``python -m torch_fsdp_offload.train``: one process, torchrun, two "nodes"
+with an HSDP mesh, checkpoint/resume, and recovery from a killed rank under ``--max-restarts``.
+
+Every run is a subprocess (as users run it), on the CPU with gloo, with the tiny model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+from torch_fsdp_offload.train import parse_args
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 180
+# Small enough for 2 cores, long enough that the loss visibly moves.
+BASE_ARGS = ["--model", "tiny", "--seq-len", "32", "--lr", "1e-2", "--device", "cpu", "--batch-size", "4"]
+# Multi-process runs also accumulate gradients over two micro-batches.
+MULTI_ARGS = BASE_ARGS + ["--grad-accum", "2"]
+STEPS = 6
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCH_FSDP_OFFLOAD_PLATFORM"):
+        env.pop(name, None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(nproc: int, *, port: int, extra: list[str] = ()) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", *extra,
+        "-m", "torch_fsdp_offload.train",
+    ]
+
+
+def _run(command: list[str]) -> str:
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {result.returncode}:\n{output[-6000:]}")
+    return output
+
+
+def _records(log_path: str) -> list[dict]:
+    with open(log_path, encoding="utf-8") as log:
+        return [json.loads(line) for line in log]
+
+
+def _losses(log_path: str) -> dict[int, float]:
+    # The last record of each step wins: a restarted job logs the steps after its checkpoint again.
+    return {record["step"]: record["loss"] for record in _records(log_path)}
+
+
+@functools.cache
+def _two_rank_reference(tmp: str) -> dict[int, float]:
+    """Losses of an uninterrupted 2-rank FSDP run (shared by the tests that compare to it)."""
+    log = os.path.join(tmp, "reference.jsonl")
+    _run(_torchrun(2, port=_free_port()) + MULTI_ARGS + ["--steps", str(STEPS), "--json-log", log])
+    return _losses(log)
+
+
+class TestTrain(TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        cls._tmp = tempfile.TemporaryDirectory()
+        cls.tmp = cls._tmp.name
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls._tmp.cleanup()
+        super().tearDownClass()
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.tmp, f"{self.id().rsplit('.', 1)[-1]}-{name}")
+
+    def test_single_process_offload_checkpoint_resume(self) -> None:
+        # Forcing DISCRETE on the CPU runs the real copy path (copies counted, device = cpu), which
+        # must train exactly like FSDP2 without offload; gradient clipping is active (the first
+        # norm is about 0.8) and must be applied identically by OffloadOptimizer.
+        train = [sys.executable, "-m", "torch_fsdp_offload.train", *BASE_ARGS, "--clip-grad-norm", "0.5"]
+        off, on, checkpoints = self._path("off.jsonl"), self._path("on.jsonl"), self._path("ckpt")
+        _run(train + ["--offload", "off", "--steps", "4", "--json-log", off])
+        output = _run(train + ["--platform", "discrete", "--steps", "4", "--json-log", on,
+                               "--checkpoint-dir", checkpoints, "--checkpoint-every", "2"])
+        self.assertIn("platform: discrete", output)
+        self.assertIn("step 4/4 | loss ", output)
+        off_records, on_records = _records(off), _records(on)
+        self.assertEqual([r["step"] for r in on_records], [1, 2, 3, 4])
+        self.assertEqual([r["loss"] for r in on_records], [r["loss"] for r in off_records])
+        self.assertGreater(off_records[0]["grad_norm"], 0.5)
+        self.assertLess(on_records[-1]["loss"], on_records[0]["loss"])
+        self.assertTrue(all(r["h2d_bytes"] > 0 and r["d2h_bytes"] > 0 for r in on_records))
+        self.assertTrue(all(r["h2d_bytes"] == 0 and r["d2h_bytes"] == 0 for r in off_records))
+
+        # As if the job had stopped after step 2: point "latest" back there and resume. Model,
+        # optimizer state, step and data position come back, so steps 3 and 4 repeat exactly.
+        with open(os.path.join(checkpoints, "latest"), "w") as latest:
+            latest.write("step_00000002")
+        resumed = self._path("resumed.jsonl")
+        output = _run(train + ["--platform", "discrete", "--steps", "4", "--json-log", resumed,
+                               "--checkpoint-dir", checkpoints, "--resume"])
+        self.assertIn("step 2, data position 8", output)
+        def trace(records):
+            return [(r["step"], r["loss"], r["data_position"], r["h2d_bytes"]) for r in records]
+
+        self.assertEqual(trace(_records(resumed)), trace(on_records[2:]))
+
+    def test_torchrun_two_ranks(self) -> None:
+        losses = _two_rank_reference(self.tmp)
+        self.assertEqual(sorted(losses), list(range(1, STEPS + 1)))
+        self.assertLess(losses[STEPS], losses[1])
+
+    def test_two_nodes_hsdp(self) -> None:
+        # Two agents on one machine acting as two nodes; --hsdp 2 replicates across the "nodes".
+        port, log = _free_port(), self._path("hsdp.jsonl")
+        agents = [
+            subprocess.Popen(
+                _torchrun(1, port=port, extra=["--nnodes", "2", "--node-rank", str(node)])
+                + MULTI_ARGS + ["--steps", str(STEPS), "--hsdp", "2", "--json-log", log],
+                cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for node in (0, 1)
+        ]
+        outputs = [agent.communicate(timeout=TIMEOUT_S)[0] for agent in agents]
+        for agent, output in zip(agents, outputs):
+            self.assertEqual(agent.returncode, 0, output[-6000:])
+        self.assertIn("mesh (2, 1)", "".join(outputs))
+        # Same samples per rank and the same global batch as the 2-rank FSDP run: the same training.
+        self.assertEqual(_losses(log), _two_rank_reference(self.tmp), atol=1e-5, rtol=1e-5)
+
+    def test_killed_rank_restarts_from_checkpoint(self) -> None:
+        # Rank 1 dies at the start of step index 3 on the first attempt; the last checkpoint is at
+        # step 2. torchrun restarts both ranks, which resume from it and finish the job.
+        checkpoints, log = self._path("ckpt"), self._path("restart.jsonl")
+        output = _run(
+            _torchrun(2, port=_free_port(), extra=["--max-restarts", "1"]) + MULTI_ARGS
+            + ["--steps", str(STEPS), "--checkpoint-dir", checkpoints, "--checkpoint-every", "2",
+               "--resume", "--fail-at-step", "3", "--json-log", log]
+        )
+        self.assertIn("--fail-at-step 3: exiting", output)
+        self.assertIn("resumed from", output)
+        steps_logged = [record["step"] for record in _records(log)]
+        # First attempt: 1, 2, 3; second attempt resumes after step 2: 3, 4, 5, 6.
+        self.assertEqual(steps_logged, [1, 2, 3, 3, 4, 5, 6])
+        self.assertEqual(_losses(log), _two_rank_reference(self.tmp), atol=0, rtol=0)
+
+    def test_bad_arguments(self) -> None:
+        cases = {
+            ("--hsdp", "3"): "--hsdp 3 must divide the world size",
+            ("--resume",): "--resume need --checkpoint-dir",
+            ("--offload", "off", "--prefetch-depth", "2"): "--prefetch-depth configure offloading",
+            ("--seq-len", "4096"): "exceeds tiny's max_seq_len 256",
+            ("--offload-optimizer", "gpu"): "'gpu' is not host, stream, auto or a fraction",
+            ("--module-fraction", "2"): "module_fraction",
+        }
+        for flags, message in cases.items():
+            stderr = io.StringIO()
+            with self.assertRaises(SystemExit) as raised, contextlib.redirect_stderr(stderr):
+                parse_args(list(flags))
+            self.assertEqual(raised.exception.code, 2)
+            self.assertIn(message, stderr.getvalue())
+
+if __name__ == "__main__":
+    run_tests()
