@@ -1,0 +1,387 @@
+"""``FullyShardedDataParallel(..., offload_policy=)``: FSDP1's front door to :class:`CoherentOffload`.
+
+Design: this is FSDP1 itself (a subclass of ``torch.distributed.fsdp.FullyShardedDataParallel``),
+not FSDP2 underneath. What FSDP1 users rely on is FSDP1's ``FlatParameter`` machinery:
+``state_dict_type`` with FULL / SHARDED (``ShardedTensor``) / LOCAL state dicts,
+``FSDP.optim_state_dict`` and existing checkpoints keyed by it, ``summon_full_params`` (writeback,
+``rank0_only``, ``offload_to_cpu``), ``no_sync``, the ``clip_grad_norm_`` method, ``FSDP.fsdp_modules``,
+``use_orig_params=False`` (optimizers built over flat parameters) and every ``ShardingStrategy``.
+Emulating that surface on FSDP2 would change state-dict layouts and optimizer-state keys and break
+existing checkpoints; keeping FSDP1 keeps all of it bit for bit. The offload policy changes only
+where a handle's shard lives and how its bytes cross the link, through five patch points of FSDP1's
+internals, all in this file and checked against the torch versions they were read from
+(fsdp-internals.md §2):
+
+* ``FlatParamHandle.init_flat_param_attributes``: the host shard and gradient buffer are exact-size
+  pinned memory (:func:`~torch_fsdp_offload.memory.pinned_empty`) instead of FSDP1's unconditional
+  ``pin_memory()`` (power-of-two rounded; and impossible on CPU-only builds); plain host memory for
+  ``CPUOffloadPolicy(pin_memory=False)``.
+* ``FlatParamHandle._use_low_precision_shard`` (parameter mixed precision): the shard is cast to the
+  compute dtype on the host into a persistent pinned mirror, and only those bytes are copied, on the
+  :class:`~torch_fsdp_offload.transfer.TransferEngine`'s H2D stream (FSDP1 copies fp32 and casts on
+  the GPU: twice the bytes).
+* ``FlatParamHandle.flat_param_to`` (no mixed precision): the H2D copy runs on the engine's stream.
+* ``_runtime_utils._offload_grad``: the reduced gradient shard goes down on the engine's D2H stream
+  into the persistent host buffer; the post-backward stream waits for it, so FSDP1's end-of-backward
+  synchronisation covers it.
+* ``_runtime_utils._post_backward_final_callback``: on a CPU compute device that synchronisation is
+  skipped (copies there are synchronous, and ``torch.cpu.Stream`` has no ``synchronize``, so stock
+  FSDP1 offload cannot finish a backward on the CPU).
+
+Prefetching is FSDP1's own (``forward_prefetch``, ``backward_prefetch``): an unshard issued early
+issues its H2D early. Every FSDP instance in the tree, including those ``auto_wrap_policy`` builds with
+the base class, gets the policy: it is applied to every handle of ``FSDP.fsdp_modules(root)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullyShardedDataParallel as _FSDP1,
+    OffloadPolicy,
+    ShardingStrategy,
+)
+from torch.distributed.fsdp import _flat_param, _runtime_utils
+
+from torch_fsdp_offload._fsdp2 import torch_version
+from torch_fsdp_offload.memory import pinned_empty
+from torch_fsdp_offload.platform import PlatformKind, detect_platform
+from torch_fsdp_offload.policy import CoherentOffload
+from torch_fsdp_offload.transfer import Transfer, TransferEngine, get_transfer_engine
+
+__all__ = ["FullyShardedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+# FSDP1 releases whose internals (the five patch points above) were read: 2.11 and 2.13 are line
+# for line identical there (fsdp-internals.md §2); 2.12 and 2.14 did not change FSDP1.
+_SUPPORTED_TORCH = ((2, 11), (2, 14))
+_HANDLE_ATTRIBUTE = "_torch_fsdp_offload"
+_originals: dict[str, object] = {}
+
+
+@dataclass
+class _HandleOffload:
+    """What one ``FlatParamHandle`` does differently under an offload policy."""
+
+    pinned: bool  # host shard in exact-size pinned memory (False: plain host memory)
+    engine: TransferEngine | None  # copies through the engine; None: FSDP1's own copies
+    chunk_bytes: int | None = None
+    mirror: torch.Tensor | None = None  # pinned compute-dtype copy of the shard
+    mirror_transfer: Transfer | None = None  # last H2D that read the mirror
+
+
+class FullyShardedDataParallel(_FSDP1):
+    """FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) with an ``offload_policy``.
+
+    Takes FSDP1's constructor unchanged, plus ``offload_policy``. Everything FSDP1 offers works as in
+    FSDP1 (state dicts, ``optim_state_dict``, ``summon_full_params``, ``no_sync``,
+    ``clip_grad_norm_``, ``fsdp_modules``, all sharding strategies); the policy decides where shards
+    live and how they are copied. See the module docstring for why this is FSDP1 and not FSDP2.
+
+    Args:
+        module, process_group, sharding_strategy, cpu_offload, auto_wrap_policy, backward_prefetch,
+        mixed_precision, ignored_modules, param_init_fn, device_id, sync_module_states,
+        forward_prefetch, limit_all_gathers, use_orig_params, ignored_states, device_mesh:
+            as for FSDP1.
+        offload_policy (OffloadPolicy | None): ``None`` or ``OffloadPolicy()``: no offload (FSDP1's
+            ``cpu_offload`` argument applies as usual). ``CPUOffloadPolicy(pin_memory=...)``: FSDP1's
+            parameter offload, with the host shard pinned or not as asked. :class:`CoherentOffload`:
+            exact-size pinned shards, H2D/D2H on the transfer engine's streams, cast to the compute
+            dtype before the copy; on a UNIFIED machine no offload at all (the GPU's memory is the
+            host's: a copy would move bytes within one memory); ``prefetch_depth=0`` turns FSDP1's
+            prefetching off, ``1`` (default) turns on ``forward_prefetch`` as well.
+
+    Raises:
+        ValueError: before anything is sharded, for a combination this class cannot honour:
+            ``cpu_offload=`` together with ``offload_policy=``; a ``CoherentOffload`` with
+            ``prefetch_depth > 1``, ``module_fraction < 1``, ``activations`` or ``memory="managed"``
+            (FSDP1 offloads every handle of the tree alike and prefetches one handle ahead; use FSDP2
+            ``fully_shard`` for those).
+        TypeError: ``offload_policy`` is not an ``OffloadPolicy``.
+        RuntimeError: a torch release whose FSDP1 internals were not checked.
+
+    Example::
+
+        >>> from torch.distributed.fsdp import MixedPrecision
+        >>> from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        >>> from torch_fsdp_offload import CoherentOffload, FullyShardedDataParallel as FSDP
+        >>> model = FSDP(
+        ...     model,
+        ...     auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+        ...     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        ...     device_id=torch.cuda.current_device(),
+        ...     offload_policy=CoherentOffload(),
+        ... )
+        >>> optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        >>> with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        ...     state = model.state_dict()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy=None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision=None,
+        ignored_modules=None,
+        param_init_fn=None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states=None,
+        device_mesh=None,
+        *,
+        offload_policy: OffloadPolicy | None = None,
+    ) -> None:
+        handle_offload, cpu_offload = _plan(offload_policy, cpu_offload, device_id)
+        if isinstance(offload_policy, CoherentOffload):
+            if offload_policy.prefetch_depth == 0:
+                backward_prefetch, forward_prefetch = None, False
+            else:
+                forward_prefetch = True
+        super().__init__(
+            module,
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            auto_wrap_policy=auto_wrap_policy,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            ignored_modules=ignored_modules,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+            ignored_states=ignored_states,
+            device_mesh=device_mesh,
+        )
+        self.offload_policy = offload_policy if offload_policy is not None else OffloadPolicy()
+        if handle_offload is None:
+            return
+        _install()
+        for state in _FSDP1.fsdp_modules(self):
+            if state._handle is not None:
+                engine = get_transfer_engine(state._handle.device) if handle_offload.engine else None
+                setattr(state._handle, _HANDLE_ATTRIBUTE, _HandleOffload(
+                    pinned=handle_offload.pinned, engine=engine, chunk_bytes=handle_offload.chunk_bytes
+                ))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    pinned: bool
+    engine: bool
+    chunk_bytes: int | None
+
+
+def _plan(
+    offload_policy: OffloadPolicy | None, cpu_offload: CPUOffload | None, device_id
+) -> tuple[_Plan | None, CPUOffload | None]:
+    """Validate the policy; return what each handle does and FSDP1's ``cpu_offload`` argument."""
+    if offload_policy is None or type(offload_policy) is OffloadPolicy:
+        return None, cpu_offload
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"FullyShardedDataParallel(offload_policy=...) takes an OffloadPolicy (e.g. CoherentOffload()), "
+            f"got {type(offload_policy).__name__}"
+        )
+    if cpu_offload is not None:
+        raise ValueError(
+            "FullyShardedDataParallel got both cpu_offload= and offload_policy=; pass only "
+            "offload_policy (CPUOffload(offload_params=True) is CPUOffloadPolicy())"
+        )
+    if not isinstance(offload_policy, CPUOffloadPolicy):
+        raise TypeError(
+            f"FullyShardedDataParallel cannot honour {type(offload_policy).__name__}: only OffloadPolicy(), "
+            "CPUOffloadPolicy and CoherentOffload are understood"
+        )
+    _check_torch_version()
+    if not isinstance(offload_policy, CoherentOffload):
+        # Stock FSDP1 pins the shard itself; only pin_memory=False needs our placement.
+        plan = None if offload_policy.pin_memory else _Plan(pinned=False, engine=False, chunk_bytes=None)
+        return plan, CPUOffload(offload_params=True)
+    unsupported = {
+        "prefetch_depth > 1": offload_policy.prefetch_depth > 1,
+        "module_fraction < 1": offload_policy.module_fraction < 1,
+        "activations": bool(offload_policy.activations),
+        "memory='managed'": offload_policy.memory == "managed",
+    }
+    asked = [name for name, present in unsupported.items() if present]
+    if asked:
+        raise ValueError(
+            f"FullyShardedDataParallel(offload_policy=CoherentOffload(...)) cannot honour "
+            f"{', '.join(asked)}: FSDP1 offloads every handle alike and prefetches one handle ahead. "
+            "Drop those knobs, or shard with FSDP2 fully_shard(offload_policy=...)"
+        )
+    if not offload_policy.offload_params:
+        return None, None
+    device = _compute_device(device_id)
+    resolved = offload_policy.resolve(detect_platform(device, kind=offload_policy.platform))
+    if resolved.platform is PlatformKind.UNIFIED:
+        logger.info("CoherentOffload on a unified-memory machine: FSDP1 keeps shards in the GPU's "
+                    "memory, which is the host's, and copies nothing")
+        return None, None
+    plan = _Plan(pinned=True, engine=resolved.copies, chunk_bytes=offload_policy.chunk_bytes)
+    return plan, CPUOffload(offload_params=True)
+
+
+def _compute_device(device_id) -> torch.device:
+    if device_id is not None:
+        device = torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_torch_version() -> None:
+    low, high = _SUPPORTED_TORCH
+    if not (low <= torch_version() <= high):
+        raise RuntimeError(
+            f"torch_fsdp_offload's FSDP1 front door supports torch {low[0]}.{low[1]} through "
+            f"{high[0]}.{high[1]}; this is torch {torch.__version__}. Use FSDP1's own cpu_offload= "
+            "on this release, or a supported torch."
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Patch points into FSDP1 (installed once; each delegates to FSDP1 for handles without an offload).
+
+
+def _install() -> None:
+    if _originals:
+        return
+    handle_class = _flat_param.FlatParamHandle
+    _originals["init_flat_param_attributes"] = handle_class.init_flat_param_attributes
+    _originals["_use_low_precision_shard"] = handle_class._use_low_precision_shard
+    _originals["flat_param_to"] = handle_class.flat_param_to
+    _originals["_offload_grad"] = _runtime_utils._offload_grad
+    _originals["_post_backward_final_callback"] = _runtime_utils._post_backward_final_callback
+    handle_class.init_flat_param_attributes = _init_flat_param_attributes
+    handle_class._use_low_precision_shard = _use_low_precision_shard
+    handle_class.flat_param_to = _flat_param_to
+    _runtime_utils._offload_grad = _offload_grad
+    _runtime_utils._post_backward_final_callback = _post_backward_final_callback
+
+
+@contextlib.contextmanager
+def _pin_memory_as(pinned: bool):
+    # FSDP1 calls Tensor.pin_memory() on the shard and the gradient buffer; route those two calls to
+    # exact-size pinned memory (or none) without copying FSDP1's initialisation logic.
+    original = torch.Tensor.pin_memory
+
+    def pin(tensor: torch.Tensor, device=None) -> torch.Tensor:
+        if not pinned:
+            return tensor
+        host = pinned_empty(tensor.shape, tensor.dtype)
+        host.copy_(tensor)
+        return host
+
+    torch.Tensor.pin_memory = pin
+    try:
+        yield
+    finally:
+        torch.Tensor.pin_memory = original
+
+
+@torch.no_grad()
+def _init_flat_param_attributes(self) -> None:
+    offload = getattr(self, _HANDLE_ATTRIBUTE, None)
+    if offload is None or not self._offload_params:
+        return _originals["init_flat_param_attributes"](self)
+    with _pin_memory_as(offload.pinned):
+        return _originals["init_flat_param_attributes"](self)
+
+
+def _use_low_precision_shard(self) -> None:
+    offload = getattr(self, _HANDLE_ATTRIBUTE, None)
+    if offload is None or offload.engine is None or not self._offload_params:
+        return _originals["_use_low_precision_shard"](self)
+    self._check_low_precision_shard()
+    flat_param = self.flat_param
+    local_shard = flat_param._local_shard
+    if offload.mirror is None:
+        offload.mirror = pinned_empty(local_shard.shape, self._fwd_bwd_param_dtype)
+    elif offload.mirror_transfer is not None:
+        offload.mirror_transfer.synchronize()  # the previous copy may still read the mirror
+    # Cast on the host: only compute-dtype bytes cross the link.
+    offload.mirror.copy_(local_shard)
+    _flat_param._alloc_storage(flat_param._mp_shard, local_shard.size())
+    offload.mirror_transfer = offload.engine.h2d(
+        offload.mirror, flat_param._mp_shard, label="fsdp1_param_h2d", chunk_bytes=offload.chunk_bytes
+    )
+    offload.mirror_transfer.wait()
+    flat_param.data = flat_param._mp_shard
+
+
+def _flat_param_to(self, *args, **kwargs) -> None:
+    offload = getattr(self, _HANDLE_ATTRIBUTE, None)
+    target = args[0] if args else kwargs.get("device")
+    to_compute_device = (
+        offload is not None
+        and offload.engine is not None
+        and self.device.type == "cuda"
+        and isinstance(target, (torch.device, str))
+        and torch.device(target) == self.device
+        and self.flat_param.device.type == "cpu"
+    )
+    if not to_compute_device:
+        return _originals["flat_param_to"](self, *args, **kwargs)
+    transfer = offload.engine.h2d(self.flat_param.data, label="fsdp1_param_h2d", chunk_bytes=offload.chunk_bytes)
+    self.flat_param.data = transfer.wait()
+    # As FSDP1's flat_param_to: the original parameters are views that must follow the new storage.
+    if self._use_orig_params:
+        if self.is_sharded(self.flat_param):
+            self._use_sharded_views()
+        else:
+            self._use_unsharded_views(as_params=True)
+
+
+def _offload_grad(state, handle, grad_to_offload: torch.Tensor) -> None:
+    offload = getattr(handle, _HANDLE_ATTRIBUTE, None) if handle is not None else None
+    if offload is None or offload.engine is None or not handle._offload_params:
+        return _originals["_offload_grad"](state, handle, grad_to_offload)
+    transfer = offload.engine.d2h(
+        grad_to_offload.detach().contiguous(), handle.flat_param._cpu_grad, label="fsdp1_grad_d2h",
+        chunk_bytes=offload.chunk_bytes,
+    )
+    if grad_to_offload.device.type == "cuda":
+        # The post-backward stream (current here) waits, so FSDP1's end-of-backward
+        # synchronisation of the current stream covers this copy.
+        transfer.wait(torch.cuda.current_stream(grad_to_offload.device))
+
+
+def _post_backward_final_callback(state, module) -> None:
+    cpu_offload = state.cpu_offload
+    on_cpu = (
+        cpu_offload.offload_params
+        and state.compute_device.type == "cpu"
+        and state._handle is not None
+        and hasattr(state._handle, _HANDLE_ATTRIBUTE)
+    )
+    if not on_cpu:
+        return _originals["_post_backward_final_callback"](state, module)
+    # FSDP1 reads cpu_offload only to synchronise the (CPU) stream for D2H copies that already ran.
+    state.cpu_offload = CPUOffload(offload_params=False)
+    try:
+        return _originals["_post_backward_final_callback"](state, module)
+    finally:
+        state.cpu_offload = cpu_offload
