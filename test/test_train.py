@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import unittest
 
 from torch.testing._internal.common_utils import TestCase, run_tests
 
@@ -166,6 +168,17 @@ class TestTrain(TestCase):
         # First attempt: 1, 2, 3; second attempt resumes after step 2: 3, 4, 5, 6.
         self.assertEqual(steps_logged, [1, 2, 3, 3, 4, 5, 6])
         self.assertEqual(_losses(log), _two_rank_reference(self.tmp), atol=0, rtol=0)
+
+    @unittest.skipIf(importlib.util.find_spec("transformers") is None, "needs transformers")
+    def test_hf_causal_lm(self) -> None:
+        log = self._path("hf.jsonl")
+        output = _run([sys.executable, "-m", "torch_fsdp_offload.train", "--hf-config", "llama-tiny",
+                       "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--platform", "discrete",
+                       "--steps", "3", "--json-log", log])
+        self.assertIn("model: llama-tiny", output)
+        records = _records(log)
+        self.assertEqual(len(records), 3)
+        self.assertTrue(all(r["h2d_bytes"] > 0 for r in records))
 
     def test_bad_arguments(self) -> None:
         cases = {
