@@ -44,6 +44,13 @@ from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
 
 GiB = 1 << 30
+# Row name -> CoherentOffload knobs.
+COHERENT_ROWS = {
+    "coherent(depth=1)": {"prefetch_depth": 1},
+    "coherent(depth=2)": {"prefetch_depth": 2},
+    "coherent(fraction=0.75)": {"module_fraction": 0.75},
+    "coherent(fraction=0.5)": {"module_fraction": 0.5},
+}
 
 
 def _shard(model: nn.Module, offload_policy) -> None:
@@ -68,10 +75,8 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
     elif name == "stock_cpu_offload+fused_cpu_adamw":
         _shard(model, CPUOffloadPolicy(pin_memory=True))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    elif name.startswith("coherent"):
-        fraction = float(name.split("fraction=")[1]) if "fraction=" in name else 1.0
-        depth = int(name.split("depth=")[1].split(",")[0]) if "depth=" in name else 1
-        _shard(model, CoherentOffload(prefetch_depth=depth, module_fraction=fraction))
+    elif name in COHERENT_ROWS:
+        _shard(model, CoherentOffload(**COHERENT_ROWS[name]))
         optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
     else:
         raise ValueError(name)
@@ -169,7 +174,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--rows",
-        default="resident,stock_cpu_offload+fused_cpu_adamw,coherent(depth=1),coherent(depth=2),coherent(fraction=0.75)",
+        default="resident,stock_cpu_offload+fused_cpu_adamw," + ",".join(COHERENT_ROWS),
     )
     parser.add_argument("--out", default="benchmarks/results/fsdp_offload.json")
     parser.add_argument("--profile", default=None, help="directory for a chrome trace of each CoherentOffload row at the first batch size")

@@ -71,6 +71,16 @@ class CoherentFSDPParam(FSDPParam):
             return super().all_gather_inputs
         return [offload.take_input(self)]
 
+    def to_sharded_dtensor(self, tensor: torch.Tensor):
+        offload = self._offload
+        if offload.capturing_grads:
+            # FSDP is handing us this parameter's reduced gradient (still on the device). Keep
+            # it for the coalesced D2H and give FSDP the host slot it will land in, so the
+            # gradient has the parameter's (host) device as torch requires.
+            offload.captured_grads[self] = tensor
+            return super().to_sharded_dtensor(offload.host_grad_view(self))
+        return super().to_sharded_dtensor(tensor)
+
     def reset_sharded_param(self) -> None:
         super().reset_sharded_param()
         # load_state_dict(assign=True) or Module._apply can swap the local tensor out of our
@@ -110,6 +120,8 @@ class GroupOffload:
         self._inflight: Transfer | None = None
         self._inputs_left: set[CoherentFSDPParam] = set()
         self.grad_transfer: Transfer | None = None
+        self.capturing_grads = False
+        self.captured_grads: dict[CoherentFSDPParam, torch.Tensor] = {}
 
     @property
     def active(self) -> bool:
@@ -211,22 +223,21 @@ class GroupOffload:
         return staging[offset : offset + numel]
 
     # -- gradients -------------------------------------------------------------------------
-    @torch.no_grad()
-    def offload_grads(self, post_reduce_event: Any) -> bool:
-        """Copy the group's reduced gradient shards into the persistent host buffer.
-
-        Returns whether any gradient was copied."""
-        # Fresh reduced gradients: those not already in our host buffer.
-        with_grad = [
-            p
-            for p in self.group.fsdp_params
-            if p.sharded_param.grad is not None and not _is_host_grad(self, p)
-        ]
-        if not with_grad:
-            return False
+    def host_grad_view(self, fsdp_param: CoherentFSDPParam) -> torch.Tensor:
+        """``fsdp_param``'s slot in the persistent host gradient buffer."""
         if self.grads is None:
             self.grads = pinned_empty((self.numel,), self.master.dtype)
-        device_grads = [p.sharded_param.grad._local_tensor for p in with_grad]
+        return self._padded_view(self.grads, fsdp_param)
+
+    @torch.no_grad()
+    def offload_grads(self, post_reduce_event: Any) -> bool:
+        """Copy the captured reduced gradient shards into the persistent host buffer, as one
+        coalesced D2H on the D2H stream once the reduction finished.
+
+        Returns whether any gradient was copied."""
+        captured, self.captured_grads = self.captured_grads, {}
+        if not captured:
+            return False
         copy_stream = self.engine.d2h_stream
         with torch.profiler.record_function("torch_fsdp_offload::grads_coalesce"):
             if copy_stream is not None:
@@ -234,20 +245,18 @@ class GroupOffload:
                     copy_stream.wait_event(post_reduce_event)
                 else:
                     copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-                for grad in device_grads:
+                for grad in captured.values():
                     grad.record_stream(copy_stream)
             with torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext():
                 flat = torch.empty(self.numel, dtype=self.master.dtype, device=self.device)
-                views = [self._padded_view(flat, p) for p in with_grad]
-                torch._foreach_copy_(views, device_grads)
+                torch._foreach_copy_([self._padded_view(flat, p) for p in captured], list(captured.values()))
                 self.grad_transfer = self.engine.d2h(
                     flat,
                     self.grads,
                     label=f"grads_d2h:{self.group._module_fqn or 'root'}",
                     chunk_bytes=self.plan.chunk_bytes,
                 )
-        for p in with_grad:
-            p.sharded_param.grad = p.to_sharded_dtensor(self._padded_view(self.grads, p))
+        for p in captured:
             # FSDP's finalize_backward calls .synchronize() on it: plain torch.optim users are safe.
             p.grad_offload_event = self.grad_transfer
         return True
@@ -442,9 +451,11 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             if param_hooks:
                 hooks[p] = param_hooks
                 p.sharded_param._post_accumulate_grad_hooks = None
+        offload.capturing_grads = True
         try:
             super().post_backward(*unused)
         finally:
+            offload.capturing_grads = False
             for p in params:
                 p.offload_to_cpu = True
             for p, param_hooks in hooks.items():
