@@ -102,8 +102,9 @@ class CoherentOffload(CPUOffloadPolicy):
             directions interleave and completion can be tracked. Default 64 MiB (at or near the
             link's peak on PCIe Gen5); at least 1 MiB.
         module_fraction (float): fraction of the FSDP parameter groups that are offloaded, in
-            [0, 1]. Default 1.0. With less, the groups that run first in forward (and last in
-            backward) stay on the GPU: their copies would be the hardest to hide.
+            [0, 1]. Default 1.0. The offloaded groups are spread evenly over the order in which
+            ``fully_shard`` is called with this policy object (0.5 offloads every second group);
+            the others stay on the GPU like plain FSDP2 groups. Use one policy object per model.
         activations (bool or float): offload what the FSDP-wrapped blocks save for backward
             (True = 1.0, or the fraction of blocks, counted from the first). Default False.
         platform (str or None): force a platform class (``"unified"``, ``"coherent"``,

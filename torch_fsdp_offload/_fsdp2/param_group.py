@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import weakref
 from typing import Any
@@ -49,10 +50,17 @@ def _resolved_plan(policy: CoherentOffload) -> ResolvedPlan:
     return plan
 
 
-def _fqn_sort_key(fqn: str) -> list:
-    # The root ("") first, then submodules in numeric order (blocks.2 before blocks.10): the
-    # order in which a standard transformer's groups run in forward.
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in fqn.split(".") if part]
+def _next_group_offloaded(policy: CoherentOffload, fraction: float) -> bool:
+    """Whether the next group ``fully_shard`` builds with ``policy`` is offloaded.
+
+    The offloaded groups are spread evenly over the order in which ``fully_shard`` is called
+    (0.5 offloads every second group), decided when each group is built: a resident group must
+    never have had its shards placed on the host, since its parameters keep the device they
+    were created with.
+    """
+    index = getattr(policy, "_groups_built", 0)
+    object.__setattr__(policy, "_groups_built", index + 1)
+    return math.floor((index + 1) * fraction + 1e-9) > math.floor(index * fraction + 1e-9)
 
 
 class CoherentFSDPParam(FSDPParam):
@@ -93,7 +101,9 @@ class CoherentFSDPParam(FSDPParam):
 class GroupOffload:
     """Host buffers, copies and gradient offload of one FSDP parameter group."""
 
-    def __init__(self, group: "CoherentFSDPParamGroup", policy: CoherentOffload, plan: ResolvedPlan):
+    def __init__(
+        self, group: "CoherentFSDPParamGroup", policy: CoherentOffload, plan: ResolvedPlan, offloaded: bool
+    ):
         self.group = weakref.proxy(group)
         self.policy = policy
         self.plan = plan
@@ -101,10 +111,7 @@ class GroupOffload:
         self.engine = get_transfer_engine(group.device)
         # Offloaded through FSDP's CPU-offload path; False for groups that stay resident
         # (module_fraction) and on UNIFIED / HOST_ONLY, where nothing is copied.
-        self.offloaded = plan.offload_params and plan.platform not in (
-            PlatformKind.UNIFIED,
-            PlatformKind.HOST_ONLY,
-        )
+        self.offloaded = offloaded
         self.homed = False
         self.master: torch.Tensor | None = None  # orig-dtype shards, exact size
         self.mirror: torch.Tensor | None = None  # param-dtype copy of master (mixed precision)
@@ -335,9 +342,10 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             super().__init__(*args, **kwargs)
             return
         plan = _resolved_plan(policy)
-        offloaded = plan.offload_params and plan.platform not in (
-            PlatformKind.UNIFIED,
-            PlatformKind.HOST_ONLY,
+        offloaded = (
+            plan.offload_params
+            and plan.platform not in (PlatformKind.UNIFIED, PlatformKind.HOST_ONLY)
+            and _next_group_offloaded(policy, plan.module_fraction)
         )
         # FSDP places shards on the host only for a CPUOffloadPolicy; on UNIFIED and HOST_ONLY
         # the shards stay where compute runs, and nothing crosses a link.
@@ -349,7 +357,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         super().__init__(*args, **kwargs)
         self.offload_policy = fsdp_policy
         self.coherent_policy = policy
-        self._offload = GroupOffload(self, policy, plan)
+        self._offload = GroupOffload(self, policy, plan, offloaded)
         for fsdp_param in self.fsdp_params:
             fsdp_param.__class__ = CoherentFSDPParam
             fsdp_param._offload = self._offload
@@ -373,39 +381,8 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             self._offload.home()
 
     def _root_lazy_init(self) -> None:
-        if getattr(self.comm_ctx, "coherent_schedule", None) is not None:
-            return
-        self.comm_ctx.coherent_schedule = RootSchedule()
-        groups = [g for g in list(_live_groups) if g.comm_ctx is self.comm_ctx]
-        by_policy: dict[int, list[CoherentFSDPParamGroup]] = {}
-        for g in groups:
-            by_policy.setdefault(id(g.coherent_policy), []).append(g)
-        for same_policy in by_policy.values():
-            fraction = same_policy[0]._offload.plan.module_fraction
-            if fraction >= 1.0:
-                continue
-            same_policy.sort(key=lambda g: _fqn_sort_key(g._module_fqn or ""))
-            n_resident = len(same_policy) - round(fraction * len(same_policy))
-            for g in same_policy[:n_resident]:
-                g._make_resident()
-
-    @torch.no_grad()
-    def _make_resident(self) -> None:
-        """Keep this group on the device (partial offload): undo FSDP's host placement."""
-        if not self._offload.offloaded:
-            return
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.offload_to_cpu = False
-            fsdp_param.pin_memory = False
-            padded = fsdp_param._sharded_param_data.to(self.device)
-            fsdp_param._sharded_param_data = padded
-            shard_dim = fsdp_param.fsdp_placement.dim
-            length = fsdp_param.sharded_size[shard_dim] if fsdp_param.sharded_size.numel() > 0 else 0
-            fsdp_param.sharded_param._local_tensor = padded.view(
-                fsdp_param.padded_sharded_param_size
-            ).narrow(shard_dim, 0, length)
-        self._offload.offloaded = False
-        self.offload_policy = OffloadPolicy()
+        if getattr(self.comm_ctx, "coherent_schedule", None) is None:
+            self.comm_ctx.coherent_schedule = RootSchedule()
 
     # -- runtime -----------------------------------------------------------------------
     def unshard(self, async_op: bool = False):
