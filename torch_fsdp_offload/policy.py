@@ -105,8 +105,10 @@ class CoherentOffload(CPUOffloadPolicy):
             [0, 1]. Default 1.0. The offloaded groups are spread evenly over the order in which
             ``fully_shard`` is called with this policy object (0.5 offloads every second group);
             the others stay on the GPU like plain FSDP2 groups. Use one policy object per model.
-        activations (bool or float): offload what the FSDP-wrapped blocks save for backward
-            (True = 1.0, or the fraction of blocks, counted from the first). Default False.
+        activations (bool or float): reserved for offloading what the FSDP-wrapped blocks save
+            for backward from inside the policy. Not applied by ``fully_shard`` yet: any value
+            but False raises. Use :func:`torch_fsdp_offload.activations.offload_activations`
+            on the sharded model instead (it shares this policy's transfer streams).
         platform (str or None): force a platform class (``"unified"``, ``"coherent"``,
             ``"discrete"``, ``"host_only"``) instead of detecting it; the environment variable
             ``TORCH_FSDP_OFFLOAD_PLATFORM`` does the same for every policy.
@@ -197,6 +199,12 @@ class CoherentOffload(CPUOffloadPolicy):
             raise ValueError(
                 f"CoherentOffload(activations={self.activations!r}) must be True, False or a "
                 "fraction in [0, 1] of the blocks whose activations are offloaded."
+            )
+        if self.activations is not False:
+            raise ValueError(
+                "CoherentOffload(activations=...) is not applied by fully_shard yet. Offload "
+                "activations with torch_fsdp_offload.activations.offload_activations(model, "
+                "fraction=...) after sharding, and leave activations=False."
             )
         if self.platform is not None and self.platform not in {k.value for k in PlatformKind}:
             raise ValueError(

@@ -46,6 +46,7 @@ from torch_fsdp_offload.models import (
     build_model,
     causal_lm_loss,
 )
+from torch_fsdp_offload.activations import offload_activations
 from torch_fsdp_offload.optim import OffloadOptimizer
 from torch_fsdp_offload.platform import detect_platform
 from torch_fsdp_offload.policy import CoherentOffload
@@ -182,7 +183,6 @@ def _offload_policy(args: argparse.Namespace) -> CoherentOffload:
         "prefetch_depth": args.prefetch_depth,
         "chunk_bytes": None if args.chunk_mb is None else args.chunk_mb << 20,
         "module_fraction": args.module_fraction,
-        "activations": args.offload_activations,
         "platform": args.platform,
     }
     try:
@@ -273,6 +273,9 @@ def build_sharded_model(args: argparse.Namespace, dist_env: _Distributed) -> nn.
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[name] = buffer.to(dist_env.device)
+    if args.offload_activations:
+        # Kept alive by the hooks it registers on the model.
+        offload_activations(model, blocks=list(_transformer_blocks(model)), fraction=args.offload_activations)
     return model
 
 

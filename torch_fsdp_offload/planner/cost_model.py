@@ -341,8 +341,6 @@ class TrainingConfig:
             kwargs["module_fraction"] = round(self.module_fraction, 4)
             if self.optimizer != "host":
                 kwargs["optimizer"] = self.optimizer
-        if self.activations > 0:
-            kwargs["activations"] = True if self.activations == 1.0 else round(self.activations, 4)
         if self.prefetch_depth != 1:
             kwargs["prefetch_depth"] = self.prefetch_depth
         return kwargs

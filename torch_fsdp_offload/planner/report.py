@@ -35,6 +35,8 @@ class Recommendation:
         checkpointing (bool): use activation checkpointing per block.
         throughput_gain (float): expected samples per second over today's run, minus 1.
         kwargs (dict | None): ``CoherentOffload(**kwargs)``; None means pass no offload policy.
+            Activation offload is applied separately, with ``offload_activations(model,
+            fraction=activations_offload_fraction)``.
         reason (str): one sentence saying why.
         predicted_step_s (float | None), predicted_peak_gpu_GiB (float | None): from the FSDP2
             step model, when a real model was planned.
@@ -60,6 +62,11 @@ class Recommendation:
 
         return CoherentOffload(**self.kwargs)
 
+    def _activations_code(self) -> str:
+        if self.activations_offload_fraction <= 0:
+            return ""
+        return f"; offload_activations(model, fraction={round(self.activations_offload_fraction, 4)!r})"
+
     def code(self) -> str:
         """The recommendation as a line to paste."""
         if self.kwargs is None:
@@ -67,7 +74,7 @@ class Recommendation:
                 return "offload_policy: none (do not pass CoherentOffload); checkpoint each block instead"
             return "offload_policy: none (do not pass CoherentOffload)"
         arguments = ", ".join(f"{key}={value!r}" for key, value in self.kwargs.items())
-        code = f"CoherentOffload({arguments})"
+        code = f"CoherentOffload({arguments})" + self._activations_code()
         return code + " with activation checkpointing per block" if self.checkpointing else code
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,8 +93,7 @@ def candidate_kwargs(candidate: Candidate) -> dict[str, Any] | None:
         kwargs["module_fraction"] = round(candidate.weights_fraction, 4)
     else:
         kwargs.update(offload_params=False, offload_grads=False, offload_optimizer_state=False)
-    if candidate.activations_fraction > 0:
-        kwargs["activations"] = True if candidate.activations_fraction == 1 else round(candidate.activations_fraction, 4)
+    # Activations are offloaded by offload_activations(model, fraction=...), not the policy.
     return kwargs
 
 
