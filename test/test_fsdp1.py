@@ -163,8 +163,7 @@ class TestFSDP1Errors(TestCase):
             (dict(cpu_offload=CPUOffload(True), offload_policy=CoherentOffload()), ValueError,
              "both cpu_offload= and offload_policy="),
             (dict(offload_policy=CoherentOffload(prefetch_depth=2)), ValueError, "prefetch_depth > 1"),
-            (dict(offload_policy=CoherentOffload(module_fraction=0.5, activations=True)), ValueError,
-             "module_fraction < 1, activations"),
+            (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction < 1"),
             (dict(offload_policy="cpu"), TypeError, "takes an OffloadPolicy"),
         ]
         for kwargs, error, message in cases:
