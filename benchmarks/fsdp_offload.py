@@ -46,10 +46,10 @@ from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
 GiB = 1 << 30
 # Row name -> CoherentOffload knobs.
 COHERENT_ROWS = {
-    "coherent(depth=1)": {"prefetch_depth": 1},
-    "coherent(depth=2)": {"prefetch_depth": 2},
-    "coherent(fraction=0.75)": {"module_fraction": 0.75},
-    "coherent(fraction=0.5)": {"module_fraction": 0.5},
+    "coherent(host)": {"optimizer": "host", "prefetch_depth": 2},
+    "coherent(auto)": {"prefetch_depth": 2},
+    "coherent(stream)": {"optimizer": "stream", "prefetch_depth": 2},
+    "coherent(auto,fraction=0.5)": {"prefetch_depth": 2, "module_fraction": 0.5},
 }
 
 
@@ -83,7 +83,7 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
     engine = get_transfer_engine("cuda")
     tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(0))
-    step_s, fwd_s, bwd_s, opt_s, host_s, losses = [], [], [], [], [], []
+    step_s, fwd_s, bwd_s, opt_s, host_s, stream_s, losses = [], [], [], [], [], [], []
     h2d = d2h = 0
     profiler = None
     for step in range(warmup + steps):
@@ -114,6 +114,7 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
             bwd_s.append(fwd_event.elapsed_time(bwd_event) / 1e3)
             opt_s.append((t1 - t0) - start_event.elapsed_time(bwd_event) / 1e3)
             host_s.append(getattr(optimizer, "last_host_step_seconds", 0.0))
+            stream_s.append(getattr(optimizer, "last_stream_step_seconds", 0.0))
             losses.append(loss.item())
     if profiler is not None:
         profiler.__exit__(None, None, None)
@@ -138,6 +139,7 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
         "bwd_s": statistics.median(bwd_s),
         "opt_s": statistics.median(opt_s),
         "host_optimizer_s": statistics.median(host_s),
+        "streamed_optimizer_s": statistics.median(stream_s),
         "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2),
         "h2d_GB": round(h2d / 1e9, 3),
         "d2h_GB": round(d2h / 1e9, 3),

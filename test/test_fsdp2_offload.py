@@ -139,6 +139,12 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self._run_parity(policy=CoherentOffload(platform="discrete"), max_grad_norm=0.05)
         self._run_parity(policy=CoherentOffload(platform="discrete", module_fraction=0.5))
 
+    def test_parity_each_optimizer_placement(self):
+        # "auto" is a 0.5 split on a discrete platform (the other tests); here the two ends.
+        self.init_gloo()
+        self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="host"))
+        self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"), max_grad_norm=0.05)
+
     def test_unified_platform_copies_nothing(self):
         self.init_gloo()
         self._run_parity(policy=CoherentOffload(platform="unified"), expect_copies=False)
@@ -191,6 +197,7 @@ class FSDP2OffloadParityWorldSize1Test(FSDP2OffloadParityTest):
 
     test_checkpoint_round_trip_and_resume = None  # covered at world size 2
     test_unified_platform_copies_nothing = None
+    test_parity_each_optimizer_placement = None
 
 
 class FSDP2OffloadParityWorldSize4Test(FSDP2OffloadParityTest):
@@ -198,6 +205,7 @@ class FSDP2OffloadParityWorldSize4Test(FSDP2OffloadParityTest):
 
     # Covered at world sizes 1 and 2; four ranks on CI's two cores are kept to what needs four.
     test_parity_grad_accumulation_clipping_partial = None
+    test_parity_each_optimizer_placement = None
     test_unified_platform_copies_nothing = None
     test_checkpoint_round_trip_and_resume = None
 

@@ -45,14 +45,14 @@ class CoherentOffloadGPUTest(TestCase):
         dist.destroy_process_group()
         os.unlink(cls._store_file)
 
-    def _pair(self, prefetch_depth=1, module_fraction=1.0, reference_policy=None):
+    def _pair(self, prefetch_depth=1, module_fraction=1.0, reference_policy=None, optimizer="host"):
         # The reference steps with the same fused CPU AdamW kernel (stock CPUOffloadPolicy): a
         # GPU-resident reference differs only by the optimizer kernel's rounding.
         torch.manual_seed(0)
         reference = build_model("small", device="cuda")
         model = copy.deepcopy(reference)
         _shard(reference, reference_policy or CPUOffloadPolicy(pin_memory=True))
-        _shard(model, CoherentOffload(prefetch_depth=prefetch_depth, module_fraction=module_fraction))
+        _shard(model, CoherentOffload(prefetch_depth=prefetch_depth, module_fraction=module_fraction, optimizer=optimizer))
         return (
             reference,
             torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True),
@@ -77,8 +77,24 @@ class CoherentOffloadGPUTest(TestCase):
                 self.assertEqual(p.full_tensor(), q.full_tensor(), atol=1e-6, rtol=1e-6, msg=name)
             self.assertTrue(optim._overlap_learned)
 
+    def test_streamed_optimizer_matches_resident(self):
+        # Streamed steps run the same CUDA fused AdamW kernel as GPU-resident FSDP2.
+        reference, reference_optim, model, optim = self._pair(2, 1.0, reference_policy=OffloadPolicy(), optimizer="stream")
+        for step in range(10):
+            tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            losses = []
+            for m, o in ((reference, reference_optim), (model, optim)):
+                loss = causal_lm_loss(m(tokens), tokens)
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses.append(loss.detach())
+            self.assertEqual(losses[1], losses[0], atol=0, rtol=1e-6)
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            self.assertEqual(p.full_tensor().cuda(), q.full_tensor(), atol=1e-6, rtol=1e-6, msg=name)
+
     def test_partial_offload_close_to_resident(self):
-        reference, reference_optim, model, optim = self._pair(1, 0.5, reference_policy=OffloadPolicy())
+        reference, reference_optim, model, optim = self._pair(1, 0.5, reference_policy=OffloadPolicy(), optimizer=0.5)
         for step in range(10):
             tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
             losses = []

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 import torch.nn as nn
 
+from torch_fsdp_offload.memory import pinned_empty
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,6 +39,22 @@ class OffloadedGroup(Protocol):
     def refresh_mirror(self) -> None: ...
 
     def prefetch_next_forward(self) -> None: ...
+
+    # For steps streamed through the GPU:
+    master: torch.Tensor
+    grads: torch.Tensor | None
+    numel: int
+    device: torch.device
+    engine: Any
+    plan: Any
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]: ...
+
+    def as_param_dtensor(self, index: int, local: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_index(self) -> int: ...
+
+    def write_back(self, master_on_device: torch.Tensor) -> list: ...
 
 
 # Set on each parameter a group manages (parameters compare elementwise, so no dict keys).
@@ -150,10 +168,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._grad_versions: dict[OffloadedGroup, list[int]] = {}
         self._overlap_learned = False
         self._host_seconds = 0.0
+        self._streamed: set[OffloadedGroup] = set()
+        # Per streamed group: its optimizer state moved into flat pinned buffers (one per state
+        # key, laid out like the master), and a same-class optimizer over device proxies.
+        self._flat_state: dict[OffloadedGroup, dict[str, torch.Tensor]] = {}
+        self._device_inner: dict[OffloadedGroup, tuple[torch.optim.Optimizer, list[nn.Parameter]]] = {}
         self._seconds_lock = threading.Lock()
         #: Host seconds spent stepping offloaded groups in the last ``step()`` (waits for
         #: gradient copies included), whether they ran during backward or in ``step()``.
         self.last_host_step_seconds = 0.0
+        #: Seconds spent in streamed (GPU) steps in the last ``step()``, copies included.
+        self.last_stream_step_seconds = 0.0
 
     # -- inner optimizers --------------------------------------------------------------
     def _build(self) -> None:
@@ -178,13 +203,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._inner[owner] = (inner, pairs)
             if owner is not None:
                 _optimizer_by_group[owner] = self
+        offloaded = sorted((o for o in self._inner if o is not None), key=lambda o: o.forward_index())
+        if offloaded:
+            # Stream the groups that run first in forward: their gradients land last, so a host
+            # step could not overlap backward anyway, and the next forward needs them first.
+            fraction = offloaded[0].plan.optimizer_gpu_fraction
+            self._streamed = set(offloaded[: round(fraction * len(offloaded))])
 
     def _step_inner(self, owner: OffloadedGroup | None) -> None:
         inner, pairs = self._inner[owner]
-        for inner_group, outer_group in pairs:
-            for key, value in outer_group.items():
-                if key != "params":
-                    inner_group[key] = value
+        _copy_hyperparameters(pairs)
         if owner is None:
             inner.step()
             return
@@ -212,14 +240,118 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "set_is_last_backward(False)) on all but the last micro-batch, or construct "
                 "OffloadOptimizer(..., overlap=False)."
             )
-        if not (self.overlap and self._overlap_learned and is_last_backward):
+        if not (self.overlap and self._overlap_learned and is_last_backward) or owner in self._streamed:
             return
         self._build()
+        self._pending[owner] = self._worker().submit(self._host_step_in_worker, owner)
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="torch_fsdp_offload_host_step"
             )
-        self._pending[owner] = self._executor.submit(self._host_step_in_worker, owner)
+        return self._executor
+
+    # -- steps streamed through the GPU -------------------------------------------------
+    def _adopt_state(self, owner: OffloadedGroup) -> dict[str, torch.Tensor] | None:
+        """Move the group's parameter-shaped state into flat pinned buffers (once), so each
+        streamed step copies one buffer per state key. The state stays keyed and shaped as the
+        optimizer class keeps it (DTensors like their parameters), so checkpoints are unchanged.
+        Returns None while the group has no state yet."""
+        if owner in self._flat_state:
+            return self._flat_state[owner]
+        params = owner.params
+        states = [self.state.get(param) for param in params]
+        sample_index = next((i for i, state in enumerate(states) if state), None)
+        if sample_index is None:
+            return None
+        sample_param = _local(params[sample_index])
+        keys = [
+            key
+            for key, value in states[sample_index].items()
+            if isinstance(value, torch.Tensor) and _local(value).shape == sample_param.shape and value.dim() > 0
+        ]
+        flats = {key: pinned_empty((owner.numel,), _local(states[sample_index][key]).dtype) for key in keys}
+        views = {key: owner.views(flat) for key, flat in flats.items()}
+        with torch.no_grad():
+            for index, state in enumerate(states):
+                if not state:
+                    continue
+                for key in keys:
+                    views[key][index].copy_(_local(state[key]))
+                    state[key] = owner.as_param_dtensor(index, views[key][index])
+        self._flat_state[owner] = flats
+        return flats
+
+    def _device_optimizer(self, owner: OffloadedGroup) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
+        if owner not in self._device_inner:
+            inner, _ = self._inner[owner]
+            proxies = [nn.Parameter(torch.empty(0, device=owner.device)) for _ in owner.params]
+            proxy_of = {id(param): proxy for param, proxy in zip(owner.params, proxies)}
+            groups = [
+                {**group, "params": [proxy_of[id(param)] for param in group["params"]]}
+                for group in inner.param_groups
+            ]
+            self._device_inner[owner] = (self.optimizer_class(groups, **self.optimizer_kwargs), proxies)
+        return self._device_inner[owner]
+
+    @torch.no_grad()
+    def _stream_step(self, owner: OffloadedGroup) -> None:
+        """Step one group on the GPU: copy its fp32 parameters, gradients and state up, run the
+        same optimizer class there, copy parameters (and their compute-dtype cast) and state back."""
+        inner, pairs = self._inner[owner]
+        _copy_hyperparameters(pairs)
+        owner.wait_grads()
+        flat_state = self._adopt_state(owner)
+        if flat_state is None:
+            # First step of this group: the host creates the state exactly as the class would.
+            self._step_inner(owner)
+            self._adopt_state(owner)
+            return
+        engine = owner.engine
+        with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
+            uploads = [
+                engine.h2d(owner.master, label="optimizer_h2d_params"),
+                engine.h2d(owner.grads, label="optimizer_h2d_grads"),
+                *(engine.h2d(flat, label=f"optimizer_h2d_{key}") for key, flat in flat_state.items()),
+            ]
+            master, grads, *state_flats = (upload.wait() for upload in uploads)
+            state_views = {key: owner.views(flat) for key, flat in zip(flat_state, state_flats)}
+            device_optimizer, proxies = self._device_optimizer(owner)
+            for device_group, inner_group in zip(device_optimizer.param_groups, inner.param_groups):
+                for key, value in inner_group.items():
+                    if key != "params":
+                        device_group[key] = value
+            scalars_on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
+            for index, (param, proxy, view, grad) in enumerate(
+                zip(owner.params, proxies, owner.views(master), owner.views(grads))
+            ):
+                proxy.data = view
+                proxy.grad = grad if param.grad is not None else None
+                state = self.state.get(param)
+                if state:
+                    device_optimizer.state[proxy] = {
+                        key: state_views[key][index]
+                        if key in state_views
+                        else (value.to(owner.device) if isinstance(value, torch.Tensor) and scalars_on_device else value)
+                        for key, value in state.items()
+                    }
+            device_optimizer.step()
+            downloads = owner.write_back(master)
+            downloads += [
+                engine.d2h(view_flat, flat, label=f"optimizer_d2h_{key}")
+                for (key, flat), view_flat in zip(flat_state.items(), state_flats)
+            ]
+            for param, proxy in zip(owner.params, proxies):
+                device_state = device_optimizer.state.pop(proxy, None)
+                if device_state:
+                    for key, value in device_state.items():
+                        if key not in state_views and isinstance(value, torch.Tensor) and value is not self.state[param][key]:
+                            self.state[param][key].copy_(value)
+                proxy.data = torch.empty(0, device=owner.device)
+                proxy.grad = None
+            for download in downloads:
+                download.synchronize()
 
     def _check_overlap_pattern(self) -> bool:
         """Whether this step's gradients arrived in the pattern that makes overlap safe."""
@@ -252,9 +384,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         if self.max_grad_norm is not None:
             self._clip_grad_norm(self.max_grad_norm)
-        for owner in self._inner:
-            if owner is not None and owner not in stepped:
+        todo = [owner for owner in self._inner if owner is not None and owner not in stepped]
+        host_todo = [owner for owner in todo if owner not in self._streamed]
+        streamed_todo = [owner for owner in todo if owner in self._streamed]
+        host_futures = []
+        if streamed_todo and host_todo:
+            # Both at once: the host cores step their groups while the link and the GPU step
+            # the streamed ones.
+            host_futures = [self._worker().submit(self._host_step_in_worker, o) for o in host_todo]
+        else:
+            for owner in host_todo:
                 self._step_inner(owner)
+        started = time.perf_counter()
+        for owner in streamed_todo:
+            self._stream_step(owner)
+        self.last_stream_step_seconds = time.perf_counter() - started
+        for future in host_futures:
+            future.result()
         if None in self._inner:
             self._step_inner(None)
         self._overlap_learned = self._overlap_learned or safe_pattern
@@ -280,6 +426,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        # Loaded state is new tensors: streamed groups move it into their flat buffers again.
+        self._flat_state.clear()
         if self._inner is not None:
             for inner, _ in self._inner.values():
                 inner.state = self.state
@@ -290,9 +438,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for transient in ("_inner", "_executor", "_pending", "_seconds_lock"):
+        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_device_inner", "_flat_state", "_streamed"):
             state.pop(transient, None)
         return state
+
+
+def _copy_hyperparameters(pairs: list) -> None:
+    """Hyperparameters (lr set by a scheduler, ...) flow from the outer groups to the inners."""
+    for inner_group, outer_group in pairs:
+        for key, value in outer_group.items():
+            if key != "params":
+                inner_group[key] = value
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 def _grad_versions(owner: OffloadedGroup) -> list[int]:

@@ -15,10 +15,16 @@ from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 logger = logging.getLogger(__name__)
 
 MemoryKind = Literal["auto", "pinned", "managed"]
-OptimizerPlacement = Literal["auto", "host"]
+OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 
 _MEMORY_KINDS = ("auto", "pinned", "managed")
-_OPTIMIZER_PLACEMENTS = ("auto", "host")
+_OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
+# GPU share of the optimizer step on a PCIe machine under optimizer="auto". A streamed step moves
+# about 30 bytes per parameter over the link (fp32 parameter, gradient and two Adam moments up;
+# parameter, moments and the bf16 mirror down), a host step reads and writes about 40 bytes per
+# parameter of host DRAM (AdamW plus the mirror cast): on our H200 host (98 GB/s both ways on the
+# link, ~80 GB/s of host DRAM for the step) the two finish together at about half each.
+_DISCRETE_GPU_FRACTION = 0.5
 _MIN_CHUNK_BYTES = 1 << 20
 
 
@@ -33,10 +39,13 @@ class ResolvedPlan:
             unless a copy path was forced for tests).
         offload_params (bool), offload_grads (bool), offload_optimizer_state (bool): as asked.
         optimizer (str): where the optimizer step of the offloaded groups runs: ``"host"``
-            (fused, all cores, overlapped with backward) or ``"device"`` (nothing is offloaded
-            for the step: UNIFIED memory, or ``offload_params=False``).
+            (fused, all cores, overlapped with backward), ``"stream"`` (every offloaded group
+            streamed through the GPU), ``"split"`` (``optimizer_gpu_fraction`` of them streamed,
+            the rest on the host, both at once) or ``"device"`` (nothing is offloaded for the
+            step: UNIFIED memory, or ``offload_params=False``).
+        optimizer_gpu_fraction (float): fraction of the offloaded groups whose step is streamed
+            through the GPU (0.0 for "host" and "device", 1.0 for "stream").
         prefetch_depth (int), chunk_bytes (int), module_fraction (float): as asked.
-        activations (float): fraction of blocks whose saved activations are offloaded.
         reason (str): one line saying why ``auto`` choices were made.
     """
 
@@ -47,10 +56,10 @@ class ResolvedPlan:
     offload_grads: bool
     offload_optimizer_state: bool
     optimizer: str
+    optimizer_gpu_fraction: float
     prefetch_depth: int
     chunk_bytes: int
     module_fraction: float
-    activations: float
     reason: str
 
     def describe(self) -> str:
@@ -58,9 +67,9 @@ class ResolvedPlan:
             f"CoherentOffload plan on {self.platform.value}: memory={self.memory}, "
             f"copies={'yes' if self.copies else 'none'}, params={self.offload_params}, "
             f"grads={self.offload_grads}, optimizer state={self.offload_optimizer_state}, "
-            f"optimizer step={self.optimizer}, prefetch depth={self.prefetch_depth}, "
-            f"chunk={self.chunk_bytes >> 20} MiB, modules offloaded={self.module_fraction:.2f}, "
-            f"activations offloaded={self.activations:.2f}. Why: {self.reason}"
+            f"optimizer step={self.optimizer} ({self.optimizer_gpu_fraction:.2f} on the GPU), prefetch depth={self.prefetch_depth}, "
+            f"chunk={self.chunk_bytes >> 20} MiB, modules offloaded={self.module_fraction:.2f}. "
+            f"Why: {self.reason}"
         )
 
 
@@ -90,12 +99,18 @@ class CoherentOffload(CPUOffloadPolicy):
         offload_optimizer_state (bool): keep optimizer state in host memory. Default True.
             Must be True when ``offload_params`` is True (state is created next to the
             parameters); the ``optimizer`` placement decides where the step runs.
-        optimizer (str): where the optimizer step of offloaded groups runs, used by
+        optimizer (str or float): where the optimizer step of offloaded groups runs, used by
             :class:`torch_fsdp_offload.OffloadOptimizer`. ``"host"``: on the CPU (fused, all
             cores), each group as soon as its gradients landed, overlapping backward.
-            ``"auto"`` (default): ``"host"`` where shards are offloaded; on UNIFIED memory the
-            shards are device memory read in place and the step runs on the GPU. (Streaming
-            the step through the GPU, or splitting it, is not built yet.)
+            ``"stream"``: each group's fp32 parameters, gradients and optimizer state are copied
+            to the GPU, stepped there with the same optimizer class, and copied back (with the
+            compute-dtype mirror cast on the GPU). A float in [0, 1]: that fraction of the
+            offloaded groups is streamed (those that run first in forward, whose gradients
+            land last and so cannot overlap backward on the host) while the host steps the
+            rest, both at once. ``"auto"`` (default): 1.0 on COHERENT machines (the link is
+            cheap), 0.5 on DISCRETE ones (link and host DRAM finish together on our H200
+            host), host steps without an accelerator; on UNIFIED memory the shards are device
+            memory and the step runs on the GPU in place.
         prefetch_depth (int): how many parameter groups ahead the H2D copy is issued, in
             forward and in backward. Default 1. 0 copies each group only when it is needed.
         chunk_bytes (int): size of the pieces a large copy is split into, so copies in both
@@ -171,10 +186,14 @@ class CoherentOffload(CPUOffloadPolicy):
                 "state on the GPU; set offload_grads=False and offload_optimizer_state=False too "
                 "(or offload_params=True)."
             )
-        if self.optimizer not in _OPTIMIZER_PLACEMENTS:
+        if not (
+            self.optimizer in _OPTIMIZER_PLACEMENTS
+            or (not isinstance(self.optimizer, (bool, str)) and _is_fraction(self.optimizer))
+        ):
             raise ValueError(
-                f"CoherentOffload(optimizer={self.optimizer!r}) is not a placement; use 'auto' or "
-                "'host'. (Streaming the step through the GPU is not built yet.)"
+                f"CoherentOffload(optimizer={self.optimizer!r}) is not a placement; use 'auto', "
+                "'host', 'stream', or a float in [0, 1]: the fraction of offloaded groups whose "
+                "step is streamed through the GPU."
             )
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or (
             self.prefetch_depth < 0
@@ -249,15 +268,22 @@ class CoherentOffload(CPUOffloadPolicy):
                 "memory='pinned' or 'auto'."
             )
         copies = kind in (PlatformKind.DISCRETE, PlatformKind.COHERENT) and self.offload_params
-        if kind == PlatformKind.HOST_ONLY or copies or not self.offload_params:
-            optimizer = "host" if copies or kind == PlatformKind.HOST_ONLY else "device"
+        if not copies:
+            # UNIFIED: the shards are device memory read in place, so the step runs on the GPU;
+            # HOST_ONLY: everything is on the host already.
+            optimizer = "host" if kind == PlatformKind.HOST_ONLY or platform.device.type == "cpu" else "device"
+            gpu_fraction = 0.0
         else:
-            # UNIFIED: the shards are device memory read in place, so the step runs on the GPU.
-            optimizer = "device"
-            reasons.append("optimizer on the GPU: the shards are read in place")
-        activations = float(self.activations) if not isinstance(self.activations, bool) else (
-            1.0 if self.activations else 0.0
-        )
+            if self.optimizer == "auto":
+                gpu_fraction = 1.0 if kind == PlatformKind.COHERENT else _DISCRETE_GPU_FRACTION
+                reasons.append(f"{gpu_fraction:.2f} of the optimizer streamed through the GPU")
+            elif self.optimizer == "host":
+                gpu_fraction = 0.0
+            elif self.optimizer == "stream":
+                gpu_fraction = 1.0
+            else:
+                gpu_fraction = float(self.optimizer)
+            optimizer = {0.0: "host", 1.0: "stream"}.get(gpu_fraction, "split")
         return ResolvedPlan(
             platform=kind,
             memory=memory,
@@ -266,10 +292,10 @@ class CoherentOffload(CPUOffloadPolicy):
             offload_grads=self.offload_grads,
             offload_optimizer_state=self.offload_optimizer_state,
             optimizer=optimizer,
+            optimizer_gpu_fraction=gpu_fraction,
             prefetch_depth=self.prefetch_depth,
             chunk_bytes=self.chunk_bytes,
             module_fraction=float(self.module_fraction),
-            activations=activations,
             reason="; ".join(reasons) or "as configured",
         )
 

@@ -284,6 +284,38 @@ class GroupOffload:
     def params(self) -> list[nn.Parameter]:
         return [p.sharded_param for p in self.group.fsdp_params]
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's (unpadded) shard inside a flat buffer laid out like the master."""
+        return [self._padded_view(flat, p) for p in self.group.fsdp_params]
+
+    def as_param_dtensor(self, index: int, local: torch.Tensor):
+        """``local`` as a DTensor sharded like parameter ``index`` (for optimizer state)."""
+        return self.group.fsdp_params[index].to_sharded_dtensor(local)
+
+    def forward_index(self) -> int:
+        """Position of this group in the learned forward order (unseen groups last)."""
+        schedule = getattr(self.group.comm_ctx, "coherent_schedule", None)
+        if schedule is None or self not in schedule.order:
+            return len(_live_groups)
+        return schedule.order.index(self)
+
+    @torch.no_grad()
+    def write_back(self, master_on_device: torch.Tensor) -> list[Transfer]:
+        """After a step on the device: copy the master (and its compute-dtype cast, made on the
+        device) back into host memory. The caller synchronizes the returned transfers."""
+        with self.lock:
+            transfers = [self.engine.d2h(master_on_device, self.master, label="optimizer_d2h_params")]
+            param_dtype = self.group.fsdp_params[0].param_dtype
+            if param_dtype is not None and param_dtype != self.master.dtype:
+                if self.mirror is None or self.mirror.dtype != param_dtype:
+                    self.mirror = pinned_empty((self.numel,), param_dtype)
+                transfers.append(
+                    self.engine.d2h(master_on_device.to(param_dtype), self.mirror, label="optimizer_d2h_mirror")
+                )
+            self.dirty = False
+            self._inflight = None
+        return transfers
+
     def prefetch_next_forward(self) -> None:
         """Start the copies the next forward needs first (after the optimizer stepped)."""
         schedule = getattr(self.group.comm_ctx, "coherent_schedule", None)
