@@ -47,9 +47,9 @@ GiB = 1 << 30
 # Row name -> CoherentOffload knobs.
 COHERENT_ROWS = {
     "coherent(host)": {"optimizer": "host", "prefetch_depth": 2},
-    "coherent(auto)": {"prefetch_depth": 2},
+    "coherent(split=0.5)": {"optimizer": 0.5, "prefetch_depth": 2},
     "coherent(stream)": {"optimizer": "stream", "prefetch_depth": 2},
-    "coherent(auto,fraction=0.5)": {"prefetch_depth": 2, "module_fraction": 0.5},
+    "coherent(host;modules=0.5)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
 }
 
 

@@ -298,25 +298,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _stream_step(self, owner: OffloadedGroup) -> None:
         """Step one group on the GPU: copy its fp32 parameters, gradients and state up, run the
-        same optimizer class there, copy parameters (and their compute-dtype cast) and state back."""
+        same optimizer class there, copy parameters (and their compute-dtype cast) and state back.
+        The group's first step creates its state on the GPU too, so a streamed group's numerics
+        are those of the optimizer class on the GPU from the first step on."""
+        if owner.master is None or owner.grads is None:
+            # Before the first forward (e.g. torch.distributed.checkpoint creating the state
+            # with zero gradients) the shards are not in their host buffers yet.
+            self._step_inner(owner)
+            return
         inner, pairs = self._inner[owner]
         _copy_hyperparameters(pairs)
         owner.wait_grads()
         flat_state = self._adopt_state(owner)
-        if flat_state is None:
-            # First step of this group: the host creates the state exactly as the class would.
-            self._step_inner(owner)
-            self._adopt_state(owner)
-            return
         engine = owner.engine
         with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
             uploads = [
                 engine.h2d(owner.master, label="optimizer_h2d_params"),
                 engine.h2d(owner.grads, label="optimizer_h2d_grads"),
-                *(engine.h2d(flat, label=f"optimizer_h2d_{key}") for key, flat in flat_state.items()),
+                *(engine.h2d(flat, label=f"optimizer_h2d_{key}") for key, flat in (flat_state or {}).items()),
             ]
             master, grads, *state_flats = (upload.wait() for upload in uploads)
-            state_views = {key: owner.views(flat) for key, flat in zip(flat_state, state_flats)}
+            state_views = {key: owner.views(flat) for key, flat in zip(flat_state or {}, state_flats)}
             device_optimizer, proxies = self._device_optimizer(owner)
             for device_group, inner_group in zip(device_optimizer.param_groups, inner.param_groups):
                 for key, value in inner_group.items():
@@ -338,20 +340,49 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     }
             device_optimizer.step()
             downloads = owner.write_back(master)
-            downloads += [
-                engine.d2h(view_flat, flat, label=f"optimizer_d2h_{key}")
-                for (key, flat), view_flat in zip(flat_state.items(), state_flats)
-            ]
-            for param, proxy in zip(owner.params, proxies):
-                device_state = device_optimizer.state.pop(proxy, None)
-                if device_state:
-                    for key, value in device_state.items():
-                        if key not in state_views and isinstance(value, torch.Tensor) and value is not self.state[param][key]:
-                            self.state[param][key].copy_(value)
-                proxy.data = torch.empty(0, device=owner.device)
-                proxy.grad = None
+            if flat_state is None:
+                downloads += self._state_from_device(owner, device_optimizer, proxies)
+            else:
+                downloads += [
+                    engine.d2h(device_flat, flat, label=f"optimizer_d2h_{key}")
+                    for (key, flat), device_flat in zip(flat_state.items(), state_flats)
+                ]
+                for param, proxy in zip(owner.params, proxies):
+                    for key, value in device_optimizer.state.get(proxy, {}).items():
+                        host_value = self.state[param][key]
+                        if key not in state_views and isinstance(value, torch.Tensor) and value is not host_value:
+                            host_value.copy_(value)
             for download in downloads:
                 download.synchronize()
+            for proxy in proxies:
+                device_optimizer.state.pop(proxy, None)
+                proxy.data = torch.empty(0, device=owner.device)
+                proxy.grad = None
+
+    def _state_from_device(self, owner: OffloadedGroup, device_optimizer, proxies) -> list:
+        """The state a group's first streamed step created on the GPU, moved into flat pinned
+        buffers and registered as the host state (DTensors shaped like their parameters)."""
+        flats: dict[str, torch.Tensor] = {}
+        downloads = []
+        for index, (param, proxy) in enumerate(zip(owner.params, proxies)):
+            device_state = device_optimizer.state.get(proxy)
+            if not device_state:
+                continue
+            host_state = {}
+            for key, value in device_state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == proxy.shape:
+                    if key not in flats:
+                        flats[key] = pinned_empty((owner.numel,), value.dtype)
+                    slot = owner.views(flats[key])[index]
+                    downloads.append(owner.engine.d2h(value, slot, label=f"optimizer_d2h_{key}"))
+                    host_state[key] = owner.as_param_dtensor(index, slot)
+                elif isinstance(value, torch.Tensor):
+                    host_state[key] = value.to("cpu")
+                else:
+                    host_state[key] = value
+            self.state[param] = host_state
+        self._flat_state[owner] = flats
+        return downloads
 
     def _check_overlap_pattern(self) -> bool:
         """Whether this step's gradients arrived in the pattern that makes overlap safe."""

@@ -21,10 +21,11 @@ _MEMORY_KINDS = ("auto", "pinned", "managed")
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
 # GPU share of the optimizer step on a PCIe machine under optimizer="auto". A streamed step moves
 # about 30 bytes per parameter over the link (fp32 parameter, gradient and two Adam moments up;
-# parameter, moments and the bf16 mirror down), a host step reads and writes about 40 bytes per
-# parameter of host DRAM (AdamW plus the mirror cast): on our H200 host (98 GB/s both ways on the
-# link, ~80 GB/s of host DRAM for the step) the two finish together at about half each.
-_DISCRETE_GPU_FRACTION = 0.5
+# parameter, moments and the bf16 mirror down). Measured on our H200 (PCIe Gen5, 1.6B params,
+# benchmarks/results/fsdp_offload.json): all groups streamed 0.95 s, all on the host 0.75 s, a
+# 0.5 split 0.91 s step (the streamed half competes with the gradient copies for the link), so
+# on PCIe the host wins: stream only where the link is several times faster (C2C).
+_DISCRETE_GPU_FRACTION = 0.0
 _MIN_CHUNK_BYTES = 1 << 20
 
 
@@ -108,8 +109,9 @@ class CoherentOffload(CPUOffloadPolicy):
             offloaded groups is streamed (those that run first in forward, whose gradients
             land last and so cannot overlap backward on the host) while the host steps the
             rest, both at once. ``"auto"`` (default): 1.0 on COHERENT machines (the link is
-            cheap), 0.5 on DISCRETE ones (link and host DRAM finish together on our H200
-            host), host steps without an accelerator; on UNIFIED memory the shards are device
+            cheap), host steps on DISCRETE ones (measured on our H200's PCIe: host 0.75 s,
+            streamed 0.95 s, half and half 0.91 s for 1.6B parameters) and without an
+            accelerator; on UNIFIED memory the shards are device
             memory and the step runs on the GPU in place.
         prefetch_depth (int): how many parameter groups ahead the H2D copy is issued, in
             forward and in backward. Default 1. 0 copies each group only when it is needed.
