@@ -334,6 +334,8 @@ class TestPinningBookkeeping(TestCase):
 
     def test_registration_failure_leaves_nothing_behind(self) -> None:
         self.cudart.register_result = 2
+        # A failed allocation releases cached blocks before it retries: start with none.
+        empty_cache()
         before = memory_stats()
         with self.assertRaises(HostMemoryError) as caught:
             pinned_empty(2 * PAGE_SIZE, torch.uint8)

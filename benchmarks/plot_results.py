@@ -1,0 +1,80 @@
+"""Plots of the benchmark JSON under benchmarks/results/ (needs matplotlib: pip install matplotlib).
+
+    python benchmarks/plot_results.py [--results benchmarks/results] [--out docs/img]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [r for r in json.load(f)["rows"] if "error" not in r]
+
+
+def plot_fsdp(results: str, out: str) -> str:
+    rows = _rows(os.path.join(results, "fsdp_offload.json"))
+    rows += [r for r in _rows(os.path.join(results, "fsdp_offload_bs16.json")) if r["name"] != "resident"]
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    batch_sizes = sorted({r["batch_size"] for r in rows})
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs, steps, peaks = [], [], []
+        for j, bs in enumerate(batch_sizes):
+            row = next((r for r in rows if r["name"] == name and r["batch_size"] == bs), None)
+            if row is not None:
+                xs.append(j + i * width)
+                steps.append(row["tokens_per_s"] / 1e3)
+                peaks.append(row["peak_gpu_GiB"])
+        ax_time.bar(xs, steps, width, label=name)
+        ax_mem.bar(xs, peaks, width, label=name)
+    for ax, label in ((ax_time, "tokens/s (thousands)"), (ax_mem, "peak GPU memory (GiB)")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batch_sizes))])
+        ax.set_xticklabels([f"bs {bs} x 2048" for bs in batch_sizes])
+        ax.set_ylabel(label)
+    handles, labels = ax_time.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(names), fontsize=8)
+    fig.suptitle("FSDP2 anchor-1.6b on one H200 (PCIe Gen5), torch 2.11")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path = os.path.join(out, "fsdp_offload.png")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_activations(results: str, out: str) -> str:
+    with open(os.path.join(results, "activations.json")) as f:
+        rows = json.load(f)["configs"][0]["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in rows:
+        ax.scatter(row["peak_gib"], row["step_s"], s=40)
+        ax.annotate(row["row"], (row["peak_gib"], row["step_s"]), fontsize=8, xytext=(4, 2), textcoords="offset points")
+    ax.set_xlabel("peak GPU memory (GiB)")
+    ax.set_ylabel("step (s)")
+    ax.set_title("Activation offload, anchor-1.6b bs 4 x 2048, H200")
+    fig.tight_layout()
+    path = os.path.join(out, "activations.png")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default="benchmarks/results")
+    parser.add_argument("--out", default="docs/img")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for plot in (plot_fsdp, plot_activations):
+        print(plot(args.results, args.out))
+
+
+if __name__ == "__main__":
+    main()
