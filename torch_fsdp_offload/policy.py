@@ -35,7 +35,8 @@ class ResolvedPlan:
 
     Attributes:
         platform (PlatformKind): the platform class the plan was made for.
-        memory (str): ``"pinned"``, ``"managed"`` or ``"host"`` (no accelerator: plain host memory).
+        memory (str): ``"pinned"`` (exact-size page-locked host memory), ``"device"`` (UNIFIED:
+            the GPU's allocation, which is the one DRAM) or ``"host"`` (no accelerator).
         copies (bool): whether shards cross a link at all (False on UNIFIED and HOST_ONLY
             unless a copy path was forced for tests).
         offload_params (bool), offload_grads (bool), offload_optimizer_state (bool): as asked.
@@ -86,11 +87,13 @@ class CoherentOffload(CPUOffloadPolicy):
     this policy (it allocates exact-size pinned memory itself) and must be left at its default.
 
     Attributes:
-        memory (str): ``"auto"`` (default) picks from the detected platform: ``"managed"`` on
-            UNIFIED machines (one allocation the GPU reads in place, nothing is copied),
-            ``"pinned"`` elsewhere. ``"pinned"`` forces exact-size page-locked host memory (the
-            fast DMA source on PCIe). ``"managed"`` forces ``cudaMallocManaged`` memory and
-            needs a GPU that supports managed memory.
+        memory (str): ``"auto"`` (default) picks from the detected platform: on UNIFIED
+            machines the shards stay in the GPU's own allocation, which is the one physical DRAM
+            (read in place, nothing copied, counted once); ``"pinned"`` elsewhere: exact-size
+            page-locked host memory, the fast DMA source. ``"managed"`` (``cudaMallocManaged``
+            shards) is accepted only on UNIFIED machines, where it means the same single
+            allocation; the FSDP2 integration does not place shards in managed memory on
+            machines with separate GPU memory yet, and says so.
         offload_params (bool): keep sharded parameters (the fp32 master copy) in host memory.
             Default True. False makes the policy a no-op for parameters (useful with
             ``activations`` alone).
@@ -246,7 +249,7 @@ class CoherentOffload(CPUOffloadPolicy):
         """Resolve every ``auto`` knob for ``platform`` (default: :meth:`detect`).
 
         Raises:
-            ValueError: ``memory='managed'`` on a platform without managed memory.
+            ValueError: ``memory='managed'`` on a platform with separate GPU memory.
         """
         platform = platform or self.detect()
         kind = platform.kind
@@ -254,21 +257,18 @@ class CoherentOffload(CPUOffloadPolicy):
         if kind == PlatformKind.HOST_ONLY:
             memory = "host"
             reasons.append("no accelerator: shards already live where compute runs")
-        elif self.memory == "auto":
-            memory = "managed" if kind == PlatformKind.UNIFIED else "pinned"
-            reasons.append(
-                "unified memory: one allocation read in place"
-                if kind == PlatformKind.UNIFIED
-                else "pinned memory is the fast DMA source"
+        elif kind == PlatformKind.UNIFIED:
+            memory = "device"
+            reasons.append("unified memory: the GPU's allocation is the one DRAM, read in place")
+        elif self.memory == "managed":
+            raise ValueError(
+                f"CoherentOffload(memory='managed') on a {kind.value} platform: placing shards in "
+                "managed memory where the GPU has its own memory is not built yet (pages would "
+                "migrate on fault at ~8 GB/s). Use memory='pinned' or 'auto'."
             )
         else:
-            memory = self.memory
-        if memory == "managed" and platform.device.type == "cuda" and not platform.supports_managed_memory:
-            raise ValueError(
-                f"CoherentOffload(memory='managed') on {platform.device}: this GPU does not "
-                "support managed memory (ManagedMemory/ConcurrentManagedAccess). Use "
-                "memory='pinned' or 'auto'."
-            )
+            memory = "pinned"
+            reasons.append("pinned memory is the fast DMA source")
         copies = kind in (PlatformKind.DISCRETE, PlatformKind.COHERENT) and self.offload_params
         if not copies:
             # UNIFIED: the shards are device memory read in place, so the step runs on the GPU;

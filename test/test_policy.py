@@ -1,0 +1,105 @@
+"""CoherentOffload: knob validation, resolution per platform, clear errors before allocation."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TestCase,
+)
+
+import torch_fsdp_offload._fsdp2 as fsdp2_integration
+from torch_fsdp_offload import CoherentOffload
+from torch_fsdp_offload.memory import HostMemoryError, memory_stats
+
+
+class CoherentOffloadKnobsTest(TestCase):
+    @parametrize(
+        "knobs, message",
+        [
+            ({"memory": "gpu"}, "is not a memory kind"),
+            ({"prefetch_depth": -1}, "must be an int >= 0"),
+            ({"prefetch_depth": 1.5}, "must be an int >= 0"),
+            ({"chunk_bytes": 1024}, ">= 1 MiB"),
+            ({"module_fraction": 1.5}, r"in\s+\[0, 1\]"),
+            ({"module_fraction": float("nan")}, r"in\s+\[0, 1\]"),
+            ({"optimizer": "gpu"}, "is not a placement"),
+            ({"optimizer": -0.1}, "is not a placement"),
+            ({"optimizer": True}, "is not a placement"),
+            ({"offload_grads": False}, "needs offload_grads=True"),
+            ({"offload_params": False}, "set offload_grads=False"),
+            ({"pin_memory": True}, "allocates exact-size pinned memory itself"),
+            ({"activations": True}, "not applied by fully_shard yet"),
+            ({"platform": "gh200"}, "is not a platform class"),
+        ],
+    )
+    def test_bad_knob_is_rejected_with_the_fix(self, knobs, message):
+        with self.assertRaisesRegex(ValueError, message):
+            CoherentOffload(**knobs)
+
+    def test_is_a_cpu_offload_policy(self):
+        # FSDP2 only checks isinstance(policy, CPUOffloadPolicy): the subclass is what lets the
+        # policy be passed wherever FSDP2 takes an offload policy.
+        self.assertIsInstance(CoherentOffload(), CPUOffloadPolicy)
+
+    @parametrize(
+        "platform, optimizer, expected",
+        [
+            ("discrete", "auto", ("pinned", True, "host", 0.0)),
+            ("discrete", 0.25, ("pinned", True, "split", 0.25)),
+            ("discrete", "stream", ("pinned", True, "stream", 1.0)),
+            ("coherent", "auto", ("pinned", True, "stream", 1.0)),
+            ("unified", "auto", ("device", False, "host", 0.0)),
+            ("host_only", "auto", ("host", False, "host", 0.0)),
+        ],
+    )
+    def test_resolve_per_platform(self, platform, optimizer, expected):
+        plan = CoherentOffload(platform=platform, optimizer=optimizer).resolve()
+        self.assertEqual((plan.memory, plan.copies, plan.optimizer, plan.optimizer_gpu_fraction), expected)
+        self.assertIn(platform, plan.describe())
+
+    def test_managed_memory_only_on_unified(self):
+        with self.assertRaisesRegex(ValueError, "managed memory where the GPU has its own memory"):
+            CoherentOffload(platform="discrete", memory="managed").resolve()
+        self.assertEqual(CoherentOffload(platform="unified", memory="managed").resolve().memory, "device")
+
+    def test_unsupported_torch_is_refused_with_the_range(self):
+        with mock.patch.object(torch, "__version__", "2.10.0"):
+            with self.assertRaisesRegex(RuntimeError, r"supports torch 2\.11 through 2\.14"):
+                fsdp2_integration.check_torch_version()
+
+
+class CoherentOffloadCapacityTest(TestCase):
+    def setUp(self):
+        super().setUp()
+        self._store = tempfile.NamedTemporaryFile(delete=False).name
+        dist.init_process_group("gloo", init_method=f"file://{self._store}", rank=0, world_size=1)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        os.unlink(self._store)
+        super().tearDown()
+
+    def test_not_enough_host_memory_fails_before_allocating(self):
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+        policy = CoherentOffload(platform="discrete")
+        before = memory_stats()
+        with mock.patch("torch_fsdp_offload.memory.read_host_available_bytes", return_value=4096):
+            with self.assertRaisesRegex(HostMemoryError, "MemAvailable"):
+                fully_shard(model[0], offload_policy=policy)
+        self.assertEqual(memory_stats()["host_bytes"], before["host_bytes"])
+
+
+instantiate_parametrized_tests(CoherentOffloadKnobsTest)
+
+if __name__ == "__main__":
+    run_tests()
