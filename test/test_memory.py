@@ -334,7 +334,9 @@ class TestPinningBookkeeping(TestCase):
 
     def test_registration_failure_leaves_nothing_behind(self) -> None:
         self.cudart.register_result = 2
-        # A failed allocation releases cached blocks before it retries: start with none.
+        # A failed allocation releases cached blocks before it retries: start with none, and with
+        # no garbage of earlier tests left to return blocks to the pool mid-test.
+        gc.collect()
         empty_cache()
         before = memory_stats()
         with self.assertRaises(HostMemoryError) as caught:
