@@ -1,26 +1,49 @@
 """torch_fsdp_offload: CPU offloading for PyTorch FSDP that runs at the speed of the link."""
 
+from torch_fsdp_offload.activations import ActivationOffload, offload_activations
+from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
 from torch_fsdp_offload.optim import OffloadOptimizer
 from torch_fsdp_offload.platform import (
+    BandwidthReport,
     Classification,
     classify,
     detect_platform,
+    ENV_PLATFORM,
     measure_bandwidth,
     Platform,
+    platform_from_attributes,
     PlatformKind,
 )
 from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan
+from torch_fsdp_offload.transfer_tensor import TransferTensor
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationOffload",
+    "BandwidthReport",
     "Classification",
     "classify",
     "CoherentOffload",
     "detect_platform",
+    "ENV_PLATFORM",
+    "FullyShardedDataParallel",
     "measure_bandwidth",
+    "offload_activations",
     "OffloadOptimizer",
+    "plan",
     "Platform",
+    "platform_from_attributes",
     "PlatformKind",
     "ResolvedPlan",
+    "TransferTensor",
 ]
+
+
+def __getattr__(name: str):
+    # The planner reads every room and no room imports it: load it only when asked for.
+    if name == "plan":
+        from torch_fsdp_offload.planner import plan
+
+        return plan
+    raise AttributeError(f"module 'torch_fsdp_offload' has no attribute {name!r}")
