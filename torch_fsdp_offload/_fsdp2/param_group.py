@@ -102,10 +102,9 @@ class GroupOffload:
     """Host buffers, copies and gradient offload of one FSDP parameter group."""
 
     def __init__(
-        self, group: "CoherentFSDPParamGroup", policy: CoherentOffload, plan: ResolvedPlan, offloaded: bool
+        self, group: "CoherentFSDPParamGroup", plan: ResolvedPlan, offloaded: bool
     ):
         self.group = weakref.proxy(group)
-        self.policy = policy
         self.plan = plan
         self.device = group.device
         self.engine = get_transfer_engine(group.device)
@@ -389,7 +388,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         super().__init__(*args, **kwargs)
         self.offload_policy = fsdp_policy
         self.coherent_policy = policy
-        self._offload = GroupOffload(self, policy, plan, offloaded)
+        self._offload = GroupOffload(self, plan, offloaded)
         for fsdp_param in self.fsdp_params:
             fsdp_param.__class__ = CoherentFSDPParam
             fsdp_param._offload = self._offload
@@ -407,12 +406,12 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
     # -- lazy init ---------------------------------------------------------------------
     def lazy_init(self) -> None:
         if self._offload is not None:
-            self._root_lazy_init()
+            self._ensure_schedule()
         super().lazy_init()
         if self._offload is not None:
             self._offload.home()
 
-    def _root_lazy_init(self) -> None:
+    def _ensure_schedule(self) -> None:
         if getattr(self.comm_ctx, "coherent_schedule", None) is None:
             self.comm_ctx.coherent_schedule = RootSchedule()
 
