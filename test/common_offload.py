@@ -1,4 +1,4 @@
-"""Shared test scaffolding: multi-process gloo test cases that exit cleanly on torch 2.13 CPU.
+"""Shared test scaffolding: multi-process test cases (gloo on CPU, NCCL on GPUs) that exit cleanly.
 
 Multi-process gloo runs on torch 2.13 CPU can abort with SIGABRT at interpreter exit after the test
 passed (see fsdp-internals.md, section 3). Each worker therefore ends with ``os._exit`` once the test
@@ -50,4 +50,52 @@ class GlooMultiProcessTestCase(MultiProcessTestCase):
             init_method=f"{FILE_SCHEMA}{self.file_name}",
             rank=self.rank,
             world_size=self.world_size,
+        )
+
+
+# NVLink multicast (NVLS) objects are refused on some lent multi-GPU VMs and hang NCCL's init there;
+# every process of a multi-GPU test starts with multicast off. Spawned workers inherit os.environ.
+NVLINK_MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+class NcclMultiProcessTestCase(GlooMultiProcessTestCase):
+    """A MultiProcessTestCase with one GPU per rank and NCCL (CPU collectives on gloo).
+
+    The world size is ``min(torch.cuda.device_count(), MAX_WORLD_SIZE)``; the test is skipped, before
+    any process starts, when fewer than ``MIN_WORLD_SIZE`` GPUs are visible. NVLink multicast is
+    turned off (:data:`NVLINK_MULTICAST_OFF`, values already set in the environment win).
+    """
+
+    MIN_WORLD_SIZE = 2
+    MAX_WORLD_SIZE = 4
+
+    @property
+    def world_size(self) -> int:
+        return min(torch.cuda.device_count(), self.MAX_WORLD_SIZE)
+
+    def setUp(self) -> None:
+        if torch.cuda.device_count() < self.MIN_WORLD_SIZE:
+            self.skipTest(f"needs {self.MIN_WORLD_SIZE} GPUs, {torch.cuda.device_count()} visible")
+        for name, value in NVLINK_MULTICAST_OFF.items():
+            os.environ.setdefault(name, value)
+        super().setUp()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.rank)
+
+    def init_nccl(self) -> None:
+        """Join this rank's ``cpu:gloo,cuda:nccl`` process group on GPU ``rank`` (call first)."""
+        torch.manual_seed(0)
+        torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl",
+            init_method=f"{FILE_SCHEMA}{self.file_name}",
+            rank=self.rank,
+            world_size=self.world_size,
+            device_id=self.device,
         )
