@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import os
 import threading
 import unittest
 from unittest import mock
@@ -210,7 +211,7 @@ class TestCapacityChecks(TestCase):
                 check_host_capacity(3 << 30, pinned=False, what="parameter shards")
         self.assertExpectedInline(
             str(caught.exception),
-            """Cannot allocate 3.0 GiB of host memory for parameter shards: only 1.0 GiB is available (MemAvailable in /proc/meminfo). Offload less (lower the offload fraction, or keep gradients/optimizer state on the GPU), free host memory, or use a machine with more host RAM.""",
+            """Cannot allocate 3.0 GiB of host memory for parameter shards: only 1.0 GiB is available (MemAvailable in /proc/meminfo). Offload less (lower the offload fraction, or keep gradients/optimizer state on the GPU), free host memory, or use a machine with more host RAM. If this machine can give more than MemAvailable says (memory hot-plugged as it is used), set TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES to the host memory to allow, e.g. 256GiB.""",
         )
 
     def test_locked_memory_message(self) -> None:
@@ -264,6 +265,56 @@ class TestCapacityChecks(TestCase):
             with self.assertRaisesRegex(HostMemoryError, "only 8.0 MiB is available"):
                 pinned_empty(9 * MiB, torch.uint8, device="cpu")
             self.assertEqual(memory_stats()["reserved_bytes"], start)
+
+
+class TestHostMemoryOverride(TestCase):
+    """``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES`` replaces MemAvailable (hot-plugged VM memory)."""
+
+    def _env(self, value: str | None):
+        environ = {} if value is None else {memory.ENV_HOST_MEMORY: value}
+        return mock.patch.dict(os.environ, environ, clear=value is None)
+
+    def test_override_replaces_mem_available(self) -> None:
+        # A VM that reads 31 GiB at start but grows to 255 GiB: 70 GiB is refused, then allowed.
+        with mock.patch.object(memory, "read_host_available_bytes", return_value=31 << 30):
+            with self._env(None):
+                with self.assertRaisesRegex(HostMemoryError, "set TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES"):
+                    check_host_capacity(70 << 30, pinned=False, what="optimizer state")
+            with self._env("256GiB"):
+                check_host_capacity(70 << 30, pinned=False, what="optimizer state")
+            # It also lowers the figure: the override is the capacity, not a floor.
+            with self._env(str(8 << 30)):
+                with self.assertRaisesRegex(
+                    HostMemoryError, r"only 8.0 GiB is available \(TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES=8589934592\)"
+                ):
+                    check_host_capacity(9 << 30, pinned=False, what="optimizer state")
+
+    @parametrize(
+        "text, expected",
+        [
+            ("274877906944", 256 << 30),
+            ("256GiB", 256 << 30),
+            (" 1.5 gib ", 3 << 29),
+            ("200GB", 200 * 10**9),
+            ("64 MiB", 64 << 20),
+            ("4096B", 4096),
+        ],
+    )
+    def test_parse(self, text: str, expected: int) -> None:
+        with self._env(text):
+            self.assertEqual(memory.host_capacity_bytes(), (expected, f"TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES={text.strip()}"))
+
+    def test_unset_reads_mem_available(self) -> None:
+        with self._env(None), mock.patch.object(memory, "read_host_available_bytes", return_value=123):
+            self.assertEqual(memory.host_capacity_bytes(), (123, "MemAvailable in /proc/meminfo"))
+
+    @parametrize("text", ["lots", "256 GiBs", "-1", "1e9", "5PB"])
+    def test_bad_value_raises_before_allocating(self, text: str) -> None:
+        before = memory_stats()
+        with self._env(text):
+            with self.assertRaisesRegex(ValueError, "is not a byte size: give plain bytes"):
+                pinned_empty(MiB, torch.uint8, device="cpu")
+        self.assertEqual(memory_stats(), before)
 
 
 class _FakeCudart:
@@ -491,6 +542,7 @@ class TestManagedOnGPU(TestCase):
 
 
 instantiate_parametrized_tests(TestPinnedEmptyOnHost)
+instantiate_parametrized_tests(TestHostMemoryOverride)
 
 if __name__ == "__main__":
     run_tests()

@@ -23,6 +23,8 @@ import ctypes
 import dataclasses
 import math
 import mmap
+import os
+import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -38,12 +40,14 @@ from torch_fsdp_offload.platform import (
 )
 
 __all__ = [
+    "ENV_HOST_MEMORY",
     "HostMemoryError",
     "ManagedBuffer",
     "advise_managed",
     "check_host_capacity",
     "device_view",
     "empty_cache",
+    "host_capacity_bytes",
     "managed_empty",
     "memory_stats",
     "pinned_empty",
@@ -51,6 +55,14 @@ __all__ = [
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
+# Replaces MemAvailable in the capacity checks. For machines whose MemAvailable understates what they
+# can give: VMs whose memory is hot-plugged as it is touched (a 2 x H200 VM reads 31 GiB at start and
+# grows to 255 GiB), or hosts whose page cache the kernel will drop but does not count as available.
+ENV_HOST_MEMORY = "TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES"
+_BYTE_UNITS = {
+    "": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
 HUGE_PAGE_SIZE = 2 << 20
 # cudaHostRegisterPortable: the pages count as pinned for every CUDA context of the process, as in
 # torch.cuda._pin_memory_utils.
@@ -108,10 +120,51 @@ def _has_ipc_lock_capability() -> bool:
     return False
 
 
+def _parse_byte_size(text: str, name: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(
+            f"{name}={text!r} is not a byte size: give plain bytes (e.g. 274877906944) or a number "
+            "with a unit, B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000), "
+            "e.g. 256GiB"
+        )
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+
+
+def host_capacity_bytes() -> tuple[int | None, str]:
+    """Host memory the capacity checks allow, and where the figure comes from.
+
+    ``MemAvailable`` from ``/proc/meminfo``, unless the environment variable
+    ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES`` (:data:`ENV_HOST_MEMORY`) is set: then its value replaces
+    it, in bytes or with a unit (``"274877906944"``, ``"256GiB"``, ``"200 GB"``). Set it where
+    ``MemAvailable`` understates what the machine can give, e.g. on VMs whose memory is hot-plugged as
+    it is touched. It is read on every call.
+
+    Returns:
+        tuple[int | None, str]: the bytes (None when ``/proc/meminfo`` cannot be read and the variable
+        is unset) and a description of the source for messages.
+
+    Raises:
+        ValueError: if the variable is set but is not a byte size.
+
+    Example::
+
+        >>> os.environ[ENV_HOST_MEMORY] = "256GiB"
+        >>> host_capacity_bytes()
+        (274877906944, 'TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES=256GiB')
+    """
+    override = os.environ.get(ENV_HOST_MEMORY, "").strip()
+    if override:
+        return _parse_byte_size(override, ENV_HOST_MEMORY), f"{ENV_HOST_MEMORY}={override}"
+    return read_host_available_bytes(), "MemAvailable in /proc/meminfo"
+
+
 def check_host_capacity(nbytes: int, *, pinned: bool, what: str) -> None:
     """Check that ``nbytes`` more bytes of host memory can be allocated, before allocating them.
 
-    The request is compared with ``MemAvailable`` and, for pinned memory, with the locked-memory limit
+    The request is compared with ``MemAvailable`` (or ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES`` where
+    set, see :func:`host_capacity_bytes`) and, for pinned memory, with the locked-memory limit
     (``ulimit -l``) minus what this library has pinned already. :func:`pinned_empty` calls it for every
     new block; callers that are about to allocate many buffers can call it once with the total.
 
@@ -121,8 +174,10 @@ def check_host_capacity(nbytes: int, *, pinned: bool, what: str) -> None:
         what (str): what the memory is for, used in the error message (e.g. ``"parameter shards"``).
 
     Raises:
-        ValueError: if ``nbytes`` is negative.
-        HostMemoryError: if the request exceeds ``MemAvailable`` or the locked-memory limit; the
+        ValueError: if ``nbytes`` is negative, or ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES`` is not a
+            byte size.
+        HostMemoryError: if the request exceeds ``MemAvailable`` (or the override) or the
+            locked-memory limit; the
             message gives the requested, available and limit figures and the fix.
 
     Example::
@@ -131,13 +186,15 @@ def check_host_capacity(nbytes: int, *, pinned: bool, what: str) -> None:
     """
     if nbytes < 0:
         raise ValueError(f"check_host_capacity: nbytes must be >= 0, got {nbytes}")
-    available = read_host_available_bytes()
+    available, source = host_capacity_bytes()
     if available is not None and nbytes > available:
         raise HostMemoryError(
             f"Cannot allocate {_format_bytes(nbytes)} of host memory for {what}: only "
-            f"{_format_bytes(available)} is available (MemAvailable in /proc/meminfo). Offload less "
+            f"{_format_bytes(available)} is available ({source}). Offload less "
             "(lower the offload fraction, or keep gradients/optimizer state on the GPU), free host "
-            "memory, or use a machine with more host RAM."
+            "memory, or use a machine with more host RAM. If this machine can give more than "
+            f"MemAvailable says (memory hot-plugged as it is used), set {ENV_HOST_MEMORY} to the "
+            "host memory to allow, e.g. 256GiB."
         )
     if not pinned:
         return
