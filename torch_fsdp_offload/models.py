@@ -125,6 +125,18 @@ MODEL_CONFIGS: dict[str, TransformerConfig] = {
         max_seq_len=2048,
         rope_theta=500000.0,
     ),
+    # Llama 3 8B shapes (GQA 32/8, SwiGLU 14336, vocab 128256, untied head): 8.03B parameters. The
+    # multi-GPU benchmark's model: too large for one GPU's fp32 AdamW state at any useful micro-batch.
+    "llama-8b": TransformerConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
     # The measured baseline of reference/anchors.md and h200-measured.json ("8 blocks, d_model 4096, SDPA
     # causal attention + 4x GELU MLP, LayerNorm", params_M 1611.0). Its blocks alone hold 8 x 12 x 4096^2
     # = 1610.6M bias-free projection weights plus 0.13M LayerNorm weights/biases; a 32-token vocabulary
