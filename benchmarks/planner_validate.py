@@ -53,7 +53,7 @@ def _value(row: dict, *keys, default=None):
     return next((row[k] for k in keys if k in row), default)
 
 
-def row_config(row: dict, default_optimizer) -> TrainingConfig | None:
+def row_config(row: dict, default_optimizer, default_depth: int = 1) -> TrainingConfig | None:
     """The TrainingConfig a benchmark row ran, or None when the step model does not describe it."""
     name = str(_value(row, "name", "row", default=""))
     explicit = dict(row.get("config") or {}) if isinstance(row.get("config"), dict) else {}
@@ -69,18 +69,21 @@ def row_config(row: dict, default_optimizer) -> TrainingConfig | None:
     elif name.startswith("offload"):
         knobs.update(module_fraction=0.0, activations=1.0)
     elif name.startswith("coherent") or explicit:
-        knobs["module_fraction"] = 1.0
-        knobs["optimizer"] = default_optimizer
+        knobs.update(module_fraction=1.0, optimizer=default_optimizer, prefetch_depth=default_depth)
     else:
         return None
     inside = re.search(r"\((.*)\)", name)
-    for item in (inside.group(1).split(",") if inside else []):
+    for item in (re.split(r"[,;]", inside.group(1)) if inside else []):
         key, _, value = item.strip().partition("=")
         if key == "depth":
             knobs["prefetch_depth"] = int(value)
         elif key == "fraction":
             knobs[fraction_knob] = float(value)
-        elif key == "optimizer":
+        elif key == "modules":
+            knobs["module_fraction"] = float(value)
+        elif key in ("host", "stream"):
+            knobs["optimizer"] = key
+        elif key in ("optimizer", "split"):
             knobs["optimizer"] = value if value in ("host", "stream") else float(value)
         elif key in ("activations", "act"):
             knobs["activations"] = 1.0 if value in ("", "True", "true") else float(value)
@@ -125,30 +128,57 @@ def _groups(data: dict, seq_len: int) -> list[tuple[str, int, int, list[dict]]]:
     return [(label, batch, seq, rows) for (label, batch, seq), rows in groups.items()]
 
 
-def validate_file(path: str, args) -> dict:
+def _measured_platform(data: dict, base):
+    link = data.get("link_GBps") or data.get("bandwidth") or {}
+    if not isinstance(link, dict) or not link:
+        return base
+    return dataclasses.replace(
+        base,
+        name=f"{base.name} (link measured in the run)",
+        h2d_GBps=float(_value(link, "h2d_GBps", "h2d_gbps", default=base.h2d_GBps)),
+        d2h_GBps=float(_value(link, "d2h_GBps", "d2h_gbps", default=base.d2h_GBps)),
+        bidirectional_GBps=float(
+            _value(link, "both_GBps", "bidirectional_GBps", "bidirectional_gbps", default=base.bidirectional_GBps)
+        ),
+    )
+
+
+def calibrated_profile(model: str, batch_size: int, seq_len: int, resident: dict, platform, *, host_GBps, plain_bf16: bool):
+    """The step model's input for one micro-batch, calibrated on the group's resident row.
+
+    Sizes (parameters, activation bytes per block) come from the model's meta-device breakdown;
+    the resident row gives the forward, backward and GPU optimizer times and, as ``fixed_bytes``,
+    what its measured peak holds beyond the predicted one (workspaces, allocator state).
+    """
+    breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len)
+    profile = training_profile(breakdown, platform, host_GBps=host_GBps)
+    # activations.py trains a plain (unsharded) module with bf16 weights, grads and AdamW state.
+    state_bytes = {"param_bytes": 2, "reduce_bytes": 2, "optimizer_state_bytes": 4} if plain_bf16 else {}
+    profile = dataclasses.replace(
+        profile,
+        forward_s=float(_value(resident, "fwd_s", "forward_s", default=profile.forward_s)),
+        backward_s=float(_value(resident, "bwd_s", "backward_s", default=profile.backward_s)),
+        gpu_optimizer_s=float(_value(resident, "opt_s", "optimizer_s", default=profile.gpu_optimizer_s)),
+        source="sizes from the meta-device breakdown, times and fixed memory from the resident row",
+        **state_bytes,
+    )
+    predicted = predict_step(profile, TrainingConfig(), platform).peak_gpu_bytes
+    measured = float(_value(resident, "peak_gpu_GiB", "peak_gib")) * GiB
+    return dataclasses.replace(profile, fixed_bytes=int(measured - predicted))
+
+
+def validate_file(path: str, args) -> dict | None:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
+    kind = str(data.get("benchmark", ""))
+    if kind and not kind.startswith(("fsdp_offload", "activations")):
+        return None  # transfer.py and others: no training rows
     model = str(data.get("model", args.model)).split(" ")[0]
     seq_len = int(data.get("seq_len", args.seq_len))
-    platform = get_profile(args.platform)
-    link = data.get("link_GBps") or data.get("bandwidth") or {}
-    if isinstance(link, dict) and link:
-        platform = dataclasses.replace(
-            platform,
-            name=f"{platform.name} (link measured in the run)",
-            h2d_GBps=float(_value(link, "h2d_GBps", "h2d_gbps", default=platform.h2d_GBps)),
-            d2h_GBps=float(_value(link, "d2h_GBps", "d2h_gbps", default=platform.d2h_GBps)),
-            bidirectional_GBps=float(
-                _value(link, "both_GBps", "bidirectional_GBps", "bidirectional_gbps", default=platform.bidirectional_GBps)
-            ),
-        )
-    # activations.py trains a plain (unsharded) module with bf16 weights, grads and AdamW state.
-    state_bytes = (
-        {"param_bytes": 2, "reduce_bytes": 2, "optimizer_state_bytes": 4}
-        if data.get("benchmark") == "activations"
-        else {}
-    )
+    platform = _measured_platform(data, get_profile(args.platform))
     default_optimizer = auto_optimizer(platform.kind)
+    # benchmarks/fsdp_offload.py runs every CoherentOffload row at prefetch_depth=2.
+    default_depth = 1 if kind == "activations" else 2
     results = []
     agreements = []
     for label, batch_size, seq_len, group in sorted(_groups(data, seq_len), key=lambda g: (g[1], g[0])):
@@ -158,21 +188,9 @@ def validate_file(path: str, args) -> dict:
         if resident is None:
             print(f"{path}: {label}: no resident row to calibrate from; skipped")
             continue
-        breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len)
-        profile = training_profile(breakdown, platform, host_adamw_s_per_gparam=args.host_adamw_s_per_gparam)
-        profile = dataclasses.replace(
-            profile,
-            forward_s=float(_value(resident, "fwd_s", "forward_s", default=profile.forward_s)),
-            backward_s=float(_value(resident, "bwd_s", "backward_s", default=profile.backward_s)),
-            gpu_optimizer_s=float(_value(resident, "opt_s", "optimizer_s", default=profile.gpu_optimizer_s)),
-            source="calibrated on the resident row",
-            **state_bytes,
+        profile = calibrated_profile(
+            model, batch_size, seq_len, resident, platform, host_GBps=args.host_GBps, plain_bf16=kind == "activations"
         )
-        # Activation bytes per block: what the resident peak leaves after everything else.
-        empty = predict_step(dataclasses.replace(profile, block_activation_bytes=0, other_activation_bytes=0), TrainingConfig(), platform)
-        measured_peak = float(_value(resident, "peak_gpu_GiB", "peak_gib")) * GiB
-        per_block = max(0.0, (measured_peak - empty.peak_gpu_bytes) / profile.n_blocks)
-        profile = dataclasses.replace(profile, block_activation_bytes=int(per_block), other_activation_bytes=0)
         predicted = []
         for row in group:
             entry = {"file": os.path.basename(path), "group": label, "name": _value(row, "name", "row"), "batch_size": batch_size}
@@ -180,7 +198,7 @@ def validate_file(path: str, args) -> dict:
                 entry["skipped"] = f"benchmark error: {row['error']}"
                 results.append(entry)
                 continue
-            config = row_config(row, default_optimizer)
+            config = row_config(row, default_optimizer, default_depth)
             if config is None:
                 entry["skipped"] = "not a CoherentOffload configuration"
                 results.append(entry)
@@ -199,11 +217,9 @@ def validate_file(path: str, args) -> dict:
             )
             results.append(entry)
             predicted.append(entry)
-        predicted_resident = next((e for e in predicted if e["calibration"]), None)
         capacity = args.gpu_memory_GiB * GiB
-        fitting = [e for e in predicted if e["predicted_peak_GiB"] * GiB <= capacity]
-        for scope, pool in (("all rows", predicted), ("without resident", [e for e in predicted if e is not predicted_resident])):
-            pool_fit = [e for e in pool if e in fitting]
+        for scope, pool in (("all rows", predicted), ("without resident", [e for e in predicted if not e["calibration"]])):
+            pool_fit = [e for e in pool if e["predicted_peak_GiB"] * GiB <= capacity]
             if len(pool) < 2 or not pool_fit:
                 continue
             chosen = min(pool_fit, key=lambda e: e["predicted_step_s"])
@@ -221,10 +237,12 @@ def validate_file(path: str, args) -> dict:
                     "planner_pick": chosen["name"],
                     "measured_best": best["name"],
                     "agree": chosen["name"] == best["name"],
+                    "pick_over_best": chosen["measured_step_s"] / best["measured_step_s"],
                     "pairwise_order_agreement": same_order / len(pairs),
                 }
             )
-    return {"file": path, "model": model, "seq_len": seq_len, "rows": results, "agreements": agreements}
+    return {"file": path, "model": model, "seq_len": seq_len, "platform": dataclasses.asdict(platform),
+            "rows": results, "agreements": agreements}
 
 
 def summarize(files: list[dict]) -> dict:
@@ -247,47 +265,58 @@ def summarize(files: list[dict]) -> dict:
 
 
 def print_table(files: list[dict], summary: dict) -> None:
-    print(f"{'file':24s} {'row':38s} {'bs':>3s} {'step pred':>9s} {'meas':>7s} {'err':>6s} {'peak pred':>9s} {'meas':>6s} {'err':>6s}")
+    """Markdown: the rows (docs/planner.md's validation table), then the picks and the summary."""
+    print("| file | group | row | config | step pred s | meas s | err | peak pred GiB | meas GiB | err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for f in files:
         for r in f["rows"]:
             if "skipped" in r:
-                print(f"{r['file'][:24]:24s} {str(r['name'])[:38]:38s} {r['batch_size']:>3d} skipped: {r['skipped']}")
+                print(f"| {r['file']} | {r['group']} | {r['name']} | skipped: {r['skipped']} | | | | | | |")
                 continue
             mark = " (calibration)" if r["calibration"] else ""
             print(
-                f"{r['file'][:24]:24s} {str(r['name'])[:38]:38s} {r['batch_size']:>3d} {r['predicted_step_s']:9.3f} "
-                f"{r['measured_step_s']:7.3f} {r['step_error']:+6.0%} {r['predicted_peak_GiB']:9.1f} "
-                f"{r['measured_peak_GiB']:6.1f} {r['peak_error']:+6.0%}{mark}"
+                f"| {r['file']} | {r['group']} | {r['name']}{mark} | {r['config']} | {r['predicted_step_s']:.3f} | "
+                f"{r['measured_step_s']:.3f} | {r['step_error']:+.0%} | {r['predicted_peak_GiB']:.1f} | "
+                f"{r['measured_peak_GiB']:.1f} | {r['peak_error']:+.0%} |"
             )
+    print()
+    print("| file | group | scope | planner picks | measured best | agree | pick's measured step / best |")
+    print("|---|---|---|---|---|---|---|")
+    for f in files:
         for a in f["agreements"]:
             print(
-                f"  {a['group']} ({a['scope']}): planner picks {a['planner_pick']}, measured best {a['measured_best']}: "
-                f"{'agree' if a['agree'] else 'DISAGREE'}; pairwise order agreement {a['pairwise_order_agreement']:.0%}"
+                f"| {a['file']} | {a['group']} | {a['scope']} | {a['planner_pick']} | {a['measured_best']} | "
+                f"{'yes' if a['agree'] else 'NO'} | {a['pick_over_best']:.3f} |"
             )
+    print()
     print(json.dumps(summary, indent=1))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="*", help="benchmark JSON files (default: benchmarks/results/*.json)")
+    parser.add_argument("--from-json", nargs="+", default=[], metavar="JSON",
+                        help="benchmark JSON files written by fsdp_offload.py / activations.py (same as positional)")
+    parser.add_argument("--offline", action="store_true",
+                        help="validate committed JSON on a machine without a GPU: measure nothing here")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", _OUTPUT_NAME))
     parser.add_argument("--model", default="anchor-1.6b", help="model when a file does not name one")
     parser.add_argument("--seq-len", type=int, default=2048, help="sequence length when a file does not give one")
     parser.add_argument("--platform", default="h200-pcie", help="profile for what the run did not measure")
     parser.add_argument("--gpu-memory-GiB", type=float, default=139.8, help="GPU memory the picks must fit in")
-    parser.add_argument(
-        "--host-adamw-s-per-gparam",
-        type=float,
-        default=None,
-        help="host fused AdamW seconds per 1e9 params (default: the profile's; --measure-host measures it)",
-    )
-    parser.add_argument("--measure-host", action="store_true", help="measure host AdamW speed on this machine")
+    parser.add_argument("--host-GBps", type=float, default=None,
+                        help="host optimizer bandwidth, GB/s (default: the profile's; --measure-host measures it)")
+    parser.add_argument("--measure-host", action="store_true", help="measure the host optimizer bandwidth on this machine")
     args = parser.parse_args(argv)
+    if args.measure_host and args.offline:
+        parser.error("--measure-host measures this machine; --offline validates without measuring: pick one")
+    measured_host = None
     if args.measure_host:
-        from torch_fsdp_offload.planner.profile import measure_host_adamw_s_per_gparam
+        from torch_fsdp_offload.planner.profile import measure_host_GBps
 
-        args.host_adamw_s_per_gparam = measure_host_adamw_s_per_gparam()
-    paths = args.results or sorted(
+        measured_host = args.host_GBps = measure_host_GBps()
+        print(f"host optimizer bandwidth measured here: {measured_host:.1f} GB/s")
+    paths = [*args.results, *args.from_json] or sorted(
         p for p in glob.glob(os.path.join("benchmarks", "results", "*.json")) if os.path.basename(p) != _OUTPUT_NAME
     )
     if not paths:
@@ -296,17 +325,21 @@ def main(argv=None) -> int:
     files = []
     for path in paths:
         try:
-            files.append(validate_file(path, args))
+            validated = validate_file(path, args)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
             print(f"{path}: cannot validate ({type(error).__name__}: {error}); skipped", file=sys.stderr)
+            continue
+        if validated is not None:
+            files.append(validated)
     summary = summarize(files)
     print_table(files, summary)
     output = {
         "benchmark": "planner_validate",
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": None if args.offline or not torch.cuda.is_available() else torch.cuda.get_device_name(0),
         "platform_profile": args.platform,
-        "host_adamw_s_per_gparam": args.host_adamw_s_per_gparam,
+        "host_GBps": args.host_GBps or get_profile(args.platform).host_GBps,
+        "host_GBps_measured_here": measured_host,
         "files": files,
         "summary": summary,
     }

@@ -3,6 +3,7 @@ DRAM-bound verdicts, the analytic breakdown of a real model, and the FSDP2 step 
 
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import os
@@ -27,6 +28,7 @@ from torch_fsdp_offload.planner import (
     ScenarioError,
     TrainingConfig,
 )
+from torch_fsdp_offload.planner.cost_model import host_step_bytes_per_param
 from torch_fsdp_offload.planner.profile import model_breakdown, training_profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,8 +290,46 @@ class TestStepModel(TestCase):
         # bf16 weights up twice (forward, backward re-gather); fp32 grads down once.
         self.assertEqual(full.h2d_bytes, 2 * params * 2)
         self.assertEqual(full.d2h_bytes, params * 4)
+        # Streamed: the gradient goes down in backward, then fp32 param, grad and moments up and
+        # param, moments and the bf16 mirror down (the measured 20 and 18 bytes per parameter).
         streamed = self.predict(module_fraction=1.0, optimizer="stream")
-        self.assertEqual(streamed.d2h_bytes, params * 12)
+        self.assertEqual(streamed.h2d_bytes, params * 20)
+        self.assertEqual(streamed.d2h_bytes, params * 18)
+
+    def test_host_step_is_host_dram_bound(self):
+        # AdamW 28 bytes, the bf16 mirror cast 6, the gradient landing 4.
+        self.assertEqual(host_step_bytes_per_param(self.profile), 38)
+        full = self.predict(module_fraction=1.0, optimizer="host")
+        params = self.profile.n_blocks * self.profile.block_params
+        self.assertAlmostEqual(full.host_optimizer_s, params * 38 / (self.platform.host_GBps * 1e9))
+        self.assertTrue(full.host_bound)
+        # The host step overlaps backward: the step is shorter than forward + backward + host step.
+        self.assertLess(full.step_s, full.forward_s + full.backward_s + full.host_optimizer_s)
+        faster_host = dataclasses.replace(self.profile, host_GBps=4 * self.platform.host_GBps)
+        self.assertLess(predict_step(faster_host, TrainingConfig(module_fraction=1.0), self.platform).step_s, full.step_s)
+
+    def test_late_activation_copies_do_not_stall(self):
+        # Over PCIe the forward ends long before its activations have crossed: the step is not
+        # slowed, the blocks whose copies had not landed are used in place (not reloaded), and
+        # little GPU memory is released.
+        plain, offloaded = self.predict(), self.predict(activations=1.0)
+        self.assertEqual(offloaded.step_s, plain.step_s)
+        per_block = self.profile.block_activation_bytes
+        self.assertLess(offloaded.h2d_bytes, self.profile.n_blocks * per_block)
+        self.assertGreater(offloaded.peak_gpu_bytes, plain.peak_gpu_bytes - 2 * per_block)
+        # Over NVLink-C2C the copies keep up: most activation memory is released.
+        c2c = self.predict(platform=get_profile("gh200"), activations=1.0)
+        self.assertLess(c2c.peak_gpu_bytes, plain.peak_gpu_bytes - 3 * per_block)
+
+    def test_world_size_shards_state_and_adds_collectives(self):
+        one = self.predict()
+        two = predict_step(self.profile, TrainingConfig(), self.platform, world_size=2)
+        params = self.profile.total_params
+        # Half the fp32 parameters and AdamW moments (12 bytes per parameter) per GPU.
+        self.assertAlmostEqual(one.peak_gpu_bytes - two.peak_gpu_bytes, params * 12 / 2, delta=1e3)
+        self.assertGreaterEqual(two.step_s, one.step_s)
+        with self.assertRaisesRegex(ValueError, "world_size must be >= 1"):
+            predict_step(self.profile, TrainingConfig(), self.platform, world_size=0)
 
     def test_unified_moves_nothing(self):
         spark = self.predict(platform=get_profile("dgx-spark"), module_fraction=1.0, activations=1.0)
@@ -325,7 +365,16 @@ class TestValidationScript(TestCase):
             {"name": "stock_cpu_offload+fused_cpu_adamw", "batch_size": 4, "step_s": 0.79, "peak_gpu_GiB": 27.1},
             {"name": "coherent(depth=2,fraction=0.5)", "batch_size": 4, "step_s": 0.2, "peak_gpu_GiB": 20.0},
             {"name": "coherent(depth=1)", "batch_size": 4, "error": "OOM"},
+            {"name": "coherent(host;modules=0.5)", "batch_size": 4, "step_s": 0.36, "peak_gpu_GiB": 20.3},
         ]
+        self.assertEqual(
+            validate.row_config(rows[4], "host", default_depth=2),
+            TrainingConfig(module_fraction=0.5, optimizer="host", prefetch_depth=2),
+        )
+        self.assertEqual(
+            validate.row_config({"name": "coherent(split=0.5)"}, "host", default_depth=2),
+            TrainingConfig(module_fraction=1.0, optimizer=0.5, prefetch_depth=2),
+        )
         self.assertEqual(
             validate.row_config(rows[2], "host"),
             TrainingConfig(module_fraction=0.5, prefetch_depth=2),
@@ -336,7 +385,7 @@ class TestValidationScript(TestCase):
             with open(results, "w", encoding="utf-8") as handle:
                 json.dump({"model": "anchor-1.6b", "seq_len": 2048, "rows": rows}, handle)
             with contextlib.redirect_stdout(io.StringIO()):
-                self.assertEqual(validate.main([results, "--out", out]), 0)
+                self.assertEqual(validate.main(["--offline", "--from-json", results, "--out", out]), 0)
             with open(out, encoding="utf-8") as handle:
                 written = json.load(handle)
         by_name = {r["name"]: r for r in written["files"][0]["rows"]}
@@ -344,7 +393,7 @@ class TestValidationScript(TestCase):
         self.assertAlmostEqual(by_name["resident"]["peak_error"], 0.0, places=2)
         self.assertIn("skipped", by_name["stock_cpu_offload+fused_cpu_adamw"])
         self.assertIn("OOM", by_name["coherent(depth=1)"]["skipped"])
-        self.assertEqual(written["summary"]["rows_predicted"], 1)
+        self.assertEqual(written["summary"]["rows_predicted"], 2)
 
 
 if __name__ == "__main__":

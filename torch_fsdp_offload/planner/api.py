@@ -13,7 +13,7 @@ from torch_fsdp_offload.planner.cost_model import Candidate
 from torch_fsdp_offload.planner.profile import (
     ModelBreakdown,
     measure_block_timings,
-    measure_host_adamw_s_per_gparam,
+    measure_host_GBps,
     model_breakdown,
     training_profile,
 )
@@ -133,7 +133,7 @@ def _plan_model(
     breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len, compute_dtype=compute_dtype)
     factors = sorted({1, *microbatch_factors})
     timings = None
-    host_rate = None
+    host_GBps = None
     if measure:
         timings = measure_block_timings(model, [batch_size * f for f in factors], seq_len, compute_dtype=compute_dtype)
         if not timings:
@@ -142,7 +142,7 @@ def _plan_model(
                 "plan a smaller micro-batch or pass platform= to predict analytically"
             )
         factors = factors[: len(timings)]
-        host_rate = measure_host_adamw_s_per_gparam()
+        host_GBps = measure_host_GBps()
     else:
         notes.append(
             f"times are estimated from FLOPs for {platform.name}, not measured, and micro-batch scaling "
@@ -156,7 +156,7 @@ def _plan_model(
                 _scaled_breakdown(breakdown, f),
                 platform,
                 timing=None if timings is None else timings[i],
-                host_adamw_s_per_gparam=host_rate,
+                host_GBps=host_GBps,
             ),
         )
         for i, f in enumerate(factors)

@@ -28,6 +28,7 @@ __all__ = [
     "TrainingConfig",
     "TrainingProfile",
     "evaluate",
+    "host_step_bytes_per_param",
     "model_dram_bandwidth_GBps",
     "naive_offload_GB",
     "offload_window",
@@ -243,12 +244,14 @@ class TrainingProfile:
         other_activation_bytes (int): activations outside the blocks (embeddings, logits, loss).
         forward_s (float), backward_s (float): GPU-resident forward and backward time.
         gpu_optimizer_s (float): fused AdamW on the GPU for all parameters.
-        host_optimizer_s (float): fused AdamW on the host for all parameters.
+        host_GBps (float): effective host DRAM bandwidth of the host optimizer step (see
+            :attr:`PlatformProfile.host_GBps`).
         param_bytes (int): bytes per sharded (master) parameter, 4 for fp32.
         compute_bytes (int): bytes per parameter in the compute dtype, 2 for bf16.
         reduce_bytes (int): bytes per gradient element in the reduce dtype.
         optimizer_state_bytes (int): optimizer state bytes per parameter (8 for AdamW).
-        fixed_bytes (int): GPU memory that does not depend on the plan (allocator slack, workspaces).
+        fixed_bytes (int): GPU memory that does not depend on the plan (workspaces, allocator
+            slack; the calibration residual of a measured resident peak, may be negative).
         source (str): where the figures come from (``"analytic"``, ``"measured"``, ``"calibrated"``).
     """
 
@@ -263,7 +266,7 @@ class TrainingProfile:
     forward_s: float
     backward_s: float
     gpu_optimizer_s: float
-    host_optimizer_s: float
+    host_GBps: float
     param_bytes: int = 4
     compute_bytes: int = 2
     reduce_bytes: int = 4
@@ -358,6 +361,7 @@ class StepPrediction:
         h2d_bytes (int), d2h_bytes (int): link traffic.
         host_optimizer_s (float): host optimizer work (overlapped with backward).
         link_bound (bool): a copy stream, not compute, set the forward or backward time.
+        host_bound (bool): the host optimizer step, not the GPU, ends the step.
     """
 
     config: TrainingConfig
@@ -370,6 +374,7 @@ class StepPrediction:
     d2h_bytes: int
     host_optimizer_s: float
     link_bound: bool
+    host_bound: bool = False
 
     @property
     def peak_gpu_GiB(self) -> float:
@@ -383,6 +388,19 @@ class StepPrediction:
         return data
 
 
+def host_step_bytes_per_param(profile: TrainingProfile) -> int:
+    """Host DRAM bytes one host-stepped parameter moves per step.
+
+    Fused AdamW reads the parameter, gradient and both moments and writes the parameter and
+    moments; the compute-dtype mirror the next copy-in reads is cast from the fp32 master (read
+    the master, write the mirror); and the gradient's D2H copy writes into host DRAM during the
+    same window. 38 bytes for fp32 master, fp32 gradient, bf16 compute, AdamW.
+    """
+    adamw = 2 * profile.param_bytes + profile.reduce_bytes + 2 * profile.optimizer_state_bytes
+    mirror = profile.param_bytes + profile.compute_bytes if profile.compute_bytes < profile.param_bytes else 0
+    return adamw + mirror + profile.reduce_bytes
+
+
 def _copy_time(h2d_bytes: float, d2h_bytes: float, platform: PlatformProfile) -> float:
     # Each direction has its own copy engine, but both share the link's total.
     return max(
@@ -392,75 +410,138 @@ def _copy_time(h2d_bytes: float, d2h_bytes: float, platform: PlatformProfile) ->
     )
 
 
-def predict_step(profile: TrainingProfile, config: TrainingConfig, platform: PlatformProfile) -> StepPrediction:
-    """Predict one FSDP2 training step (world size 1) under ``config`` on ``platform``.
+def _activation_schedule(
+    profile: TrainingProfile, activation_blocks: int, per_block: int, forward_s: float, backward_s: float,
+    platform: PlatformProfile,
+) -> tuple[int, int]:
+    """``(bytes released by the start of backward, bytes reloaded in backward)`` of offloaded activations.
 
-    Per step the offloaded blocks' parameters cross host-to-device twice in the compute dtype
-    (forward and the backward re-gather); gradients of host-stepped groups cross device-to-host in
-    the reduce dtype; streamed groups move fp32 parameter and state up and back (24 bytes per
-    parameter for AdamW); offloaded activations go down in forward and up in backward. Each phase
-    takes the longest of its compute and its copy streams; with ``prefetch_depth=0`` the copies
-    do not overlap compute. The host optimizer starts when the first offloaded group's gradients
-    land and overlaps the rest of backward; what is left of it after backward is exposed.
+    Blocks are offloaded from the first; block ``i``'s D2H copy starts when its forward ends and
+    the copies queue on one stream. A landed copy releases its GPU memory when the CPU next looks,
+    up to a block later; backward reloads a block one block ahead of use if its copy landed by
+    then, and otherwise uses the device copy in place (nothing waits for the link).
+    """
+    n = profile.n_blocks
+    block_fwd, block_bwd = forward_s / n, backward_s / n
+    copy_s = per_block / (platform.d2h_GBps * 1e9)
+    released = reloaded = 0
+    landed_at = 0.0
+    for index in range(activation_blocks):
+        landed_at = max(landed_at, block_fwd * (index + 1)) + copy_s
+        if landed_at <= forward_s - block_fwd:
+            released += per_block
+        reload_issued_at = forward_s + block_bwd * (n - 2 - index)
+        if landed_at <= reload_issued_at:
+            reloaded += per_block
+    return released, reloaded
+
+
+def predict_step(
+    profile: TrainingProfile, config: TrainingConfig, platform: PlatformProfile, *, world_size: int = 1
+) -> StepPrediction:
+    """Predict one FSDP2 training step per GPU under ``config`` on ``platform``.
+
+    Per step the offloaded blocks' parameter shards cross host-to-device twice in the compute
+    dtype (forward and the backward re-gather); gradients of offloaded groups cross device-to-host
+    in the reduce dtype; streamed groups then move their fp32 parameter, gradient and moments up
+    and parameter, moments and mirror down, one direction after the other. Offloaded activations
+    go down in forward; a copy that has not landed when backward needs its tensor is skipped (the
+    device copy is used in place), so activation copies never stall compute, and only landed
+    blocks are reloaded. Each phase takes the longest of its compute and its copy streams (their
+    sum with ``prefetch_depth=0``); at ``world_size > 1`` FSDP's all-gathers and reduce-scatters
+    over ``platform.gpu_interconnect_GBps`` are one more overlapped stream.
+
+    The host optimizer is bound by host DRAM bandwidth (:func:`host_step_bytes_per_param` bytes per
+    parameter at ``profile.host_GBps``; one host DRAM serves all ``world_size`` GPUs). Host-stepped
+    groups are the last in forward order, so their gradients land first in backward; each group
+    steps when its gradients have landed and the previous group is done. Streamed groups step
+    after the host groups have finished. What outlasts backward is exposed.
+
+    Peak GPU memory is taken at the start of backward (gradients were freed by ``zero_grad``):
+    resident sharded parameters and optimizer state, the unsharded compute-dtype parameters of
+    ``prefetch_depth + 1`` groups and one reduce-dtype gradient, the copy-in buffer every offloaded
+    group keeps until its backward (measured: one compute-dtype shard per offloaded group), all
+    activations not yet released, ``fixed_bytes``; or during a streamed step, if larger.
 
     Args:
-        profile (TrainingProfile): the model at one micro-batch.
+        profile (TrainingProfile): the model at one micro-batch (per GPU).
         config (TrainingConfig): the knobs.
         platform (PlatformProfile): link bandwidths and kind (no copies on UNIFIED).
+        world_size (int): GPUs the parameters are sharded over (one host).
 
     Returns:
-        StepPrediction: step time, phases, peak GPU memory and link traffic.
+        StepPrediction: step time, phases, peak GPU memory and link traffic per GPU.
+
+    Raises:
+        ValueError: ``world_size < 1``.
 
     Example::
 
         >>> predict_step(profile, TrainingConfig(module_fraction=1.0), get_profile("h200-pcie")).step_s
     """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     n_blocks = profile.n_blocks
     offloaded_blocks = round(config.module_fraction * n_blocks)
     activation_blocks = round(config.activations * n_blocks)
     gpu_fraction = config.optimizer_gpu_fraction
-    params_offloaded = offloaded_blocks * profile.block_params
-    params_total = profile.total_params
+    streamed_blocks = round(gpu_fraction * offloaded_blocks)
+    host_blocks = offloaded_blocks - streamed_blocks
+    shard = profile.block_params / world_size
     per_block_saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
-    activations_offloaded = activation_blocks * per_block_saved
     # On one physical memory the offloaded state is read in place: nothing crosses a link.
     copies = 0.0 if platform.kind in ("unified", "host_only") else 1.0
 
-    weight_bytes = params_offloaded * profile.compute_bytes * copies
-    grad_down = params_offloaded * (1.0 - gpu_fraction) * profile.reduce_bytes * copies
-    stream_bytes = (
-        params_offloaded * gpu_fraction * (profile.param_bytes + profile.optimizer_state_bytes) * copies
-    )
-    activation_bytes = activations_offloaded * copies
+    weight_bytes = offloaded_blocks * shard * profile.compute_bytes * copies
+    grad_down = offloaded_blocks * shard * profile.reduce_bytes * copies
+    stream_up = streamed_blocks * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes) * copies
+    stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + profile.compute_bytes) * copies
 
-    def phase(compute: float, h2d: float, d2h: float) -> tuple[float, bool]:
+    gather_s = reduce_s = 0.0
+    if world_size > 1:
+        wire = (world_size - 1) / world_size * profile.total_params / (platform.gpu_interconnect_GBps * 1e9)
+        gather_s, reduce_s = wire * profile.compute_bytes, wire * profile.reduce_bytes
+
+    def phase(compute: float, h2d: float, d2h: float, collectives: float) -> tuple[float, bool]:
         link = _copy_time(h2d, d2h, platform)
         if config.prefetch_depth == 0:
-            return compute + link, link > 0
-        return max(compute, link), link > compute
+            return compute + link + collectives, link > 0
+        return max(compute, link, collectives), link > max(compute, collectives)
 
-    forward, forward_bound = phase(profile.forward_s, weight_bytes, activation_bytes)
+    backward_compute = profile.backward_s + (profile.forward_s if config.checkpointing else 0.0)
+    released, reloaded = 0, 0
+    if activation_blocks and copies:
+        released, reloaded = _activation_schedule(
+            profile, activation_blocks, per_block_saved, profile.forward_s, backward_compute, platform
+        )
+    forward, forward_bound = phase(profile.forward_s, weight_bytes, 0.0, gather_s)
     if offloaded_blocks == n_blocks and copies and config.prefetch_depth > 0:
         # The first group's copy has nothing to hide behind.
-        forward += profile.block_params * profile.compute_bytes / (platform.h2d_GBps * 1e9)
-    backward_compute = profile.backward_s + (profile.forward_s if config.checkpointing else 0.0)
-    backward, backward_bound = phase(backward_compute, weight_bytes + activation_bytes, grad_down)
+        forward += shard * profile.compute_bytes / (platform.h2d_GBps * 1e9)
+    backward, backward_bound = phase(backward_compute, weight_bytes + reloaded, grad_down, gather_s + reduce_s)
 
-    resident_share = (params_total - params_offloaded) / params_total
-    gpu_optimizer = profile.gpu_optimizer_s * resident_share
-    streamed_share = params_offloaded * gpu_fraction / params_total
-    stream_time = max(profile.gpu_optimizer_s * streamed_share, _copy_time(stream_bytes, stream_bytes, platform))
-    host_share = params_offloaded * (1.0 - gpu_fraction) / params_total
-    host_time = profile.host_optimizer_s * host_share
+    params_offloaded = offloaded_blocks * profile.block_params
+    gpu_optimizer = profile.gpu_optimizer_s * (profile.total_params - params_offloaded) / profile.total_params / world_size
+    host_time = host_blocks * shard * host_step_bytes_per_param(profile) * world_size / (profile.host_GBps * 1e9)
     host_tail = 0.0
-    if host_time > 0:
-        # Offloaded groups run last in forward, so their gradients are the first to land.
-        first_landing = backward / n_blocks
-        host_end = max(first_landing + host_time, backward + host_time / max(offloaded_blocks, 1))
+    if host_blocks:
+        per_group = host_time / host_blocks
+        group_landing = shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
+        host_end = 0.0
+        for order in range(host_blocks):
+            landed = backward * (order + 1) / n_blocks + group_landing
+            host_end = max(host_end, landed) + per_group
         host_tail = max(0.0, host_end - backward)
-    optimizer = max(gpu_optimizer + stream_time, host_tail)
+    stream_time = 0.0
+    if streamed_blocks:
+        stream_time = max(
+            profile.gpu_optimizer_s * streamed_blocks * profile.block_params / profile.total_params / world_size,
+            stream_up / (platform.h2d_GBps * 1e9) + stream_down / (platform.d2h_GBps * 1e9),
+        )
+    optimizer = max(gpu_optimizer, host_tail + stream_time)
 
-    peak = _peak_bytes(profile, config, offloaded_blocks, activation_blocks, per_block_saved, params_offloaded)
+    peak = _peak_bytes(profile, config, offloaded_blocks, streamed_blocks, activation_blocks, per_block_saved,
+                       released, world_size)
     return StepPrediction(
         config=config,
         step_s=forward + backward + optimizer,
@@ -468,10 +549,11 @@ def predict_step(profile: TrainingProfile, config: TrainingConfig, platform: Pla
         backward_s=backward,
         optimizer_s=optimizer,
         peak_gpu_bytes=int(peak),
-        h2d_bytes=int(2 * weight_bytes + activation_bytes + stream_bytes),
-        d2h_bytes=int(grad_down + activation_bytes + stream_bytes),
+        h2d_bytes=int(2 * weight_bytes + reloaded + stream_up),
+        d2h_bytes=int(grad_down + activation_blocks * per_block_saved * copies + stream_down),
         host_optimizer_s=host_time,
         link_bound=forward_bound or backward_bound,
+        host_bound=host_tail > 0 and host_tail >= stream_time and host_tail > gpu_optimizer,
     )
 
 
@@ -479,27 +561,28 @@ def _peak_bytes(
     profile: TrainingProfile,
     config: TrainingConfig,
     offloaded_blocks: int,
+    streamed_blocks: int,
     activation_blocks: int,
     per_block_saved: int,
-    params_offloaded: int,
+    released: int,
+    world_size: int,
 ) -> float:
-    # The peak is at the start of backward: resident sharded state, every activation still held,
-    # the unsharded compute-dtype parameters of the current and prefetched groups, and the
-    # current group's unsharded gradient plus its reduce-dtype copy.
-    state_per_param = profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes
-    resident_state = (profile.total_params - params_offloaded) * state_per_param
+    shard = profile.block_params / world_size
+    resident_params = (profile.total_params - offloaded_blocks * profile.block_params) / world_size
+    resident_state = resident_params * (profile.param_bytes + profile.optimizer_state_bytes)
     live_groups = 1 + max(config.prefetch_depth, 1)
-    unsharded = live_groups * profile.block_params * profile.compute_bytes
-    grad_transient = profile.block_params * (profile.compute_bytes + profile.reduce_bytes)
-    held_blocks = profile.n_blocks - activation_blocks
-    # Offloaded activations still occupy the GPU while their copy is in flight (one block).
-    in_flight = per_block_saved if activation_blocks else 0
-    activations = held_blocks * per_block_saved + in_flight + profile.other_activation_bytes
+    unsharded = live_groups * profile.block_params * profile.compute_bytes + profile.block_params * profile.reduce_bytes
+    copy_in_buffers = offloaded_blocks * shard * profile.compute_bytes
+    activations = profile.n_blocks * per_block_saved + profile.other_activation_bytes - released
+    if activation_blocks:
+        # One block's copy is in flight while its GPU memory is still held.
+        activations += per_block_saved
     if config.checkpointing:
         # Backward recomputes one block at a time: its full activations live once.
         activations += profile.block_activation_bytes
-    streaming = 0
-    if offloaded_blocks and config.optimizer_gpu_fraction > 0:
-        # Two groups of fp32 params, grads and state pass through the GPU at once.
-        streaming = 2 * profile.block_params * state_per_param
-    return resident_state + unsharded + grad_transient + activations + streaming + profile.fixed_bytes
+    backward_peak = resident_state + unsharded + copy_in_buffers + activations
+    # A streamed step holds the resident state and gradients and two groups' fp32 state in transit.
+    optimizer_peak = resident_params * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes)
+    if streamed_blocks:
+        optimizer_peak += 2 * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes)
+    return max(backward_peak, optimizer_peak) + profile.fixed_bytes

@@ -30,8 +30,12 @@ class PlatformProfile:
             all offload traffic against (conservative on full-duplex links).
         h2d_GBps (float), d2h_GBps (float): achieved copy bandwidth each way (large pinned copies).
         bidirectional_GBps (float): achieved total when both ways copy at once.
-        host_adamw_s_per_gparam (float): seconds for a fused AdamW step on the host per 1e9 fp32
-            parameters (all cores).
+        host_GBps (float): effective host DRAM bandwidth of the host optimizer step: the bytes of
+            :func:`~torch_fsdp_offload.planner.cost_model.host_step_bytes_per_param` (38 per fp32
+            AdamW parameter with a bf16 mirror) over its time. ``plan`` measures it on this machine
+            (:func:`~torch_fsdp_offload.planner.profile.measure_host_GBps`).
+        gpu_interconnect_GBps (float): per-GPU bandwidth of FSDP's all-gather and reduce-scatter
+            between the GPUs of one host (``world_size > 1``).
         gpu_bf16_TFLOPS (float): dense bf16 peak, used only to estimate compute time when no GPU
             timing is available.
         source (str): where the figures come from.
@@ -45,7 +49,8 @@ class PlatformProfile:
     h2d_GBps: float
     d2h_GBps: float
     bidirectional_GBps: float
-    host_adamw_s_per_gparam: float
+    host_GBps: float
+    gpu_interconnect_GBps: float
     gpu_bf16_TFLOPS: float
     source: str
 
@@ -54,8 +59,16 @@ class PlatformProfile:
             raise ValueError(f"PlatformProfile.kind must be one of {_KINDS}, got {self.kind!r}")
 
 
-# Measured on our x86 + H200 host: fused AdamW on 1.611e9 fp32 params took 0.361 s on 16 threads.
-_H200_HOST_ADAMW = 0.361 / 1.611
+# Our x86 + H200 host (16 cores), in CoherentOffload's own path: with every group offloaded, the
+# time from the start of backward to the end of the host step was 0.634 / 0.628 / 0.633 s at bs 4 /
+# 8 / 16 (fsdp_offload*.json, bwd_s + opt_s); the first group's gradients land ~0.03 s into
+# backward, leaving 0.60 s for 1.611e9 params x 38 bytes = 61.2 GB: 102 GB/s. (Fused AdamW alone,
+# 28 bytes per param in 0.361 s, reaches 125 GB/s on all 16 threads; the host step of our path runs
+# on 15 threads beside the thread that drives the GPU, while the gradient copies land in the same
+# DRAM.) Other hosts: assumed the same until measured.
+_H200_HOST_GBPS = 102.0
+# NCCL between two GPUs over PCIe Gen5 (no NVLink): assumed, not measured.
+_PCIE_GPU_GPU_GBPS = 40.0
 
 PLATFORM_PROFILES: dict[str, PlatformProfile] = {
     "h100-pcie": PlatformProfile(
@@ -67,8 +80,9 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         h2d_GBps=55.0,
         d2h_GBps=55.0,
         # Same PCIe Gen5 x16 link as our H200 host; its both-ways figure is assumed.
-        bidirectional_GBps=83.6,
-        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        bidirectional_GBps=98.5,
+        host_GBps=_H200_HOST_GBPS,
+        gpu_interconnect_GBps=_PCIE_GPU_GPU_GBPS,
         gpu_bf16_TFLOPS=756.0,
         source="platforms.md: x86 + H100 PCIe Gen5 (~55 GB/s each way); both-ways and host figures from our H200 host",
     ),
@@ -79,9 +93,10 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         gpu_dram_GBps=4212.3,
         link_GBps=54.6,
         h2d_GBps=54.6,
-        d2h_GBps=55.2,
-        bidirectional_GBps=83.6,
-        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        d2h_GBps=54.6,
+        bidirectional_GBps=98.5,
+        host_GBps=_H200_HOST_GBPS,
+        gpu_interconnect_GBps=_PCIE_GPU_GPU_GBPS,
         gpu_bf16_TFLOPS=835.0,
         source="h200-measured.json: x86 + H200 PCIe Gen5 x16, measured 2026-11-29 (DRAM = device copy read+write)",
     ),
@@ -95,7 +110,8 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         h2d_GBps=378.0,
         d2h_GBps=234.0,
         bidirectional_GBps=612.0,
-        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        host_GBps=_H200_HOST_GBPS,
+        gpu_interconnect_GBps=450.0,
         gpu_bf16_TFLOPS=989.0,
         source="platforms.md: GH200 96 GB HBM3, NVLink-C2C 450 GB/s each way, public copy measurements",
     ),
@@ -109,7 +125,8 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         h2d_GBps=225.0,
         d2h_GBps=225.0,
         bidirectional_GBps=450.0,
-        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        host_GBps=_H200_HOST_GBPS,
+        gpu_interconnect_GBps=900.0,
         gpu_bf16_TFLOPS=2500.0,
         source="platforms.md: GB200 8 TB/s HBM3e, C2C 900 GB/s shared by 2 GPUs (estimate; GB300 measured ~211/~193)",
     ),
@@ -122,7 +139,8 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         h2d_GBps=273.0,
         d2h_GBps=273.0,
         bidirectional_GBps=273.0,
-        host_adamw_s_per_gparam=_H200_HOST_ADAMW,
+        host_GBps=_H200_HOST_GBPS,
+        gpu_interconnect_GBps=273.0,
         gpu_bf16_TFLOPS=125.0,
         source="platforms.md: DGX Spark GB10, one 128 GB LPDDR5X memory at 273 GB/s shared by CPU and GPU",
     ),
