@@ -24,6 +24,7 @@ from torch_fsdp_offload.planner import (
     get_profile,
     load_scenario,
     plan,
+    predict_per_gpu,
     predict_step,
     ScenarioError,
     TrainingConfig,
@@ -345,6 +346,25 @@ class TestStepModel(TestCase):
         plain, ckpt = self.predict(), self.predict(checkpointing=True)
         self.assertLess(ckpt.peak_gpu_bytes, plain.peak_gpu_bytes)
         self.assertGreater(ckpt.step_s, plain.step_s)
+
+    def test_predict_per_gpu(self):
+        resident = predict_per_gpu("anchor-1.6b", world_size=2, batch_size=4, platform="h200-pcie")
+        offloaded = predict_per_gpu("anchor-1.6b", world_size=2, batch_size=4, offload=True, platform="h200-pcie")
+        self.assertLess(offloaded["peak_gpu_GiB"], resident["peak_gpu_GiB"])
+        self.assertTrue(offloaded["host_bound"])
+        self.assertAlmostEqual(resident["tokens_per_s_per_gpu"], 4 * 2048 / resident["step_s"])
+        self.assertEqual((resident["world_size"], offloaded["config"]), (2, "modules=1.00 opt=host"))
+        with self.assertRaisesRegex(TypeError, "offload must be a bool, a module fraction or a TrainingConfig"):
+            predict_per_gpu("anchor-1.6b", offload="all", platform="h200-pcie")
+
+    def test_scenario_host_bandwidth(self):
+        data = load_scenario(os.path.join(REPO, "docs", "examples", "talk_gh200.json")).to_dict()
+        self.assertEqual(load_scenario(data).host_GBps, get_profile("gh200").host_GBps)
+        data["bandwidth_GBps"]["host"] = 80
+        self.assertEqual(load_scenario(data).host_GBps, 80.0)
+        data["bandwidth_GBps"]["host"] = 0
+        with self.assertRaisesRegex(ScenarioError, "'host' must be > 0"):
+            load_scenario(data)
 
     def test_bad_config(self):
         with self.assertRaisesRegex(ValueError, "module_fraction must be a fraction in \\[0, 1\\]"):

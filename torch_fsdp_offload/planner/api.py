@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from torch_fsdp_offload.planner.cost_model import Candidate
+from torch_fsdp_offload.planner.cost_model import Candidate, predict_step, TrainingConfig
 from torch_fsdp_offload.planner.profile import (
     ModelBreakdown,
     measure_block_timings,
@@ -22,7 +22,7 @@ from torch_fsdp_offload.planner.report import PlanResult, Recommendation, Traini
 from torch_fsdp_offload.planner.scenario import Scenario, load_scenario
 from torch_fsdp_offload.planner.search import search_scenario, search_training
 
-__all__ = ["plan"]
+__all__ = ["plan", "predict_per_gpu"]
 
 # Peak allocated memory must leave room for the CUDA context, NCCL and allocator fragmentation.
 _MEMORY_HEADROOM = 0.9
@@ -128,6 +128,7 @@ def _plan_model(
     microbatch_factors: Sequence[int],
     compute_dtype: torch.dtype,
     measure: bool,
+    world_size: int,
 ) -> PlanResult:
     notes = []
     breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len, compute_dtype=compute_dtype)
@@ -143,6 +144,7 @@ def _plan_model(
             )
         factors = factors[: len(timings)]
         host_GBps = measure_host_GBps()
+        notes.append(f"host optimizer bandwidth measured here: {host_GBps:.0f} GB/s")
     else:
         notes.append(
             f"times are estimated from FLOPs for {platform.name}, not measured, and micro-batch scaling "
@@ -180,6 +182,7 @@ def _plan_model(
         ),
         gpu_dram_GBps=platform.gpu_dram_GBps,
         link_GBps=platform.link_GBps,
+        host_GBps=host_GBps or platform.host_GBps,
         # Weights cross twice in the compute dtype (half the fp32 bytes); the optimizer runs where
         # its state lives, so the state itself does not cross.
         crossings={
@@ -194,7 +197,12 @@ def _plan_model(
     search = search_scenario(scenario)
     notes.extend(_talk_notes(scenario, search))
     capacity = platform.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM
-    predictions, best = search_training(profiles, platform, capacity)
+    if world_size > 1:
+        notes.append(
+            f"per-GPU predictions for FSDP over {world_size} GPUs of one host (collectives at "
+            f"{platform.gpu_interconnect_GBps:g} GB/s, one host DRAM for all host optimizer steps)"
+        )
+    predictions, best = search_training(profiles, platform, capacity, world_size=world_size)
     training = TrainingPlan(profiles=profiles, predictions=tuple(predictions), best=best, capacity_bytes=capacity)
     if search.blocked_reason or best is None:
         recommendation = _talk_recommendation(scenario, search.recommended, search.blocked_reason)
@@ -236,6 +244,7 @@ def plan(
     microbatch_factors: Sequence[int] = (1, 2, 4, 8),
     compute_dtype: torch.dtype = torch.bfloat16,
     measure: bool | None = None,
+    world_size: int = 1,
 ) -> PlanResult:
     """Decide whether offloading pays, and how much to offload, following the talk's framework:
     memory breakdown, iteration time, the model's own DRAM bandwidth against peak, the link
@@ -259,6 +268,8 @@ def plan(
         compute_dtype (torch.dtype): forward dtype, for a model.
         measure (bool | None): time the block on the GPU (default: when CUDA is available and
             ``platform`` is not given, i.e. the plan is for this machine).
+        world_size (int): GPUs of one host FSDP shards over, for a model; the FSDP2 step
+            predictions are per GPU (sharded state, all-gathers and reduce-scatters, a shared host).
 
     Returns:
         PlanResult: ``.report()`` (text), ``.to_dict()`` (JSON), ``.plot(path)`` (PNG), and
@@ -284,6 +295,8 @@ def plan(
         if platform is not None:
             loaded = dataclasses.replace(loaded, platform=_resolve_platform(platform, need=True))
         return _plan_scenario(loaded)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     if batch_size < 1 or seq_len < 1 or any(f < 1 for f in microbatch_factors):
         raise ValueError(
             f"batch_size, seq_len and microbatch_factors must be >= 1, got {batch_size}, {seq_len}, {list(microbatch_factors)}"
@@ -301,4 +314,91 @@ def plan(
         microbatch_factors=microbatch_factors,
         compute_dtype=compute_dtype,
         measure=measure,
+        world_size=world_size,
     )
+
+
+def _offload_config(offload: bool | float | TrainingConfig | None) -> TrainingConfig:
+    if isinstance(offload, TrainingConfig):
+        return offload
+    if offload is None or offload is False:
+        return TrainingConfig()
+    if offload is True:
+        return TrainingConfig(module_fraction=1.0, prefetch_depth=2)
+    if isinstance(offload, (int, float)):
+        return TrainingConfig(module_fraction=float(offload), prefetch_depth=2)
+    raise TypeError(f"offload must be a bool, a module fraction or a TrainingConfig, got {type(offload).__name__}")
+
+
+def predict_per_gpu(
+    model: Any,
+    *,
+    world_size: int = 1,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    offload: bool | float | TrainingConfig | None = False,
+    platform: str | PlatformProfile = "h200-pcie",
+    host_GBps: float | None = None,
+    gpu_memory_GiB: float | None = None,
+) -> dict[str, Any]:
+    """Predict one FSDP2 training step per GPU, analytically (no GPU needed).
+
+    For benchmarks that compare resident and offloaded training at a growing micro-batch
+    (``benchmarks/multi_gpu.py``): call it for each ``(batch_size, offload)`` and keep the fastest
+    that fits. Times come from the model's FLOPs at the platform's bf16 peak (65% achieved), sizes
+    from its meta-device breakdown, the host optimizer from ``host_GBps``.
+
+    Args:
+        model: a built-in model name, a :class:`~torch_fsdp_offload.models.TransformerConfig`, a
+            transformers config name, or a module factory (see :func:`plan`).
+        world_size (int): GPUs of one host that FSDP shards over.
+        batch_size (int): sequences per GPU per step.
+        seq_len (int): tokens per sequence.
+        offload: ``False``/``None`` (resident), ``True`` (every block offloaded, host optimizer,
+            ``prefetch_depth=2``), a module fraction, or a :class:`TrainingConfig`.
+        platform: a profile name or :class:`PlatformProfile` (measured figures replace a profile's
+            with ``dataclasses.replace``).
+        host_GBps (float | None): host optimizer bandwidth (default: the platform's).
+        gpu_memory_GiB (float | None): memory the peak must fit in (default: 90% of the platform's).
+
+    Returns:
+        dict: ``step_s``, ``tokens_per_s_per_gpu``, ``peak_gpu_GiB``, ``fits``, ``link_bound``,
+        ``host_bound``, ``forward_s``, ``backward_s``, ``optimizer_s``, ``h2d_GB``, ``d2h_GB``,
+        ``config`` (label), ``batch_size``, ``world_size``, ``platform``.
+
+    Raises:
+        ValueError: ``world_size``, ``batch_size`` or ``seq_len`` below 1; an unknown profile.
+        TypeError: an ``offload`` of another type.
+
+    Example::
+
+        >>> from torch_fsdp_offload.models import TransformerConfig
+        >>> llama_8b = TransformerConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        ...                              ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0)
+        >>> predict_per_gpu(llama_8b, world_size=2, batch_size=4, offload=True)["tokens_per_s_per_gpu"]
+    """
+    if world_size < 1 or batch_size < 1 or seq_len < 1:
+        raise ValueError(f"world_size, batch_size and seq_len must be >= 1, got {world_size}, {batch_size}, {seq_len}")
+    config = _offload_config(offload)
+    resolved = _resolve_platform(platform, need=True)
+    breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len)
+    profile = training_profile(breakdown, resolved, host_GBps=host_GBps)
+    prediction = predict_step(profile, config, resolved, world_size=world_size)
+    capacity = gpu_memory_GiB * 2**30 if gpu_memory_GiB is not None else resolved.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM
+    return {
+        "config": config.label,
+        "batch_size": batch_size,
+        "world_size": world_size,
+        "platform": resolved.name,
+        "step_s": prediction.step_s,
+        "forward_s": prediction.forward_s,
+        "backward_s": prediction.backward_s,
+        "optimizer_s": prediction.optimizer_s,
+        "tokens_per_s_per_gpu": batch_size * seq_len / prediction.step_s,
+        "peak_gpu_GiB": prediction.peak_gpu_GiB,
+        "fits": prediction.peak_gpu_bytes <= capacity,
+        "link_bound": prediction.link_bound,
+        "host_bound": prediction.host_bound,
+        "h2d_GB": prediction.h2d_bytes / 1e9,
+        "d2h_GB": prediction.d2h_bytes / 1e9,
+    }

@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=1, help="today's micro-batch in sequences (model only)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (model only)")
+    parser.add_argument("--world-size", type=int, default=1, help="GPUs of one host FSDP shards over; per-GPU predictions (model only)")
     parser.add_argument(
         "--microbatch-factors",
         default="1,2,4,8",
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size,
                 seq_len=args.seq_len,
                 microbatch_factors=factors,
+                world_size=args.world_size,
             )
     except (ScenarioError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -78,6 +78,8 @@ class Scenario:
         gpu_dram_GBps (float): peak GPU DRAM bandwidth.
         link_GBps (float): CPU-GPU link bandwidth all offload traffic is budgeted against.
         model_dram_GBps (float | None): the model's own DRAM bandwidth if measured (else estimated).
+        host_GBps (float | None): host optimizer bandwidth (``bandwidth_GBps.host``; default: the
+            platform profile's, 102 GB/s on h200-pcie, measured in CoherentOffload's host step).
         checkpointing (Checkpointing | None): activation checkpointing figures, if known.
         crossings (dict): link crossings per offloaded byte and iteration, per memory kind.
         n_blocks (int | None): number of offloadable blocks (fractions are rounded to whole blocks).
@@ -98,6 +100,7 @@ class Scenario:
     gpu_dram_GBps: float
     link_GBps: float
     model_dram_GBps: float | None = None
+    host_GBps: float | None = None
     checkpointing: Checkpointing | None = None
     crossings: Mapping[str, float] = field(default_factory=lambda: dict(_DEFAULT_CROSSINGS))
     n_blocks: int | None = None
@@ -134,7 +137,8 @@ class Scenario:
             "activations_to_dram_GB": self.activations_to_dram_GB,
             "iteration_time_s": self.iteration_time_s,
             "microbatch_scaling": [list(point) for point in self.microbatch_scaling],
-            "bandwidth_GBps": {"gpu_dram": self.gpu_dram_GBps, "link": self.link_GBps},
+            "bandwidth_GBps": {"gpu_dram": self.gpu_dram_GBps, "link": self.link_GBps}
+            | ({"host": self.host_GBps} if self.host_GBps is not None else {}),
             "crossings_per_iteration": dict(self.crossings),
         }
         if self.platform is not None and self.platform.name in PLATFORM_PROFILES:
@@ -244,7 +248,7 @@ def load_scenario(source: str | os.PathLike | Mapping[str, Any]) -> Scenario:
     bandwidth = data.get("bandwidth_GBps", {})
     if not isinstance(bandwidth, Mapping):
         raise ScenarioError(f"{where}: 'bandwidth_GBps' must be an object like {{\"gpu_dram\": 4000, \"link\": 450}}")
-    _check_keys(bandwidth, ("gpu_dram", "link"), f"{where}: bandwidth_GBps")
+    _check_keys(bandwidth, ("gpu_dram", "link", "host"), f"{where}: bandwidth_GBps")
     resolved_bandwidth = {}
     for key, profile_field in (("gpu_dram", "gpu_dram_GBps"), ("link", "link_GBps")):
         if key in bandwidth:
@@ -256,6 +260,10 @@ def load_scenario(source: str | os.PathLike | Mapping[str, Any]) -> Scenario:
                 f"{where}: missing 'bandwidth_GBps.{key}' (GB/s); give it or name a 'platform' profile "
                 "that provides it"
             )
+
+    host = profile.host_GBps if profile is not None else None
+    if "host" in bandwidth:
+        host = _number(bandwidth, "host", f"{where}: bandwidth_GBps", minimum=0.0, strict=True)
 
     model_dram = None
     if "model_dram_GBps" in data:
@@ -306,6 +314,7 @@ def load_scenario(source: str | os.PathLike | Mapping[str, Any]) -> Scenario:
         gpu_dram_GBps=resolved_bandwidth["gpu_dram"],
         link_GBps=resolved_bandwidth["link"],
         model_dram_GBps=model_dram,
+        host_GBps=host,
         checkpointing=checkpointing,
         crossings=crossings,
         n_blocks=n_blocks,

@@ -197,6 +197,8 @@ def search_training(
     platform: PlatformProfile,
     capacity_bytes: float,
     configs: Sequence[TrainingConfig] | None = None,
+    *,
+    world_size: int = 1,
 ) -> tuple[list[tuple[float, StepPrediction]], tuple[float, StepPrediction] | None]:
     """Predict every config at every micro-batch factor and pick the highest throughput that fits.
 
@@ -205,6 +207,7 @@ def search_training(
         platform (PlatformProfile): link bandwidths.
         capacity_bytes (float): GPU memory the peak must stay within.
         configs: settings to predict (default :func:`default_training_configs`).
+        world_size (int): GPUs the parameters are sharded over; predictions are per GPU.
 
     Returns:
         ``(predictions, best)``: every ``(factor, prediction)``, and the fitting one with the most
@@ -217,7 +220,7 @@ def search_training(
     predictions = []
     for factor, profile in profiles:
         for config in configs if configs is not None else default_training_configs(profile.n_blocks):
-            predictions.append((factor, predict_step(profile, config, platform)))
+            predictions.append((factor, predict_step(profile, config, platform, world_size=world_size)))
     fitting = [(f, p) for f, p in predictions if p.peak_gpu_bytes <= capacity_bytes]
     if not fitting:
         return predictions, None
