@@ -15,7 +15,10 @@ the bandwidths are measured here, and T_host_unhidden is the host optimizer time
 under backward: a group's host step can start only when its gradients landed and the next
 forward needs the first group, whose gradients land last, so at best the host work of all but the
 backward of one group is hidden: T_host_unhidden = T_gpu + T_host - T_bwd * (N - 1) / N, with
-T_host the measured host optimizer time of the row (for rows without a host optimizer, 0).
+T_host the host work of the parameters the row steps on the host (fused CPU AdamW plus the bf16
+cast, per parameter, measured in this process by ``measure_host_optimizer``; 0 for rows that step
+nothing on the host). With ``--profile DIR`` each CoherentOffload row at the first batch size also
+writes a chrome trace and a summary of how much copy time ran under compute (``profile_overlap``).
 
 Usage (GPU machine):
     python benchmarks/fsdp_offload.py --out benchmarks/results/fsdp_offload.json [--profile DIR]
@@ -24,6 +27,7 @@ Usage (GPU machine):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -47,10 +51,71 @@ GiB = 1 << 30
 # Row name -> CoherentOffload knobs.
 COHERENT_ROWS = {
     "coherent(host)": {"optimizer": "host", "prefetch_depth": 2},
+    "coherent(split=0.25)": {"optimizer": 0.25, "prefetch_depth": 2},
     "coherent(split=0.5)": {"optimizer": 0.5, "prefetch_depth": 2},
+    "coherent(split=0.75)": {"optimizer": 0.75, "prefetch_depth": 2},
     "coherent(stream)": {"optimizer": "stream", "prefetch_depth": 2},
     "coherent(host;modules=0.5)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
+    "coherent(split=0.5;modules=0.75)": {"optimizer": 0.5, "prefetch_depth": 2, "module_fraction": 0.75},
 }
+
+
+@contextlib.contextmanager
+def _phase_peak(peaks: dict, phase: str, record: bool):
+    """Peak allocated GPU memory inside the block, kept per phase (timed steps only)."""
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    if record:
+        peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated())
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def copy_compute_overlap(profiler, steps: int) -> dict:
+    """From a CUDA trace: per step, GPU time of host<->device copies, of kernels, and of copies
+    running while some kernel ran (the overlap the offload must achieve to be free)."""
+    copies = {"HtoD": [], "DtoH": []}
+    kernels = []
+    for event in profiler.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        interval = (event.time_range.start, event.time_range.end)
+        if "Memcpy HtoD" in event.name:
+            copies["HtoD"].append(interval)
+        elif "Memcpy DtoH" in event.name:
+            copies["DtoH"].append(interval)
+        elif "Memcpy" not in event.name and "Memset" not in event.name:
+            kernels.append(interval)
+    kernel_union = _union(kernels)
+    summary = {"kernels_ms": round(sum(b - a for a, b in kernel_union) / 1e3 / steps, 2)}
+    for direction, intervals in copies.items():
+        union = _union(intervals)
+        busy = sum(b - a for a, b in union)
+        hidden = _intersection(union, kernel_union)
+        summary[f"{direction}_ms"] = round(busy / 1e3 / steps, 2)
+        summary[f"{direction}_under_compute_ms"] = round(hidden / 1e3 / steps, 2)
+    both = _intersection(_union(copies["HtoD"]), _union(copies["DtoH"]))
+    summary["both_directions_at_once_ms"] = round(both / 1e3 / steps, 2)
+    return summary
 
 
 def _shard(model: nn.Module, offload_policy) -> None:
@@ -84,6 +149,7 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
     tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(0))
     step_s, fwd_s, bwd_s, opt_s, host_s, stream_s, losses = [], [], [], [], [], [], []
+    phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
     h2d = d2h = 0
     profiler = None
     for step in range(warmup + steps):
@@ -99,12 +165,15 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
         end_event = torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start_event.record()
-        loss = causal_lm_loss(model(tokens), tokens)
+        with _phase_peak(phase_peaks, "forward", step >= warmup):
+            loss = causal_lm_loss(model(tokens), tokens)
         fwd_event.record()
-        loss.backward()
+        with _phase_peak(phase_peaks, "backward", step >= warmup):
+            loss.backward()
         bwd_event.record()
-        optimizer.step()
-        optimizer.zero_grad()
+        with _phase_peak(phase_peaks, "optimizer", step >= warmup):
+            optimizer.step()
+            optimizer.zero_grad()
         end_event.record()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -116,8 +185,10 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
             host_s.append(getattr(optimizer, "last_host_step_seconds", 0.0))
             stream_s.append(getattr(optimizer, "last_stream_step_seconds", 0.0))
             losses.append(loss.item())
+    overlap = None
     if profiler is not None:
         profiler.__exit__(None, None, None)
+        overlap = copy_compute_overlap(profiler, steps)
         os.makedirs(profile_dir, exist_ok=True)
         trace = os.path.join(profile_dir, f"{name.replace('=', '').replace(',', '_')}_bs{batch_size}.trace.json")
         profiler.export_chrome_trace(trace)
@@ -140,20 +211,65 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
         "opt_s": statistics.median(opt_s),
         "host_optimizer_s": statistics.median(host_s),
         "streamed_optimizer_s": statistics.median(stream_s),
-        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2),
+        "peak_gpu_GiB": round(max(phase_peaks.values()) / GiB, 2),
+        "peak_GiB_by_phase": {phase: round(peak / GiB, 2) for phase, peak in phase_peaks.items()},
         "h2d_GB": round(h2d / 1e9, 3),
         "d2h_GB": round(d2h / 1e9, 3),
         "tokens_per_s": round(batch_size * seq_len / statistics.median(step_s)),
         "loss_last": losses[-1],
         "n_blocks": len(model.blocks),
+        "offloaded_params": sum(
+            p.numel() for p in model.parameters() if getattr(p, "_local_tensor", p).device.type == "cpu"
+        ),
     }
+    if name in COHERENT_ROWS:
+        placement = COHERENT_ROWS[name]["optimizer"]
+        gpu_fraction = {"host": 0.0, "stream": 1.0}.get(placement, placement)
+        row["host_stepped_params"] = round(row["offloaded_params"] * (1 - gpu_fraction))
+    elif name.startswith("stock"):
+        row["host_stepped_params"] = row["offloaded_params"]
+    if overlap is not None:
+        row["profile_overlap"] = overlap
     del model, optimizer, loss
     gc.collect()
     torch.cuda.empty_cache()
     return row
 
 
-def lower_bound(row: dict, resident: dict, bandwidth: dict) -> float:
+def measure_host_optimizer(numel: int = 1 << 26, repeats: int = 3) -> dict:
+    """Seconds per parameter of the host work an offloaded step needs, measured here: a fused
+    CPU AdamW step (fp32 param, grad, two moments) and the bf16 cast of the result, with the
+    threads OffloadOptimizer uses. Host-memory bound, so it scales with the parameter count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    try:
+        param = torch.nn.Parameter(torch.randn(numel))
+        param.grad = torch.randn(numel)
+        adamw = torch.optim.AdamW([param], lr=1e-4, fused=True)
+        mirror = torch.empty(numel, dtype=torch.bfloat16)
+        adamw.step()  # creates the state
+        step_times, cast_times = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            adamw.step()
+            t1 = time.perf_counter()
+            mirror.copy_(param.detach())
+            t2 = time.perf_counter()
+            step_times.append(t1 - t0)
+            cast_times.append(t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "adamw_s_per_Gparam": round(min(step_times) / numel * 1e9, 4),
+        "cast_s_per_Gparam": round(min(cast_times) / numel * 1e9, 4),
+        "threads": max(1, threads - 1),
+    }
+
+
+def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict) -> float:
+    """LB of one row from quantities measured in this run (see the module docstring); the host
+    term is the measured host work per parameter times the parameters this row steps on the
+    host, not the row's own host time."""
     t_gpu = resident["fwd_s"] + resident["bwd_s"]
     terms = [
         t_gpu,
@@ -161,9 +277,11 @@ def lower_bound(row: dict, resident: dict, bandwidth: dict) -> float:
         row["d2h_GB"] / bandwidth["d2h_GBps"],
         (row["h2d_GB"] + row["d2h_GB"]) / bandwidth["both_GBps"],
     ]
-    if row["host_optimizer_s"]:
+    host_params = row.get("host_stepped_params", 0)
+    if host_params:
+        t_host = host_params / 1e9 * (host["adamw_s_per_Gparam"] + host["cast_s_per_Gparam"])
         n = row["n_blocks"] + 1
-        terms.append(t_gpu + row["host_optimizer_s"] - resident["bwd_s"] * (n - 1) / n)
+        terms.append(t_gpu + t_host - resident["bwd_s"] * (n - 1) / n)
     return max(terms)
 
 
@@ -191,6 +309,8 @@ def main(argv=None) -> int:
     report = measure_bandwidth(0)
     bandwidth = {"h2d_GBps": report.h2d_gbps, "d2h_GBps": report.d2h_gbps, "both_GBps": report.bidirectional_gbps}
     print(f"link measured in this run: H2D {bandwidth['h2d_GBps']:.1f} GB/s, D2H {bandwidth['d2h_GBps']:.1f} GB/s, both {bandwidth['both_GBps']:.1f} GB/s")
+    host = measure_host_optimizer()
+    print(f"host work measured in this run: fused AdamW {host['adamw_s_per_Gparam']:.3f} s and bf16 cast {host['cast_s_per_Gparam']:.3f} s per 1e9 params ({host['threads']} threads)")
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         resident = None
@@ -208,7 +328,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
         for row in rows:
             if row["batch_size"] == batch_size and "error" not in row and resident is not None:
-                row["lower_bound_s"] = round(lower_bound(row, resident, bandwidth), 4)
+                row["lower_bound_s"] = round(lower_bound(row, resident, bandwidth, host), 4)
                 row["step_over_lb"] = round(row["step_s"] / row["lower_bound_s"], 2)
                 row["peak_vs_resident"] = round(row["peak_gpu_GiB"] / resident["peak_gpu_GiB"], 2)
                 stock = next((r for r in rows if r["batch_size"] == batch_size and r["name"].startswith("stock") and "error" not in r), None)
@@ -230,6 +350,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
         "link_GBps": bandwidth,
+        "host_optimizer_measured": host,
         "model": args.model,
         "seq_len": args.seq_len,
         "steps": args.steps,

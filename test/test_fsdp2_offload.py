@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from common_offload import GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload import optim as optim_module
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 STEPS = 10
@@ -144,6 +146,14 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self.init_gloo()
         self._run_parity(policy=CoherentOffload(platform="discrete", optimizer=0.5), grad_accum=2)
         self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"), max_grad_norm=0.05)
+        # One parameter per pipelined run: uploads of the next run overlap this run's step.
+        step_run = OffloadOptimizer._step_run
+        with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", 1), mock.patch.object(
+            OffloadOptimizer, "_step_run", autospec=True, side_effect=step_run
+        ) as runs:
+            self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
+        # Every step after the first (which creates the state) is pipelined, in several runs.
+        self.assertGreater(runs.call_count, 2 * (STEPS - 1))
 
     def test_unified_platform_copies_nothing(self):
         self.init_gloo()

@@ -9,6 +9,7 @@ import copy
 import os
 import tempfile
 import unittest
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecision
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload import optim as optim_module
 from torch_fsdp_offload.memory import memory_stats
 from torch_fsdp_offload.models import build_model, causal_lm_loss
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -85,10 +87,13 @@ class CoherentOffloadGPUTest(TestCase):
             self.assertTrue(optim._overlap_learned)
 
     def test_streamed_optimizer_matches_resident(self):
-        # Streamed steps run the same CUDA fused AdamW kernel as GPU-resident FSDP2.
-        pair = self._pair(2, reference_policy=OffloadPolicy(), optimizer="stream")
-        self._train_both(*pair, rtol=1e-6)
-        self._assert_params_close(pair[2], pair[0])
+        # Streamed steps run the same CUDA fused AdamW kernel as GPU-resident FSDP2, whether a
+        # group goes up in one run or one parameter per run (uploads overlapping steps).
+        for run_bytes in (optim_module._STREAM_RUN_BYTES, 1):
+            with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", run_bytes):
+                pair = self._pair(2, reference_policy=OffloadPolicy(), optimizer="stream")
+                self._train_both(*pair, rtol=1e-6)
+                self._assert_params_close(pair[2], pair[0])
 
     def test_partial_offload_close_to_resident(self):
         # Offloaded groups step with the CPU AdamW kernel (half of them streamed: the GPU
@@ -96,7 +101,8 @@ class CoherentOffloadGPUTest(TestCase):
         self._train_both(*self._pair(1, 0.5, reference_policy=OffloadPolicy(), optimizer=0.5), rtol=1e-3)
 
     def test_memory_flat_over_300_steps(self):
-        _, _, model, optim = self._pair()
+        # Half the groups streamed, half stepped on the host, both at once.
+        _, _, model, optim = self._pair(optimizer=0.5)
         engine = get_transfer_engine("cuda")
         readings = []
         for step in range(300):

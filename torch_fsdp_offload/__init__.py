@@ -32,6 +32,7 @@ __all__ = [
     "offload_activations",
     "OffloadOptimizer",
     "plan",
+    "predict_per_gpu",
     "Platform",
     "platform_from_attributes",
     "PlatformKind",
@@ -42,8 +43,8 @@ __all__ = [
 
 def __getattr__(name: str):
     # The planner reads every room and no room imports it: load it only when asked for.
-    if name == "plan":
-        from torch_fsdp_offload.planner import plan
+    if name in ("plan", "predict_per_gpu"):
+        from torch_fsdp_offload import planner
 
-        return plan
+        return getattr(planner, name)
     raise AttributeError(f"module 'torch_fsdp_offload' has no attribute {name!r}")

@@ -50,11 +50,13 @@ class OffloadedGroup(Protocol):
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]: ...
 
+    def param_ranges(self) -> list[tuple[int, int]]: ...
+
     def as_param_dtensor(self, index: int, local: torch.Tensor) -> torch.Tensor: ...
 
     def forward_index(self) -> int: ...
 
-    def write_back(self, master_on_device: torch.Tensor) -> list: ...
+    def write_back(self, master_on_device: torch.Tensor, start: int = 0) -> list: ...
 
 
 # Set on each parameter a group manages (parameters compare elementwise, so no dict keys).
@@ -173,6 +175,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # key, laid out like the master), and a same-class optimizer over device proxies.
         self._flat_state: dict[OffloadedGroup, dict[str, torch.Tensor]] = {}
         self._device_inner: dict[OffloadedGroup, tuple[torch.optim.Optimizer, list[nn.Parameter]]] = {}
+        # Per streamed group and parameter: the state that is not parameter-shaped (step
+        # counters), kept on the device between steps so a pipelined step never waits on a
+        # host-to-device copy of a scalar; mirrored into the host state after each step.
+        self._device_scalars: dict[OffloadedGroup, list[dict[str, Any]]] = {}
         self._seconds_lock = threading.Lock()
         #: Host seconds spent stepping offloaded groups in the last ``step()`` (waits for
         #: gradient copies included), whether they ran during backward or in ``step()``.
@@ -384,6 +390,125 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._flat_state[owner] = flats
         return downloads
 
+    @torch.no_grad()
+    def _stream_steps(self, owners: list[OffloadedGroup]) -> None:
+        """Step the streamed groups through the GPU as one pipeline over runs of parameters:
+        the upload of the next run (on the H2D stream) overlaps the step of this one and the
+        download of the previous (on the D2H stream), so both link directions stay busy and
+        the device holds only a few runs at once. The host blocks once, at the end.
+
+        A group's first streamed step (which creates its state) goes through
+        :meth:`_stream_step`; so does a group with a parameter that has a gradient but no
+        state yet."""
+        runs = []
+        for owner in owners:
+            if self._pipeline_ready(owner):
+                runs.extend((owner, run) for run in _param_runs(owner, self._flat_state[owner]))
+            else:
+                self._stream_step(owner)
+        if not runs:
+            return
+        for owner in dict.fromkeys(owner for owner, _ in runs):
+            inner, pairs = self._inner[owner]
+            _copy_hyperparameters(pairs)
+            owner.wait_grads()
+            device_optimizer, _ = self._device_optimizer(owner)
+            for device_group, inner_group in zip(device_optimizer.param_groups, inner.param_groups):
+                for key, value in inner_group.items():
+                    if key != "params":
+                        device_group[key] = value
+        with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
+            downloads = []
+            upload = self._upload_run(*runs[0])
+            for position, (owner, run) in enumerate(runs):
+                next_upload = self._upload_run(*runs[position + 1]) if position + 1 < len(runs) else None
+                downloads += self._step_run(owner, run, upload)
+                upload = next_upload
+            for download in downloads:
+                download.synchronize()
+        for owner in dict.fromkeys(owner for owner, _ in runs):
+            self._scalars_to_host(owner)
+
+    def _pipeline_ready(self, owner: OffloadedGroup) -> bool:
+        if owner.master is None or owner.grads is None or owner not in self._flat_state:
+            return False
+        states = [self.state.get(param) for param in owner.params]
+        return all(state or param.grad is None for param, state in zip(owner.params, states))
+
+    def _upload_run(self, owner: OffloadedGroup, run: tuple[int, int, int, int]) -> dict[str, Any]:
+        _, _, start, stop = run
+        engine = owner.engine
+        sources = {"master": owner.master, "grads": owner.grads, **self._flat_state[owner]}
+        return {
+            name: engine.h2d(flat[start:stop], label=f"optimizer_h2d_{name}", chunk_bytes=owner.plan.chunk_bytes)
+            for name, flat in sources.items()
+        }
+
+    def _step_run(self, owner: OffloadedGroup, run: tuple[int, int, int, int], upload: dict[str, Any]) -> list:
+        """Step parameters ``first:last`` of ``owner`` from their uploaded run; return downloads."""
+        first, last, start, _ = run
+        device_optimizer, proxies = self._device_optimizer(owner)
+        on_device = {name: transfer.wait() for name, transfer in upload.items()}
+        ranges = owner.param_ranges()
+        scalars = self._device_scalars_of(owner)
+        params = owner.params
+        for proxy in proxies:
+            proxy.grad = None  # optimizers skip parameters without a gradient: only this run steps
+        for index in range(first, last):
+            param, proxy = params[index], proxies[index]
+            if param.grad is None:
+                continue
+            offset = ranges[index][0] - start
+            shape = _local(param).shape
+            numel = shape.numel()
+
+            def view(flat: torch.Tensor) -> torch.Tensor:
+                return flat[offset : offset + numel].view(shape)
+
+            proxy.data = view(on_device["master"])
+            proxy.grad = view(on_device["grads"])
+            device_optimizer.state[proxy] = {
+                **scalars[index],
+                **{key: view(on_device[key]) for key in self._flat_state[owner]},
+            }
+        device_optimizer.step()
+        downloads = owner.write_back(on_device["master"], start)
+        downloads += [
+            owner.engine.d2h(on_device[key], flat[start : start + on_device[key].numel()], label=f"optimizer_d2h_{key}")
+            for key, flat in self._flat_state[owner].items()
+        ]
+        for index in range(first, last):
+            proxy = proxies[index]
+            state = device_optimizer.state.pop(proxy, None)
+            if state:
+                scalars[index] = {key: value for key, value in state.items() if key not in self._flat_state[owner]}
+            proxy.data = torch.empty(0, device=owner.device)
+            proxy.grad = None
+        return downloads
+
+    def _device_scalars_of(self, owner: OffloadedGroup) -> list[dict[str, Any]]:
+        if owner not in self._device_scalars:
+            inner, _ = self._inner[owner]
+            on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
+            self._device_scalars[owner] = [
+                {
+                    key: value.to(owner.device) if isinstance(value, torch.Tensor) and on_device else value
+                    for key, value in (self.state.get(param) or {}).items()
+                    if key not in self._flat_state[owner]
+                }
+                for param in owner.params
+            ]
+        return self._device_scalars[owner]
+
+    def _scalars_to_host(self, owner: OffloadedGroup) -> None:
+        for param, scalars in zip(owner.params, self._device_scalars.get(owner, ())):
+            state = self.state.get(param)
+            for key, value in scalars.items():
+                if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
+                    state[key].copy_(value)
+                else:
+                    state[key] = value
+
     def _check_overlap_pattern(self) -> bool:
         """Whether this step's gradients arrived in the pattern that makes overlap safe."""
         if self.max_grad_norm is not None or not self._landings:
@@ -402,10 +527,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._build()
         stepped = set(self._pending)
-        for future in self._pending.values():
-            future.result()
+        # Reading gradient versions is safe while those groups still step in the worker.
         safe_pattern = self._check_overlap_pattern()
         if stepped and not safe_pattern:
+            for future in self._pending.values():
+                future.result()
             self._reset_cycle()
             raise RuntimeError(
                 "OffloadOptimizer: gradients of groups that had already stepped during backward "
@@ -418,17 +544,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         todo = [owner for owner in self._inner if owner is not None and owner not in stepped]
         host_todo = [owner for owner in todo if owner not in self._streamed]
         streamed_todo = [owner for owner in todo if owner in self._streamed]
-        host_futures = []
-        if streamed_todo and host_todo:
-            # Both at once: the host cores step their groups while the link and the GPU step
-            # the streamed ones.
-            host_futures = [self._worker().submit(self._host_step_in_worker, o) for o in host_todo]
+        host_futures = list(self._pending.values())
+        if streamed_todo:
+            # Both at once: the host cores step their groups (some may still be stepping since
+            # backward) while the link and the GPU step the streamed ones.
+            host_futures += [self._worker().submit(self._host_step_in_worker, o) for o in host_todo]
         else:
+            for future in host_futures:
+                future.result()
             for owner in host_todo:
                 self._step_inner(owner)
         started = time.perf_counter()
-        for owner in streamed_todo:
-            self._stream_step(owner)
+        self._stream_steps(streamed_todo)
         self.last_stream_step_seconds = time.perf_counter() - started
         for future in host_futures:
             future.result()
@@ -459,6 +586,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         # Loaded state is new tensors: streamed groups move it into their flat buffers again.
         self._flat_state.clear()
+        self._device_scalars.clear()
         if self._inner is not None:
             for inner, _ in self._inner.values():
                 inner.state = self.state
@@ -469,7 +597,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_device_inner", "_flat_state", "_streamed"):
+        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_device_inner", "_flat_state", "_streamed", "_device_scalars"):
             state.pop(transient, None)
         return state
 
@@ -493,3 +621,28 @@ def _grad_versions(owner: OffloadedGroup) -> list[int]:
         local = getattr(grad, "_local_tensor", grad)
         versions.append(-1 if local is None else local._version)
     return versions
+
+
+# Bytes of device memory one pipelined run of a streamed step may take (its uploads); a single
+# larger parameter makes a run of its own.
+_STREAM_RUN_BYTES = 1 << 30
+
+
+def _param_runs(owner: OffloadedGroup, flat_state: dict[str, torch.Tensor]) -> list[tuple[int, int, int, int]]:
+    """Consecutive parameters of ``owner`` in runs of about :data:`_STREAM_RUN_BYTES`:
+    ``(first, last, start, stop)``, parameters ``first:last`` occupying elements
+    ``start:stop`` of every flat buffer (master, gradients, state)."""
+    bytes_per_element = owner.master.element_size() + owner.grads.element_size()
+    bytes_per_element += sum(flat.element_size() for flat in flat_state.values())
+    ranges = owner.param_ranges()
+    runs = []
+    first = 0
+    for index, (offset, numel) in enumerate(ranges):
+        start = ranges[first][0]
+        if index > first and (offset + numel - start) * bytes_per_element > _STREAM_RUN_BYTES:
+            runs.append((first, index, start, offset))
+            first = index
+    if ranges:
+        runs.append((first, len(ranges), ranges[first][0], ranges[-1][0] + ranges[-1][1]))
+    return runs
+

@@ -254,8 +254,10 @@ class GroupOffload:
                 for grad in captured.values():
                     grad.record_stream(copy_stream)
             with torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext():
-                flat = torch.empty(self.numel, dtype=self.master.dtype, device=self.device)
-                torch._foreach_copy_([self._padded_view(flat, p) for p in captured], list(captured.values()))
+                flat = self._reduce_output_as_flat(captured)
+                if flat is None:
+                    flat = torch.empty(self.numel, dtype=self.master.dtype, device=self.device)
+                    torch._foreach_copy_([self._padded_view(flat, p) for p in captured], list(captured.values()))
                 self.grad_transfer = self.engine.d2h(
                     flat,
                     self.grads,
@@ -266,6 +268,32 @@ class GroupOffload:
             # FSDP's finalize_backward calls .synchronize() on it: plain torch.optim users are safe.
             p.grad_offload_event = self.grad_transfer
         return True
+
+    def _reduce_output_as_flat(self, captured: dict[CoherentFSDPParam, torch.Tensor]) -> torch.Tensor | None:
+        """FSDP's reduce output itself, when it holds every parameter's reduced shard at the
+        padded offset our host buffer uses (the usual case: FSDP lays both out the same way).
+        It then goes down in one copy, with no device staging copy and no extra memory; None
+        when the layouts differ (e.g. a frozen parameter left out of the reduction)."""
+        if len(captured) != len(self.offsets):
+            return None
+        first = next(iter(captured.values()))
+        storage = first.untyped_storage()
+        base = None
+        for fsdp_param, grad in captured.items():
+            if (
+                grad.dtype != self.master.dtype
+                or not grad.is_contiguous()
+                or grad.untyped_storage().data_ptr() != storage.data_ptr()
+            ):
+                return None
+            offset = grad.storage_offset() - self.offsets[fsdp_param][0]
+            if base is None:
+                base = offset
+            elif offset != base:
+                return None
+        if base < 0 or (base + self.numel) * first.element_size() > storage.nbytes():
+            return None
+        return first.new_empty(0).set_(storage, base, (self.numel,))
 
     def _padded_view(self, flat: torch.Tensor, fsdp_param: CoherentFSDPParam) -> torch.Tensor:
         offset, _ = self.offsets[fsdp_param]
@@ -298,18 +326,28 @@ class GroupOffload:
             return len(_live_groups)
         return schedule.order.index(self)
 
+    def param_ranges(self) -> list[tuple[int, int]]:
+        """``(offset, padded numel)`` of each parameter's shard in the group's flat buffers."""
+        return [self.offsets[p] for p in self.group.fsdp_params]
+
     @torch.no_grad()
-    def write_back(self, master_on_device: torch.Tensor) -> list[Transfer]:
-        """After a step on the device: copy the master (and its compute-dtype cast, made on the
-        device) back into host memory. The caller synchronizes the returned transfers."""
+    def write_back(self, master_on_device: torch.Tensor, start: int = 0) -> list[Transfer]:
+        """After a step on the device: copy the master (elements ``start:`` onwards, as many as
+        ``master_on_device`` holds) and its compute-dtype cast, made on the device, back into
+        host memory. The caller synchronizes the returned transfers."""
+        stop = start + master_on_device.numel()
         with self.lock:
-            transfers = [self.engine.d2h(master_on_device, self.master, label="optimizer_d2h_params")]
+            transfers = [
+                self.engine.d2h(master_on_device, self.master[start:stop], label="optimizer_d2h_params")
+            ]
             param_dtype = self.group.fsdp_params[0].param_dtype
             if param_dtype is not None and param_dtype != self.master.dtype:
                 if self.mirror is None or self.mirror.dtype != param_dtype:
                     self.mirror = pinned_empty((self.numel,), param_dtype)
                 transfers.append(
-                    self.engine.d2h(master_on_device.to(param_dtype), self.mirror, label="optimizer_d2h_mirror")
+                    self.engine.d2h(
+                        master_on_device.to(param_dtype), self.mirror[start:stop], label="optimizer_d2h_mirror"
+                    )
                 )
             self.dirty = False
             self._inflight = None
