@@ -112,11 +112,56 @@ class TestFSDP1Parity(GlooMultiProcessTestCase):
         shard_numel = sum(state._handle.flat_param._local_shard.numel() for state in StockFSDP.fsdp_modules(model))
         self.assertEqual((stats.h2d_copies, stats.h2d_bytes), (3, 2 * shard_numel))
 
+    def test_use_orig_params_zero_grad_set_to_none(self) -> None:
+        # Stock FSDP1 CPU offload with use_orig_params=True re-exposes the stale _cpu_grad after
+        # zero_grad(set_to_none=True) and, on a CPU compute device, accumulates it into the next
+        # gradient (diverging from the third loss on); the front door keeps the gradients None.
+        self.init_gloo()
+        model, _ = self._check_parity(CoherentOffload(platform="discrete"), use_orig_params=True)
+        model.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+        loss = causal_lm_loss(model(tokens), tokens)
+        self.assertTrue(all(param.grad is None for param in model.parameters()))
+        loss.backward()
+        self.assertTrue(any(param.grad is not None for param in model.parameters()))
+
+    def test_prefetch_depth_sets_fsdp1_prefetch_limit(self) -> None:
+        # FSDP1 prefetches the handle prefetch_depth places ahead: with depth 2 the root's unshard
+        # issues block 1's H2D before block 0 asks for its own.
+        self.init_gloo()
+        mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        orders = {}
+        for depth in (1, 2):
+            model = _wrap(FullyShardedDataParallel, torch.device("cpu"), mixed_precision=mixed_precision,
+                          offload_policy=CoherentOffload(platform="discrete", prefetch_depth=depth))
+            self.assertEqual(model._exec_order_data._forward_prefetch_limit, depth)
+            self.assertEqual(model._exec_order_data._backward_prefetch_limit, depth)
+            _train(model, 1, self.rank)  # FSDP1 records the execution order in the first step
+            handles = {id(state._handle._torch_fsdp_offload.mirror): name
+                       for name, state in zip(("root", "block0", "block1"), StockFSDP.fsdp_modules(model))}
+            engine = get_transfer_engine(torch.device("cpu"))
+            issued = []
+            h2d = engine.h2d
+
+            def recording_h2d(src, *args, **kwargs):
+                issued.append(handles[id(src)])
+                return h2d(src, *args, **kwargs)
+
+            engine.h2d = recording_h2d
+            try:
+                model(torch.zeros(1, 8, dtype=torch.long))
+            finally:
+                del engine.h2d
+            orders[depth] = issued
+        self.assertEqual(orders[1], ["root", "block0", "block1"])
+        self.assertEqual(orders[2], ["root", "block1", "block0"])
+
     def test_stock_cpu_offload_policy_unpinned(self) -> None:
         # FSDP1's own CPUOffload pins unconditionally (impossible on CPU-only builds); the front door
         # honours CPUOffloadPolicy(pin_memory=False) instead.
         self.init_gloo()
-        self._check_parity(CPUOffloadPolicy(pin_memory=False), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+        self._check_parity(CPUOffloadPolicy(pin_memory=False), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+                           use_orig_params=True)
 
     def test_state_dicts_no_sync_summon(self) -> None:
         self.init_gloo()
@@ -162,8 +207,9 @@ class TestFSDP1Errors(TestCase):
         cases = [
             (dict(cpu_offload=CPUOffload(True), offload_policy=CoherentOffload()), ValueError,
              "both cpu_offload= and offload_policy="),
-            (dict(offload_policy=CoherentOffload(prefetch_depth=2)), ValueError, "prefetch_depth > 1"),
             (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction < 1"),
+            (dict(offload_policy=CoherentOffload(memory="managed", platform="discrete")), ValueError,
+             "memory='managed'"),
             (dict(offload_policy="cpu"), TypeError, "takes an OffloadPolicy"),
         ]
         for kwargs, error, message in cases:
@@ -180,6 +226,8 @@ class TestFSDP1Errors(TestCase):
         self.assertEqual(cpu_offload, CPUOffload(offload_params=True))
         # On a unified-memory machine nothing is offloaded: the GPU's memory is the host's.
         self.assertEqual(_plan(CoherentOffload(platform="unified"), None, torch.device("cpu")), (None, None))
+        managed = CoherentOffload(platform="unified", memory="managed")
+        self.assertEqual(_plan(managed, None, torch.device("cpu")), (None, None))
 
 
 class TestFSDP1GPU(TestCase):

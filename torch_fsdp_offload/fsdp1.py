@@ -8,7 +8,7 @@ not FSDP2 underneath. What FSDP1 users rely on is FSDP1's ``FlatParameter`` mach
 ``use_orig_params=False`` (optimizers built over flat parameters) and every ``ShardingStrategy``.
 Emulating that surface on FSDP2 would change state-dict layouts and optimizer-state keys and break
 existing checkpoints; keeping FSDP1 keeps all of it bit for bit. The offload policy changes only
-where a handle's shard lives and how its bytes cross the link, through five patch points of FSDP1's
+where a handle's shard lives and how its bytes cross the link, through six patch points of FSDP1's
 internals, all in this file and checked against the torch versions they were read from
 (fsdp-internals.md §2):
 
@@ -27,9 +27,17 @@ internals, all in this file and checked against the torch versions they were rea
 * ``_runtime_utils._post_backward_final_callback``: on a CPU compute device that synchronisation is
   skipped (copies there are synchronous, and ``torch.cpu.Stream`` has no ``synchronize``, so stock
   FSDP1 offload cannot finish a backward on the CPU).
+* ``FlatParamHandle._reset_flat_param_grad_info_if_needed`` (``use_orig_params=True``): after
+  ``zero_grad(set_to_none=True)`` the handle's gradient-is-None mask is set, so the post-forward
+  reshard does not hand the original parameters views of the stale persistent ``_cpu_grad`` again.
+  Stock FSDP1 does (``sharded_grad`` returns ``_cpu_grad`` whenever it exists); on a CUDA compute
+  device the stale values are then dropped in ``prepare_gradient_for_backward`` (they are "on the
+  CPU"), but on a CPU compute device they are accumulated into the next gradient, so stock
+  ``CPUOffload`` + ``use_orig_params=True`` diverges from no offload from the third step.
 
 Prefetching is FSDP1's own (``forward_prefetch``, ``backward_prefetch``): an unshard issued early
-issues its H2D early. Every FSDP instance in the tree, including those ``auto_wrap_policy`` builds with
+issues its H2D early. ``prefetch_depth=N`` sets FSDP1's forward and backward prefetch limits, so each
+unshard prefetches the handle ``N`` ahead in the recorded execution order. Every FSDP instance in the tree, including those ``auto_wrap_policy`` builds with
 the base class, gets the policy: it is applied to every handle of ``FSDP.fsdp_modules(root)``.
 """
 
@@ -61,7 +69,7 @@ __all__ = ["FullyShardedDataParallel"]
 
 logger = logging.getLogger(__name__)
 
-# FSDP1 releases whose internals (the five patch points above) were read: 2.11 and 2.13 are line
+# FSDP1 releases whose internals (the six patch points above) were read: 2.11 and 2.13 are line
 # for line identical there (fsdp-internals.md §2); 2.12 and 2.14 did not change FSDP1.
 _SUPPORTED_TORCH = ((2, 11), (2, 14))
 _HANDLE_ATTRIBUTE = "_torch_fsdp_offload"
@@ -97,15 +105,18 @@ class FullyShardedDataParallel(_FSDP1):
             parameter offload, with the host shard pinned or not as asked. :class:`CoherentOffload`:
             exact-size pinned shards, H2D/D2H on the transfer engine's streams, cast to the compute
             dtype before the copy; on a UNIFIED machine no offload at all (the GPU's memory is the
-            host's: a copy would move bytes within one memory); ``prefetch_depth=0`` turns FSDP1's
-            prefetching off, ``1`` (default) turns on ``forward_prefetch`` as well.
+            host's: a copy would move bytes within one memory; ``memory="managed"`` is honoured
+            there the same way); ``prefetch_depth=0`` turns FSDP1's prefetching off, ``N >= 1``
+            turns on ``forward_prefetch`` as well and prefetches the handle ``N`` ahead in forward
+            and backward.
 
     Raises:
         ValueError: before anything is sharded, for a combination this class cannot honour:
             ``cpu_offload=`` together with ``offload_policy=``; a ``CoherentOffload`` with
-            ``prefetch_depth > 1``, ``module_fraction < 1``, ``activations`` or ``memory="managed"``
-            (FSDP1 offloads every handle of the tree alike and prefetches one handle ahead; use FSDP2
-            ``fully_shard`` for those).
+            ``module_fraction < 1`` or ``activations`` (FSDP1 keeps one ``cpu_offload`` per tree:
+            its end-of-backward host synchronisation and ``clip_grad_norm_`` read the root's, so
+            a mix of host and GPU shards is not safe; use FSDP2 ``fully_shard`` for those);
+            ``memory="managed"`` on a machine whose GPU has its own memory.
         TypeError: ``offload_policy`` is not an ``OffloadPolicy``.
         RuntimeError: a torch release whose FSDP1 internals were not checked.
 
@@ -148,11 +159,11 @@ class FullyShardedDataParallel(_FSDP1):
         offload_policy: OffloadPolicy | None = None,
     ) -> None:
         handle_offload, cpu_offload = _plan(offload_policy, cpu_offload, device_id)
-        if isinstance(offload_policy, CoherentOffload):
-            if offload_policy.prefetch_depth == 0:
-                backward_prefetch, forward_prefetch = None, False
-            else:
-                forward_prefetch = True
+        prefetch_depth = offload_policy.prefetch_depth if isinstance(offload_policy, CoherentOffload) else None
+        if prefetch_depth == 0:
+            backward_prefetch, forward_prefetch = None, False
+        elif prefetch_depth is not None:
+            forward_prefetch = True
         super().__init__(
             module,
             process_group=process_group,
@@ -172,6 +183,11 @@ class FullyShardedDataParallel(_FSDP1):
             device_mesh=device_mesh,
         )
         self.offload_policy = offload_policy if offload_policy is not None else OffloadPolicy()
+        if prefetch_depth:
+            # FSDP1 prefetches the handle ``limit`` places ahead of the current one; the root's
+            # execution-order data is shared with every FSDP instance of the tree at lazy init.
+            self._exec_order_data._forward_prefetch_limit = prefetch_depth
+            self._exec_order_data._backward_prefetch_limit = prefetch_depth
         if handle_offload is None:
             return
         _install()
@@ -217,17 +233,16 @@ def _plan(
         plan = None if offload_policy.pin_memory else _Plan(pinned=False, engine=False, chunk_bytes=None)
         return plan, CPUOffload(offload_params=True)
     unsupported = {
-        "prefetch_depth > 1": offload_policy.prefetch_depth > 1,
         "module_fraction < 1": offload_policy.module_fraction < 1,
         "activations": bool(offload_policy.activations),
-        "memory='managed'": offload_policy.memory == "managed",
     }
     asked = [name for name, present in unsupported.items() if present]
     if asked:
         raise ValueError(
             f"FullyShardedDataParallel(offload_policy=CoherentOffload(...)) cannot honour "
-            f"{', '.join(asked)}: FSDP1 offloads every handle alike and prefetches one handle ahead. "
-            "Drop those knobs, or shard with FSDP2 fully_shard(offload_policy=...)"
+            f"{', '.join(asked)}: FSDP1 offloads every handle of a tree alike (its end-of-backward "
+            "synchronisation and clip_grad_norm_ follow the root's cpu_offload). Drop those knobs, "
+            "or shard with FSDP2 fully_shard(offload_policy=...)"
         )
     if not offload_policy.offload_params:
         return None, None
@@ -275,6 +290,8 @@ def _install() -> None:
     _originals["flat_param_to"] = handle_class.flat_param_to
     _originals["_offload_grad"] = _runtime_utils._offload_grad
     _originals["_post_backward_final_callback"] = _runtime_utils._post_backward_final_callback
+    _originals["_reset_flat_param_grad_info_if_needed"] = handle_class._reset_flat_param_grad_info_if_needed
+    handle_class._reset_flat_param_grad_info_if_needed = _reset_flat_param_grad_info_if_needed
     handle_class.init_flat_param_attributes = _init_flat_param_attributes
     handle_class._use_low_precision_shard = _use_low_precision_shard
     handle_class.flat_param_to = _flat_param_to
@@ -385,3 +402,17 @@ def _post_backward_final_callback(state, module) -> None:
         return _originals["_post_backward_final_callback"](state, module)
     finally:
         state.cpu_offload = cpu_offload
+
+
+def _reset_flat_param_grad_info_if_needed(self) -> None:
+    _originals["_reset_flat_param_grad_info_if_needed"](self)
+    offload = getattr(self, _HANDLE_ATTRIBUTE, None)
+    flat_param = self.flat_param
+    if offload is None or not self._offload_params or not self._use_orig_params or flat_param.grad is not None:
+        return
+    if all(param.grad is None for param in flat_param._params):
+        # zero_grad(set_to_none=True): FSDP1 keeps the persistent _cpu_grad, and its post-forward
+        # reshard would expose it again as the parameters' .grad (stale values that a CPU compute
+        # device then accumulates into). The mask makes those views None, as without offload;
+        # the post-backward resets it once a new gradient exists.
+        flat_param._is_grad_none_mask = [True] * len(flat_param._params)
