@@ -2,16 +2,18 @@
 
 CPU tests run two gloo ranks and compare, bit for bit, against stock FSDP1 without offload. A
 ``CoherentOffload(platform="discrete")`` on the CPU drives the real copy path (every H2D and D2H goes
-through the transfer engine and is counted; the "device" is the CPU).
+through the transfer engine and is counted; the "device" is the CPU). ``TestFSDP1GPU`` needs one GPU,
+``TestFSDP1MultiGPU`` two (NCCL, world size 2).
 """
 
 from __future__ import annotations
 
+import os
 import unittest
 
 import torch
 import torch.distributed as dist
-from common_offload import GlooMultiProcessTestCase
+from common_offload import GlooMultiProcessTestCase, NcclMultiProcessTestCase, NVLINK_MULTICAST_OFF
 from torch.distributed.fsdp import (
     CPUOffload,
     CPUOffloadPolicy,
@@ -32,6 +34,10 @@ from torch_fsdp_offload.transfer import get_transfer_engine
 
 STEPS = 5
 
+# Before any process group exists, in this process and the workers spawned from it.
+for _name, _value in NVLINK_MULTICAST_OFF.items():
+    os.environ.setdefault(_name, _value)
+
 
 def _wrap(fsdp_class, device: torch.device, **kwargs):
     return fsdp_class(
@@ -42,8 +48,8 @@ def _wrap(fsdp_class, device: torch.device, **kwargs):
     )
 
 
-def _train(model, steps: int, rank: int, *, clip: float | None = None, device=torch.device("cpu")):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _train(model, steps: int, rank: int, *, clip: float | None = None, device=torch.device("cpu"), optimizer=None):
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(100 + rank)
     losses, norms = [], []
     for _ in range(steps):
@@ -259,6 +265,110 @@ class TestFSDP1GPU(TestCase):
             self.assertEqual(engine.stats.h2d_bytes, 2 * numel)
         finally:
             dist.destroy_process_group()
+
+
+    @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
+    def test_gpu_use_orig_params_matches_flat_params(self) -> None:
+        # Whether FSDP1's stale-_cpu_grad re-exposure (see fsdp1.py) changes training on CUDA:
+        # stock CPUOffload with use_orig_params=True and False, and the front door, all step
+        # with the same CPU AdamW, so they must agree to 1e-6.
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            runs = {}
+            for name, fsdp_class, kwargs in (
+                ("stock_flat", StockFSDP, dict(cpu_offload=CPUOffload(True), use_orig_params=False)),
+                ("stock_orig", StockFSDP, dict(cpu_offload=CPUOffload(True), use_orig_params=True)),
+                ("coherent_orig", FullyShardedDataParallel,
+                 dict(offload_policy=CoherentOffload(platform="discrete"), use_orig_params=True)),
+            ):
+                torch.manual_seed(0)
+                model = _wrap(fsdp_class, device, mixed_precision=mixed_precision, **kwargs)
+                runs[name] = _train(model, STEPS, 0, clip=0.5, device=device)[:2]
+            self.assertEqual(runs["stock_orig"], runs["stock_flat"], atol=0, rtol=1e-6)
+            self.assertEqual(runs["coherent_orig"], runs["stock_flat"], atol=0, rtol=1e-6)
+            model.zero_grad(set_to_none=True)
+            model(torch.zeros(1, 8, dtype=torch.long, device=device))
+            self.assertTrue(all(param.grad is None for param in model.parameters()))
+        finally:
+            dist.destroy_process_group()
+
+
+class TestFSDP1MultiGPU(NcclMultiProcessTestCase):
+    """World size 2 on two GPUs (NCCL): the front door against stock FSDP1."""
+
+    MAX_WORLD_SIZE = 2
+
+    def test_parity_with_stock_offload(self) -> None:
+        # Both step with the same CPU AdamW on the same host shards: 1e-6 relative.
+        self.init_nccl()
+        mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        runs = {}
+        for use_orig_params in (False, True):
+            torch.manual_seed(0)
+            reference = _wrap(StockFSDP, self.device, mixed_precision=mixed_precision,
+                              cpu_offload=CPUOffload(True), use_orig_params=use_orig_params)
+            expected = _train(reference, STEPS, self.rank, clip=0.5, device=self.device)[:2]
+            torch.manual_seed(0)
+            model = _wrap(FullyShardedDataParallel, self.device, mixed_precision=mixed_precision,
+                          offload_policy=CoherentOffload(platform="discrete"), use_orig_params=use_orig_params)
+            runs[use_orig_params] = _train(model, STEPS, self.rank, clip=0.5, device=self.device)[:2]
+            self.assertEqual(runs[use_orig_params], expected, atol=0, rtol=1e-6)
+            self.assertTrue(all(state._handle.flat_param._local_shard.is_pinned()
+                                for state in StockFSDP.fsdp_modules(model)))
+        self.assertEqual(runs[True], runs[False], atol=0, rtol=1e-6)
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def test_parity_with_no_offload(self) -> None:
+        # Without offload the AdamW step runs on the GPU, with offload on the host: the two kernels
+        # round differently (the FSDP2 GPU runs measured 7e-5 relative in loss after 10 steps), so
+        # fp32, 5 steps, and 1e-4 relative; everything else (forward, NCCL reduce-scatter) is shared.
+        self.init_nccl()
+        torch.manual_seed(0)
+        reference = _wrap(StockFSDP, self.device)
+        ref_losses, ref_norms, _ = _train(reference, STEPS, self.rank, clip=0.5, device=self.device)
+        torch.manual_seed(0)
+        model = _wrap(FullyShardedDataParallel, self.device, offload_policy=CoherentOffload(platform="discrete"),
+                      use_orig_params=True)
+        losses, norms, _ = _train(model, STEPS, self.rank, clip=0.5, device=self.device)
+        self.assertEqual(losses[0], ref_losses[0], atol=0, rtol=1e-6)  # before any step: same forward
+        self.assertEqual(losses, ref_losses, atol=1e-5, rtol=1e-4)
+        self.assertEqual(norms, ref_norms, atol=1e-5, rtol=1e-4)
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def test_state_dict_round_trip(self) -> None:
+        self.init_nccl()
+        policy = CoherentOffload(platform="discrete")
+        model = _wrap(FullyShardedDataParallel, self.device, offload_policy=policy)
+        _, _, optimizer = _train(model, 2, self.rank, device=self.device)
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7)).to(self.device)
+        with torch.no_grad():
+            expected = model(tokens)
+
+        fresh = _wrap(FullyShardedDataParallel, self.device, offload_policy=policy)
+        with StockFSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
+            fresh.load_state_dict(_full_state(model))
+        with torch.no_grad():
+            self.assertEqual(fresh(tokens), expected, atol=0, rtol=0)
+
+        with StockFSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            sharded = model.state_dict()
+            optim_state = StockFSDP.optim_state_dict(model, optimizer)
+        fresh = _wrap(FullyShardedDataParallel, self.device, offload_policy=policy)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        with StockFSDP.state_dict_type(fresh, StateDictType.SHARDED_STATE_DICT):
+            fresh.load_state_dict(sharded)
+            fresh_optimizer.load_state_dict(StockFSDP.optim_state_dict_to_load(fresh, fresh_optimizer, optim_state))
+        with torch.no_grad():
+            self.assertEqual(fresh(tokens), expected, atol=0, rtol=0)
+        # Training on from the loaded model and optimizer state equals training on the original.
+        self.assertEqual(_train(fresh, 2, self.rank, device=self.device, optimizer=fresh_optimizer)[0],
+                         _train(model, 2, self.rank, device=self.device, optimizer=optimizer)[0], atol=0, rtol=1e-6)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
