@@ -107,8 +107,12 @@ class TestTrain(TestCase):
         _run(train + ["--offload", "off", "--steps", "4", "--json-log", off])
         output = _run(train + ["--platform", "discrete", "--steps", "4", "--json-log", on,
                                "--checkpoint-dir", checkpoints, "--checkpoint-every", "2"])
+        # The platform report first, then one line per step: loss, throughput, memory, bytes each way.
         self.assertIn("platform: discrete", output)
-        self.assertIn("step 4/4 | loss ", output)
+        self.assertLess(output.index("platform: discrete"), output.index("step 1/4 | loss "))
+        self.assertIn("strategy: ", output)
+        self.assertRegex(output, r"step 4/4 \| loss [0-9.]+ \| [0-9,]+ tok/s \| host rss [0-9.]+ GiB \| "
+                         r"h2d [0-9.]+ MiB \| d2h [0-9.]+ MiB")
         off_records, on_records = _records(off), _records(on)
         self.assertEqual([r["step"] for r in on_records], [1, 2, 3, 4])
         self.assertEqual([r["loss"] for r in on_records], [r["loss"] for r in off_records])
@@ -172,13 +176,19 @@ class TestTrain(TestCase):
     @unittest.skipIf(importlib.util.find_spec("transformers") is None, "needs transformers")
     def test_hf_causal_lm(self) -> None:
         log = self._path("hf.jsonl")
-        output = _run([sys.executable, "-m", "torch_fsdp_offload.train", "--hf-config", "llama-tiny",
+        output = _run([sys.executable, "-m", "torch_fsdp_offload.train", "--model", "llama-tiny",
                        "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--platform", "discrete",
                        "--steps", "3", "--json-log", log])
         self.assertIn("model: llama-tiny", output)
         records = _records(log)
         self.assertEqual(len(records), 3)
         self.assertTrue(all(r["h2d_bytes"] > 0 for r in records))
+
+    def test_model_names_a_transformers_config(self) -> None:
+        # A transformers config name given to --model builds that causal LM (no download).
+        args = parse_args(["--model", "llama-tiny"])
+        self.assertEqual((args.model, args.hf_config), (None, "llama-tiny"))
+        self.assertEqual(parse_args([]).model, "tiny")
 
     def test_bad_arguments(self) -> None:
         cases = {
@@ -188,6 +198,8 @@ class TestTrain(TestCase):
             ("--seq-len", "4096"): "exceeds tiny's max_seq_len 256",
             ("--offload-optimizer", "gpu"): "'gpu' is not host, stream, auto or a fraction",
             ("--module-fraction", "2"): "module_fraction",
+            ("--model", "llama-tiny", "--hf-config", "qwen2-tiny"): "--model and --hf-config are alternatives",
+            ("--model", "gpt5"): "invalid choice: 'gpt5'",
         }
         for flags, message in cases.items():
             stderr = io.StringIO()

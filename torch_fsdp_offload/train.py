@@ -3,7 +3,8 @@
 Runs as one process or under ``torchrun`` (any number of nodes), on the CPU (gloo) or on GPUs
 (``cpu:gloo,cuda:nccl``, so gradient clipping works on host-resident gradients). The model is a
 built-in transformer (``--model``, see :data:`torch_fsdp_offload.models.MODEL_CONFIGS`) or a
-``transformers`` causal LM built from a config (``--hf-config``). Each block, then the root, is
+``transformers`` causal LM built from a config, without downloading weights (``--model`` with a name
+of :data:`torch_fsdp_offload.models.HF_CONFIGS`, or ``--hf-config`` for any config). Each block, then the root, is
 sharded with ``fully_shard``; ``--hsdp R`` shards over a 2D ``(R replicas) x (world / R shards)``
 mesh. The data is a seeded synthetic token stream whose every sample is a function of
 ``(seed, rank, sample index)``, so a resumed run sees the same batches as an uninterrupted one.
@@ -41,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from torch_fsdp_offload.models import (
+    HF_CONFIGS,
     MODEL_CONFIGS,
     build_hf_causal_lm,
     build_model,
@@ -64,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a transformer with FSDP2 and CoherentOffload on synthetic data.",
     )
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, choices=sorted(MODEL_CONFIGS),
-                       help="built-in model (default: tiny)")
+    model.add_argument("--model", default=None, choices=sorted(MODEL_CONFIGS) + sorted(HF_CONFIGS),
+                       help=f"built-in model (default: tiny), or a transformers causal LM built from one of "
+                       f"the configs {', '.join(sorted(HF_CONFIGS))} (needs transformers, downloads nothing)")
     model.add_argument("--hf-config", default=None, metavar="NAME_OR_JSON",
                        help="train a transformers causal LM built from this config instead: a name of "
                        "models.HF_CONFIGS (e.g. llama-tiny), a JSON string, a config.json path or a hub id")
@@ -148,6 +151,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.model is not None and args.hf_config is not None:
         parser.error("--model and --hf-config are alternatives: pass one of them")
+    if args.model in HF_CONFIGS:
+        args.hf_config, args.model = args.model, None
     if args.hf_config is None:
         args.model = args.model or "tiny"
         max_seq_len = MODEL_CONFIGS[args.model].max_seq_len
