@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import FILE_SCHEMA
 
@@ -99,3 +102,28 @@ class NcclMultiProcessTestCase(GlooMultiProcessTestCase):
             world_size=self.world_size,
             device_id=self.device,
         )
+
+
+def checkpoint_and_resume(model, optim, build, train):
+    """Save ``(model, optim)`` with DCP, keep training them, and train a fresh pair loaded from it.
+
+    ``train(model, optim)`` runs the steps after the checkpoint and returns their losses; ``build()``
+    returns a fresh ``(model, optimizer)`` pair like the saved one. Every rank calls this together.
+
+    Returns:
+        tuple: the uninterrupted losses, the resumed losses and the resumed model.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = [scratch]
+        dist.broadcast_object_list(directory, src=0)
+        model_state, optim_state = get_state_dict(model, optim)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory[0])
+        uninterrupted = train(model, optim)
+
+        resumed_model, resumed_optim = build()
+        model_state, optim_state = get_state_dict(resumed_model, resumed_optim)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=directory[0])
+        set_state_dict(resumed_model, resumed_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dist.barrier()
+    return uninterrupted, train(resumed_model, resumed_optim), resumed_model
