@@ -61,6 +61,9 @@ DEFAULT_ROWS = (RESIDENT, "coherent(host)", STOCK, "coherent(host;modules=0.5)")
 LR = 1e-4
 # A batch size is tried only if its extrapolated peak stays under this share of GPU memory.
 MEMORY_HEADROOM = 0.93
+# A row that left more host memory than this behind after being freed (per rank) stops the run:
+# the next offloaded row's ~70 GiB per rank on top could bring in the OOM killer.
+HOST_LEFT_LIMIT_GIB = 32.0
 
 
 def _log(message: str) -> None:
@@ -73,6 +76,14 @@ def _all_max(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def _host_rss_gib() -> float:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / (1 << 20)
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def _group_home(module: nn.Module, device: torch.device) -> torch.device:
@@ -142,26 +153,39 @@ def run_batch(model, optimizer, batch_size: int, seq_len: int, warmup: int, step
             step_s.append(time.perf_counter() - start)
             host_s.append(getattr(optimizer, "last_host_step_seconds", 0.0))
     loss_value = loss.item()
-    step_median, peak, host_median = _all_max(
-        [statistics.median(step_s), torch.cuda.max_memory_allocated(device) / GiB, statistics.median(host_s)]
-    )
+    step_median, peak, peak_reserved, steady, host_median = _all_max([
+        statistics.median(step_s),
+        torch.cuda.max_memory_allocated(device) / GiB,
+        torch.cuda.max_memory_reserved(device) / GiB,
+        torch.cuda.memory_allocated(device) / GiB,  # between steps: what does not scale with the batch
+        statistics.median(host_s),
+    ])
     return {
         "batch_size": batch_size,
         "step_s": round(step_median, 4),
         "tokens_per_s_per_gpu": round(batch_size * seq_len / step_median),
         "peak_gpu_GiB": round(peak, 2),
+        "peak_reserved_GiB": round(peak_reserved, 2),
+        "between_steps_GiB": round(steady, 2),
         "host_optimizer_s": round(host_median, 4),
         "loss_last_rank0": loss_value,
     }
 
 
 def _predicted_peak(done: list[dict], batch_size: int) -> float:
-    """Peak memory at ``batch_size`` extrapolated from the measured ones (linear in the batch)."""
+    """Reserved GPU memory at ``batch_size``, extrapolated linearly in the batch from the measured ones.
+
+    From one batch size, what the step allocated beyond the memory held between steps is taken to
+    grow in proportion to the batch (it also holds gradients and gathered parameters, which do not
+    grow: an overestimate); from two, the line through them.
+    """
+    last = done[-1]
     if len(done) >= 2:
-        (b1, p1), (b2, p2) = [(r["batch_size"], r["peak_gpu_GiB"]) for r in done[-2:]]
-        return p2 + (p2 - p1) / (b2 - b1) * (batch_size - b2)
-    # One point: fixed + per-sample memory scales at most proportionally to the batch.
-    return done[-1]["peak_gpu_GiB"] * batch_size / done[-1]["batch_size"]
+        first = done[-2]
+        slope = (last["peak_reserved_GiB"] - first["peak_reserved_GiB"]) / (last["batch_size"] - first["batch_size"])
+    else:
+        slope = (last["peak_gpu_GiB"] - last["between_steps_GiB"]) / last["batch_size"]
+    return last["peak_reserved_GiB"] + slope * (batch_size - last["batch_size"])
 
 
 def planner_prediction(name: str, model_name: str, batch_size: int, seq_len: int, platform) -> dict | None:
@@ -234,7 +258,10 @@ def run_row(name: str, args, device: torch.device, started: float, total_bytes: 
     del model, optimizer
     if dist.get_rank() == 0:  # analytic, after the timed steps; also where the ladder stopped
         for result in results:
-            result["planner"] = planner_prediction(name, args.model, result["batch_size"], args.seq_len, platform)
+            try:
+                result["planner"] = planner_prediction(name, args.model, result["batch_size"], args.seq_len, platform)
+            except Exception as error:  # a planner failure must not lose the measurements
+                result["planner"] = {"error": f"{type(error).__name__}: {error}"[:200]}
     gc.collect()
     torch.cuda.empty_cache()
     empty_pinned_cache()
@@ -254,8 +281,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch", type=int, default=16, help="largest micro-batch tried")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--time-budget", type=float, default=390.0, metavar="SECONDS",
-                        help="start no new batch size or row that would end after this (default 390)")
+    parser.add_argument("--time-budget", type=float, default=360.0, metavar="SECONDS",
+                        help="start no new batch size or row that would end after this (default 360)")
     parser.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="process group timeout: a rank stuck in a collective fails instead of hanging")
     parser.add_argument("--out", default="benchmarks/results/multi_gpu.json")
@@ -294,12 +321,20 @@ def main(argv=None) -> int:
         "host_memory_override": os.environ.get("TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES"),
         "rows": {},
     }
+    result["host_rss_GiB"] = {"start": round(_all_max([_host_rss_gib()])[0], 1)}
     for name in rows:
-        if _all_max([float(dist.get_rank() == 0 and time.perf_counter() - started > args.time_budget - 30)])[0]:
+        host_left = max(result["host_rss_GiB"].values())
+        if host_left > HOST_LEFT_LIMIT_GIB:
+            result["rows"][name] = [{"skipped": f"an earlier row left {host_left:.0f} GiB of host memory in use"}]
+            _log(f"{name}: skipped (host memory of an earlier row was not freed: {host_left:.0f} GiB)")
+        elif _all_max([float(dist.get_rank() == 0 and time.perf_counter() - started > args.time_budget - 30)])[0]:
             result["rows"][name] = [{"skipped": "time budget"}]
             _log(f"{name}: skipped (time budget)")
         else:
             result["rows"][name] = run_row(name, args, device, started, total_bytes, platform)
+            # Largest over ranks, once the row's model, optimizer and caches were freed.
+            result["host_rss_GiB"][f"after {name}"] = round(_all_max([_host_rss_gib()])[0], 1)
+            _log(f"{name}: host RSS after freeing it {result['host_rss_GiB'][f'after {name}']} GiB")
         result["elapsed_s"] = round(time.perf_counter() - started, 1)
         if dist.get_rank() == 0:  # after every row: a later failure keeps what was measured
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
