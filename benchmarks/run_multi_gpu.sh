@@ -46,7 +46,8 @@ run() {  # name, limit in seconds, command...: own process group, killed whole a
 for stage in "${stages[@]}"; do
   case $stage in
     tests)
-      run multi_gpu_tests 240 python -m pytest -q -rs test/test_multi_gpu.py -k MultiGPUOffloadTest
+      run multi_gpu_tests 240 python -m pytest -q -rs test/test_multi_gpu.py test/test_fsdp1.py \
+        -k "MultiGPUOffloadTest or TestFSDP1MultiGPU"
       grep -E "passed|failed|error|skipped" "$OUT/multi_gpu_tests.log" | tail -n 5 ;;
     multinode)
       run multi_gpu_two_agents 180 python -m pytest -q -rs test/test_multi_gpu.py -k TwoAgentHSDPTest
