@@ -1,30 +1,38 @@
-"""Activation offload on one GPU: resident vs save_on_cpu vs checkpointing vs offload_activations.
+"""Activation offload on one GPU: resident vs save_on_cpu vs checkpointing vs offload_activations,
+plain and through FSDP2 with ``CoherentOffload(activations=...)``.
 
 The model of ``shared/reference/anchors.md`` (``anchor-1.6b``: 8 blocks, d 4096, SDPA + 4x GELU MLP,
-LayerNorm, 1.61B params), GPU-resident as a plain module with bf16 weights (so the weights autograd
-saves are parameters, never copied; under fp32 weights + autocast the saved bf16 weight casts would be
-activations to every hook), fused AdamW, micro-batches 4 and 8 x 2048 tokens and the
-activation-dominated 16 x 2048 (about 47 GiB of activations, anchors.md).
+LayerNorm, 1.61B params), GPU-resident with bf16 weights (so the weights autograd saves are
+parameters, never copied), fused AdamW. Configs: ``--batch-sizes`` (default 4 and 8) at ``--seq-len``
+(default 2048), and ``--long-context BxS`` (default 2x8192), where activations outweigh the weights,
+gradients and optimizer state.
 
 Rows, all in this process after the link was measured in it:
 
 * ``resident``: activations stay on the GPU;
-* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
 * ``checkpoint``: ``torch.utils.checkpoint`` per block (``use_reentrant=False``);
 * ``offload(all)``: :func:`offload_activations` on every block;
-* ``offload(fraction=F)``: on the first F of the blocks.
+* ``offload(fraction=F)``: on the first F of the blocks;
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
+* ``fsdp2``: each block and the model ``fully_shard``-ed (one rank), parameters on the GPU;
+* ``fsdp2+act(all)``, ``fsdp2+act(F)``: the same with ``CoherentOffload(offload_params=False, ...,
+  activations=True / F)``: activation offload attached by ``fully_shard`` itself.
 
-Columns: median step time (forward + backward + optimizer, CUDA events) and its parts, peak GPU memory,
-activation bytes moved each way per step, and the lower bound
+Columns: median step time (forward + backward + optimizer, CUDA events) and its parts, peak GPU memory
+(``max_memory_allocated``) and how much of the offloaded bytes it saved against its baseline (resident
+or fsdp2), activation bytes moved each way per step, and two lower bounds:
 
-    LB = max(T_resident, D2H / BW_d2h, H2D / BW_h2d, (D2H + H2D) / BW_both)
+    LB        = max(T_base, D2H / BW_d2h, H2D / BW_h2d, (D2H + H2D) / BW_both)
+    LB_phased = max(F_base, D2H / BW_d2h) + max(B_base, H2D / BW_h2d) + O_base
 
-with T_resident the resident row's step (the GPU work any offload still does) and the bandwidths of a
-1 GiB pinned copy each way and both ways at once, measured here. Targets: ``offload(all)`` at least
-3x faster than ``save_on_cpu`` at batch 4, at least 80% of the activation bytes copied off the GPU,
-and a step within 1.15 x LB.
+with T_base (F, B, O: forward, backward, optimizer) the baseline row's step, and the bandwidths of a 1
+GiB pinned copy each way and both ways at once, measured here. ``LB`` is the bound if copies could
+run anywhere in the step; ``LB_phased`` holds when the peak must fall by the offloaded bytes: the D2H
+copies must land within the forward and the reloads within the backward.
+Targets (issue 5): ``offload(all)`` at least 3x faster than ``save_on_cpu`` at batch 4, at least 80%
+of the activation bytes copied off the GPU, and a step within 1.15 x LB.
 
-Usage (GPU machine, about 2-3 minutes):
+Usage (GPU machine, one process, about 2 minutes for the defaults):
     python benchmarks/activations.py --out benchmarks/results/activations.json [--profile]
 """
 
@@ -39,23 +47,28 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_fsdp_offload.activations import offload_activations  # noqa: E402
+from torch_fsdp_offload import CoherentOffload  # noqa: E402
+from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload  # noqa: E402
+from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, offload_activations  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, MODEL_CONFIGS  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 
 GiB = 1 << 30
-# bs16 is anchors.md's activation-dominated case; seq8192 (not run by default) stretches attention.
-_CONFIGS = {"bs4": (4, 2048), "bs8": (8, 2048), "bs16": (16, 2048), "seq8192": (2, 8192)}
+_PLAIN_ROWS = ("resident", "checkpoint", "offload(all)", "offload(fraction)", "save_on_cpu")
+_FSDP_ROWS = ("fsdp2", "fsdp2+act(all)", "fsdp2+act(fraction)")
 _TARGET_SPEEDUP = 3.0
 _TARGET_OFFLOADED = 0.8
 _TARGET_LB_RATIO = 1.15
@@ -96,16 +109,30 @@ def _release_host_memory() -> None:
     torch.cuda.empty_cache()
 
 
+def _row_label(row: str, fraction: float) -> str:
+    return row.replace("(fraction)", f"({fraction:g})" if row.startswith("fsdp2") else f"(fraction={fraction:g})")
+
+
+def _fsdp2_model(config, activations: bool | float):
+    """A fresh model, each block then the root ``fully_shard``-ed on one rank, parameters on the GPU."""
+    torch.manual_seed(0)
+    model = build_model(config, device="cuda", dtype=torch.bfloat16)
+    policy = CoherentOffload(
+        offload_params=False, offload_grads=False, offload_optimizer_state=False, activations=activations
+    )
+    for block in model.blocks:
+        fully_shard(block, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    return model
+
+
 def run_row(
     name: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     tokens: torch.Tensor,
     *,
-    steps: int,
-    warmup: int,
-    fraction: float,
-    prefetch_blocks: int,
+    args: argparse.Namespace,
     save_on_cpu_bytes: int,
     profile_path: str | None,
 ) -> dict:
@@ -118,13 +145,15 @@ def run_row(
         forward = functools.partial(_forward_checkpointed, model)
     elif name.startswith("offload"):
         offload = offload_activations(
-            model, fraction=fraction if "fraction" in name else 1.0, prefetch_blocks=prefetch_blocks
+            model, fraction=args.fraction if "fraction" in name else 1.0, prefetch_blocks=args.prefetch_blocks
         )
-        if not offload.active:
-            raise RuntimeError(f"offload_activations is a no-op on this platform ({offload.platform.kind.value})")
+    elif name.startswith("fsdp2+act"):
+        offload = get_activation_offload(model)
+    if offload is not None and not offload.active:
+        raise RuntimeError(f"activation offload is a no-op on this platform ({offload.platform.kind.value})")
 
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(warmup + steps)]
-    bytes_before = None
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(args.warmup + args.steps)]
+    stats_before = None
 
     def step(marks: list[torch.cuda.Event]) -> None:
         marks[0].record()
@@ -137,24 +166,25 @@ def run_row(
         optimizer.zero_grad(set_to_none=True)
         marks[3].record()
 
-    for index in range(warmup + steps):
-        if index == warmup:
+    for index in range(args.warmup + args.steps):
+        if index == args.warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             if offload is not None:
-                bytes_before = (offload.stats.d2h_bytes, offload.stats.h2d_bytes)
+                stats_before = dataclasses.replace(offload.stats)
         step(events[index])
     torch.cuda.synchronize()
-    measured = events[warmup:]
+    measured = events[args.warmup :]
     times = {
         part: statistics.median(marks[start].elapsed_time(marks[end]) / 1e3 for marks in measured)
         for part, (start, end) in {"step": (0, 3), "forward": (0, 1), "backward": (1, 2), "optimizer": (2, 3)}.items()
     }
     row = {"row": name, **{f"{part}_s": value for part, value in times.items()}}
     row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+    row["reserved_peak_gib"] = torch.cuda.max_memory_reserved() / GiB
     if offload is not None:
-        row["d2h_bytes"] = (offload.stats.d2h_bytes - bytes_before[0]) // steps
-        row["h2d_bytes"] = (offload.stats.h2d_bytes - bytes_before[1]) // steps
+        for counter in ("d2h_bytes", "h2d_bytes", "reused_device_copies", "inflight_waits", "on_demand_copies"):
+            row[counter] = (getattr(offload.stats, counter) - getattr(stats_before, counter)) // args.steps
         row["pinned_pool_bytes"] = offload.pinned_bytes
     elif name == "save_on_cpu":
         row["d2h_bytes"] = row["h2d_bytes"] = save_on_cpu_bytes
@@ -162,7 +192,7 @@ def run_row(
         row["d2h_bytes"] = row["h2d_bytes"] = 0
     if profile_path is not None:
         row["profile"] = profile_steps(step, profile_path)
-    if offload is not None:
+    if offload is not None and name.startswith("offload"):
         offload.remove()
     return row
 
@@ -219,59 +249,95 @@ def profile_steps(step: Callable, trace_path: str) -> dict:
     return summary
 
 
-def lower_bound(row: dict, resident_step_s: float, bandwidth: dict) -> float:
+def lower_bounds(row: dict, base: dict, bandwidth: dict) -> tuple[float, float]:
+    """(LB, LB_phased) of ``row`` against its baseline row ``base`` (see the module docstring)."""
     gbps = 1e9
-    return max(
-        resident_step_s,
-        row["d2h_bytes"] / (bandwidth["d2h_gbps"] * gbps),
-        row["h2d_bytes"] / (bandwidth["h2d_gbps"] * gbps),
-        (row["d2h_bytes"] + row["h2d_bytes"]) / (bandwidth["bidirectional_gbps"] * gbps),
-    )
+    d2h_s = row["d2h_bytes"] / (bandwidth["d2h_gbps"] * gbps)
+    h2d_s = row["h2d_bytes"] / (bandwidth["h2d_gbps"] * gbps)
+    both_s = (row["d2h_bytes"] + row["h2d_bytes"]) / (bandwidth["bidirectional_gbps"] * gbps)
+    anywhere = max(base["step_s"], d2h_s, h2d_s, both_s)
+    phased = max(base["forward_s"], d2h_s) + max(base["backward_s"], h2d_s) + base["optimizer_s"]
+    return anywhere, phased
 
 
-def run_config(name: str, batch: int, seq_len: int, args: argparse.Namespace, bandwidth: dict) -> dict:
-    torch.manual_seed(0)
-    config = dataclasses.replace(MODEL_CONFIGS["anchor-1.6b"], max_seq_len=max(seq_len, 2048))
-    model = build_model(config, device="cuda", dtype=torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda")
-    activation_bytes, save_on_cpu_bytes = _count_saved_bytes(model, tokens)
-    fraction_row = f"offload(fraction={args.fraction:g})"
-    # save_on_cpu last: the host allocator caches its pinned blocks, ours are released before it.
-    rows = ["resident", "checkpoint", "offload(all)", fraction_row, "save_on_cpu"]
-    rows = [row for row in rows if row not in args.skip_rows]
+def _measure_rows(
+    rows: list[str],
+    build: Callable[[str], tuple[nn.Module, torch.optim.Optimizer]],
+    tokens: torch.Tensor,
+    args: argparse.Namespace,
+    save_on_cpu_bytes: int,
+    config_name: str,
+) -> list[dict]:
+    """Measure ``rows`` in order; ``build(row)`` gives the model and optimizer each row runs."""
     results = []
     for row_name in rows:
+        model, optimizer = build(row_name)
+        if row_name == "save_on_cpu":
+            # Our pinned blocks (cached for the offload rows) go back before torch's host allocator pins.
+            _release_host_memory()
         profile_path = None
-        if args.profile and row_name == "offload(all)" and name == args.configs[0]:
+        if args.profile and row_name == "offload(all)" and not args.profiled:
+            args.profiled = True
             profile_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "activations_profile.trace.json")
-        print(f"[{name}] {row_name} ...", flush=True)
-        results.append(
-            run_row(
-                row_name,
-                model,
-                optimizer,
-                tokens,
-                steps=args.steps,
-                warmup=args.warmup,
-                fraction=args.fraction,
-                prefetch_blocks=args.prefetch_blocks,
-                save_on_cpu_bytes=save_on_cpu_bytes,
-                profile_path=profile_path,
-            )
+        label = _row_label(row_name, args.fraction)
+        print(f"[{config_name}] {label} ...", flush=True)
+        row = run_row(
+            row_name, model, optimizer, tokens, args=args, save_on_cpu_bytes=save_on_cpu_bytes, profile_path=profile_path
         )
-        _release_host_memory()
-    resident = next((row for row in results if row["row"] == "resident"), None)
-    save_row = next((row for row in results if row["row"] == "save_on_cpu"), None)
-    for row in results:
-        row["offloaded_fraction"] = row["d2h_bytes"] / activation_bytes if row["row"].startswith("offload") else None
-        if resident is not None:
-            row["lower_bound_s"] = lower_bound(row, resident["step_s"], bandwidth)
-            row["step_over_lb"] = row["step_s"] / row["lower_bound_s"]
-        if save_row is not None:
-            row["speedup_vs_save_on_cpu"] = save_row["step_s"] / row["step_s"]
+        row["row"] = label
+        results.append(row)
+        del model, optimizer  # a fresh FSDP2 model is built for the next row: drop this one first
+        if row_name == "save_on_cpu":
+            _release_host_memory()
+    return results
+
+
+def run_config(batch: int, seq_len: int, args: argparse.Namespace, bandwidth: dict) -> dict:
+    name = f"bs{batch}x{seq_len}"
+    config = dataclasses.replace(MODEL_CONFIGS["anchor-1.6b"], max_seq_len=max(seq_len, 2048))
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len), device="cuda")
+    results = []
+    plain_rows = [row for row in _PLAIN_ROWS if row not in args.skip_rows]
+    torch.manual_seed(0)
+    model = build_model(config, device="cuda", dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    activation_bytes, save_on_cpu_bytes = _count_saved_bytes(model, tokens)
+    if plain_rows:
+        results += _measure_rows(plain_rows, lambda row: (model, optimizer), tokens, args, save_on_cpu_bytes, name)
     del model, optimizer
     _release_host_memory()
+
+    holder: dict = {}
+
+    def build_fsdp2(row: str):
+        holder.clear()  # the previous row's model and optimizer go first
+        gc.collect()
+        torch.cuda.empty_cache()
+        activations = {"fsdp2": False, "fsdp2+act(all)": True}.get(row, args.fraction)
+        holder["model"] = _fsdp2_model(config, activations)
+        holder["optimizer"] = torch.optim.AdamW(holder["model"].parameters(), lr=1e-5, fused=True)
+        return holder["model"], holder["optimizer"]
+
+    fsdp_rows = [row for row in _FSDP_ROWS if row not in args.skip_rows]
+    if fsdp_rows:
+        results += _measure_rows(fsdp_rows, build_fsdp2, tokens, args, save_on_cpu_bytes, name)
+    holder.clear()
+    _release_host_memory()
+
+    by_name = {row["row"]: row for row in results}
+    save_row = by_name.get("save_on_cpu")
+    for row in results:
+        base = by_name.get("fsdp2" if row["row"].startswith("fsdp2") else "resident")
+        offloads = row["row"].startswith(("offload", "fsdp2+act"))
+        row["offloaded_fraction"] = row["d2h_bytes"] / activation_bytes if offloads else None
+        if base is not None:
+            row["lower_bound_s"], row["lower_bound_phased_s"] = lower_bounds(row, base, bandwidth)
+            row["step_over_lb"] = row["step_s"] / row["lower_bound_s"]
+            row["step_over_lb_phased"] = row["step_s"] / row["lower_bound_phased_s"]
+            if offloads and row["d2h_bytes"]:
+                row["peak_saved_fraction"] = (base["peak_gib"] - row["peak_gib"]) * GiB / row["d2h_bytes"]
+        if save_row is not None:
+            row["speedup_vs_save_on_cpu"] = save_row["step_s"] / row["step_s"]
     return {
         "config": name,
         "batch_size": batch,
@@ -288,62 +354,106 @@ def _print_table(config: dict) -> None:
         f"activations {config['activation_bytes'] / GiB:.1f} GiB"
     )
     header = (
-        f"{'row':<22}{'step s':>8}{'fwd':>7}{'bwd':>7}{'opt':>7}{'peak GiB':>10}"
-        f"{'D2H GiB':>9}{'H2D GiB':>9}{'off %':>7}{'LB s':>7}{'x LB':>6}{'vs soc':>8}"
+        f"{'row':<22}{'step s':>8}{'fwd':>7}{'bwd':>7}{'opt':>7}{'peak GiB':>10}{'saved':>7}"
+        f"{'D2H GiB':>9}{'H2D GiB':>9}{'off %':>7}{'LB s':>7}{'x LB':>6}{'LBph s':>8}{'x LBph':>7}{'vs soc':>8}"
     )
     print(header)
     print("-" * len(header))
+
+    def percent(value: float | None) -> str:
+        return "" if value is None else f"{value:.0%}"
+
     for row in config["rows"]:
-        offloaded = row.get("offloaded_fraction")
         print(
             f"{row['row']:<22}{row['step_s']:>8.3f}{row['forward_s']:>7.3f}{row['backward_s']:>7.3f}"
-            f"{row['optimizer_s']:>7.3f}{row['peak_gib']:>10.1f}{row['d2h_bytes'] / GiB:>9.2f}"
-            f"{row['h2d_bytes'] / GiB:>9.2f}{'' if offloaded is None else f'{offloaded:.0%}':>7}"
+            f"{row['optimizer_s']:>7.3f}{row['peak_gib']:>10.1f}{percent(row.get('peak_saved_fraction')):>7}"
+            f"{row['d2h_bytes'] / GiB:>9.2f}{row['h2d_bytes'] / GiB:>9.2f}{percent(row.get('offloaded_fraction')):>7}"
             f"{row.get('lower_bound_s', float('nan')):>7.3f}{row.get('step_over_lb', float('nan')):>6.2f}"
+            f"{row.get('lower_bound_phased_s', float('nan')):>8.3f}{row.get('step_over_lb_phased', float('nan')):>7.2f}"
             f"{row.get('speedup_vs_save_on_cpu', float('nan')):>8.2f}"
         )
 
 
 def _targets(configs: list[dict]) -> list[dict]:
     checks = []
+
+    def check(config: str, what: str, value: float, ok: bool) -> None:
+        checks.append({"config": config, "check": what, "value": value, "ok": ok})
+
     for config in configs:
+        name = config["config"]
         rows = {row["row"]: row for row in config["rows"]}
         ours = rows.get("offload(all)")
         if ours is None:
             continue
-        if config["config"] == "bs4" and "speedup_vs_save_on_cpu" in ours:
+        if config["batch_size"] == 4 and "speedup_vs_save_on_cpu" in ours:
             value = ours["speedup_vs_save_on_cpu"]
-            checks.append({"config": "bs4", "check": "speedup vs save_on_cpu >= 3", "value": value, "ok": value >= _TARGET_SPEEDUP})
+            check(name, "offload(all) speedup vs save_on_cpu >= 3", value, value >= _TARGET_SPEEDUP)
         value = ours["offloaded_fraction"]
-        checks.append({"config": config["config"], "check": "activation bytes offloaded >= 80%", "value": value, "ok": value >= _TARGET_OFFLOADED})
+        check(name, "activation bytes offloaded >= 80%", value, value >= _TARGET_OFFLOADED)
         for row in config["rows"]:
-            if row["row"].startswith("offload") and "step_over_lb" in row:
+            if row["offloaded_fraction"] is not None and "step_over_lb" in row:
                 value = row["step_over_lb"]
-                checks.append({"config": config["config"], "check": f"{row['row']} step <= 1.15 x LB", "value": value, "ok": value <= _TARGET_LB_RATIO})
+                check(name, f"{row['row']} step <= 1.15 x LB", value, value <= _TARGET_LB_RATIO)
     return checks
+
+
+def _batch_sizes(text: str) -> list[int]:
+    sizes = [int(part) for part in text.split(",") if part.strip()]
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def _long_context(text: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        batch, seq_len = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--long-context takes BATCHxSEQ such as 2x8192, got {text!r}") from None
+    return batch, seq_len
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/activations.json", help="JSON results path")
-    parser.add_argument("--configs", default="bs4,bs8,bs16", help=f"comma-separated, from {sorted(_CONFIGS)}")
-    parser.add_argument("--skip-rows", default="", help="comma-separated rows to skip, e.g. save_on_cpu,checkpoint")
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per row (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per row (the first sizes the pool)")
-    parser.add_argument("--fraction", type=float, default=0.5, help="fraction of blocks for the partial row")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[4, 8], help="comma-separated, at --seq-len")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument(
+        "--long-context", type=_long_context, default=(2, 8192), metavar="BxS",
+        help="activation-dominated config, e.g. 2x8192; '' to skip",
+    )
+    parser.add_argument(
+        "--skip-rows", default="",
+        help=f"comma-separated rows to skip, from {', '.join(_PLAIN_ROWS + _FSDP_ROWS)}",
+    )
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per row (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per row (the first sizes the pool)")
+    parser.add_argument("--fraction", type=float, default=0.5, help="fraction of blocks for the partial rows")
     parser.add_argument("--prefetch-blocks", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="profile offload(all) on the first config")
     args = parser.parse_args(argv)
-    args.configs = [name.strip() for name in args.configs.split(",") if name.strip()]
     args.skip_rows = {name.strip() for name in args.skip_rows.split(",") if name.strip()}
-    unknown = [name for name in args.configs if name not in _CONFIGS]
+    unknown = args.skip_rows - set(_PLAIN_ROWS + _FSDP_ROWS)
     if unknown:
-        parser.error(f"unknown configs {unknown}; choose from {sorted(_CONFIGS)}")
+        parser.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(_PLAIN_ROWS + _FSDP_ROWS)}")
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1 (the first warm-up step sizes the pinned pool)")
+    if not 0.0 < args.fraction < 1.0:
+        parser.error(f"--fraction must be in (0, 1), got {args.fraction}")
+    if args.seq_len < 1:
+        parser.error(f"--seq-len must be >= 1, got {args.seq_len}")
     if not torch.cuda.is_available():
         print("benchmarks/activations.py needs a CUDA GPU", file=sys.stderr)
         return 1
+    args.profiled = False
+    started = time.perf_counter()
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    if not dist.is_initialized():
+        # One rank: FSDP2 rows need a process group; nothing crosses a network.
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
 
     report = measure_bandwidth(sizes=(GiB,), repeats=3)
     bandwidth = {
@@ -356,15 +466,18 @@ def main(argv: list[str] | None = None) -> int:
         f"link: H2D {bandwidth['h2d_gbps']:.1f} GB/s, D2H {bandwidth['d2h_gbps']:.1f} GB/s, "
         f"both {bandwidth['bidirectional_gbps']:.1f} GB/s (1 GiB pinned)"
     )
+    shapes = [(batch, args.seq_len) for batch in args.batch_sizes]
+    if args.long_context is not None:
+        shapes.append(args.long_context)
     configs = []
-    for name in args.configs:
-        batch, seq_len = _CONFIGS[name]
-        configs.append(run_config(name, batch, seq_len, args, bandwidth))
+    for batch, seq_len in shapes:
+        configs.append(run_config(batch, seq_len, args, bandwidth))
         _print_table(configs[-1])
     checks = _targets(configs)
     print("\ntargets:")
-    for check in checks:
-        print(f"  [{'ok' if check['ok'] else 'MISS'}] {check['config']}: {check['check']}: {check['value']:.2f}")
+    for item in checks:
+        print(f"  [{'ok' if item['ok'] else 'MISS'}] {item['config']}: {item['check']}: {item['value']:.2f}")
+    elapsed = time.perf_counter() - started
     result = {
         "benchmark": "activations",
         "torch": torch.__version__,
@@ -374,13 +487,16 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "prefetch_blocks": args.prefetch_blocks,
+        "max_inflight_bytes": DEFAULT_MAX_INFLIGHT_BYTES,
+        "elapsed_s": elapsed,
         "configs": configs,
         "targets": checks,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as out_file:
         json.dump(result, out_file, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} ({elapsed:.0f} s)")
+    dist.destroy_process_group()
     return 0
 
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import unittest
+import warnings
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -19,6 +23,8 @@ from torch.testing._internal.common_utils import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from torch_fsdp_offload import CoherentOffload
+from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload
 from torch_fsdp_offload.activations import ActivationOffload, offload_activations
 from torch_fsdp_offload.memory import memory_stats
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig
@@ -313,6 +319,8 @@ class TestActivationOffload(TestCase):
             ({"fraction": -0.1}, r"fraction must be a number in \[0, 1\]"),
             ({"keep_last_blocks": -1}, "keep_last_blocks must be a block count"),
             ({"keep_last_blocks": 1.5}, "keep_last_blocks must be a block count"),
+            ({"max_inflight_bytes": -1}, "max_inflight_bytes must be an int >= 0"),
+            ({"max_inflight_bytes": 2.0**30}, "max_inflight_bytes must be an int >= 0"),
             ({"platform": "quantum"}, "quantum"),
         ],
     )
@@ -324,6 +332,19 @@ class TestActivationOffload(TestCase):
         self.assertEqual(memory_stats(), before)
         self.assertEqual(len(model._forward_pre_hooks), 0)
         self.assertTrue(all(len(block._forward_pre_hooks) == 0 for block in model.blocks))
+
+    def test_block_outside_a_forward_warns_once(self) -> None:
+        model = build_model(_CONFIG)
+        offload = ActivationOffload(min_offload_bytes=0, platform="discrete", device="cpu")
+        offload.register_blocks(model.blocks)
+        with self.assertWarnsRegex(UserWarning, "outside an offloaded forward"):
+            _step(model, self.tokens)
+        self.assertEqual(offload.stats.d2h_copies, 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _step(model, self.tokens)
+            with torch.no_grad():
+                model(self.tokens)
 
     def test_bad_arguments(self) -> None:
         with self.assertRaisesRegex(ValueError, "pass blocks="):
@@ -442,6 +463,77 @@ class TestActivationOffloadGPU(TestCase):
         # What stays: the last block's output, saved after the blocks by the loss.
         self.assertLess(offloaded, resident * 0.2)
         loss.backward()
+
+    def _peak_above(self, run: Callable[[], None]) -> int:
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(self.device) - baseline
+
+    def test_peak_memory_falls_by_the_offloaded_bytes(self) -> None:
+        # 8 blocks x 3 saved storages x 128 MiB = 3 GiB of activations made in microseconds: the
+        # link cannot keep up, so only the in-flight bound keeps the copies from piling up.
+        model = _ElementwiseChain(8).to(self.device)
+        x = torch.randn(32 << 20, device=self.device, requires_grad=True)
+        expected = self._chain_grads(model, x)
+        resident_peak = self._peak_above(lambda: self._chain_grads(model, x))
+        offload = offload_activations(model, min_offload_bytes=0, max_inflight_bytes=256 << 20, platform="discrete")
+        self._chain_grads(model, x)  # sizes the pinned pool
+        offload.stats.reset()
+        grads = []
+        offloaded_peak = self._peak_above(lambda: grads.extend(self._chain_grads(model, x)))
+        for grad, reference in zip(grads, expected):
+            self.assertTrue(torch.equal(grad, reference))
+        self.assertGreater(offload.stats.inflight_waits, 0)
+        # Generous: what stays is the in-flight bound, a block being made, and backward's window.
+        self.assertLess(offloaded_peak, resident_peak - offload.stats.d2h_bytes // 3)
+
+    def test_fully_shard_policy_gradients_and_peak(self) -> None:
+        # One-rank FSDP2 with activation offload from the policy (parameters stay on the GPU).
+        created_group = not dist.is_initialized()
+        if created_group:
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=self.device)
+        try:
+            # About 1 GiB of activations per block, 8 GiB in all: well above the 1 GiB in-flight bound.
+            config = TransformerConfig(vocab_size=512, dim=1024, n_layers=8, n_heads=16, ffn_hidden=4096, max_seq_len=1024)
+            tokens = torch.randint(0, config.vocab_size, (8, 1024), device=self.device)
+            resident = dict(offload_params=False, offload_grads=False, offload_optimizer_state=False, platform="discrete")
+            results = {}
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                for activations in (False, True):
+                    torch.manual_seed(0)
+                    model = build_model(config, device=self.device)
+                    policy = CoherentOffload(activations=activations, **resident)
+                    for block in model.blocks:
+                        fully_shard(block, offload_policy=policy)
+                    fully_shard(model, offload_policy=policy)
+                    _step(model, tokens)  # first step: lazy init and the pinned pool
+                    first = [p.grad.full_tensor() for p in model.parameters()]
+                    offload = get_activation_offload(model)
+                    if offload is not None:
+                        offload.stats.reset()
+                    peak = self._peak_above(lambda: _step(model, tokens))
+                    grads = [p.grad.full_tensor() for p in model.parameters()]
+                    results[activations] = (peak, first, grads, offload)
+                    del model
+            resident_peak, first, expected, _ = results[False]
+            offloaded_peak, _, grads, offload = results[True]
+            # Bit for bit where this GPU's kernels are run-to-run deterministic (checked on the resident run).
+            reproducible = all(torch.equal(a, b) for a, b in zip(first, expected))
+            for grad, reference in zip(grads, expected):
+                if reproducible:
+                    self.assertTrue(torch.equal(grad, reference))
+                else:
+                    self.assertEqual(grad, reference)
+            self.assertGreater(offload.stats.d2h_bytes, 0)
+            self.assertEqual(offload.stats.on_demand_copies, 0)
+            # Generous: the in-flight bound and backward's two-block window stay on the device.
+            self.assertLess(offloaded_peak, resident_peak - offload.stats.d2h_bytes // 3)
+        finally:
+            if created_group:
+                dist.destroy_process_group()
 
     def test_unified_platform_copies_nothing(self) -> None:
         model = _ElementwiseChain(2).to(self.device)

@@ -3,7 +3,9 @@
 :func:`offload_activations` installs ``torch.autograd.graph.saved_tensors_hooks`` around a model's
 forward. Each saved tensor of an offloaded block is copied, as soon as it is final, into a reused
 pinned host buffer on the transfer engine's D2H stream; its GPU memory is released once the copy has
-landed. In backward, when the first tensor of block ``i`` is needed, the H2D copies of blocks
+landed, and the forward waits rather than let more than ``max_inflight_bytes`` of copies pile up (a
+forward can make activations several times faster than a PCIe link carries them; unbounded, the
+copies would land after the peak and save nothing). In backward, when the first tensor of block ``i`` is needed, the H2D copies of blocks
 ``i - 1 .. i - prefetch_blocks`` are issued on the H2D stream, so they land while block ``i``
 computes; the compute stream waits on the copy event of exactly the tensor it unpacks.
 
@@ -30,6 +32,7 @@ import collections
 import dataclasses
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -43,7 +46,7 @@ from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
 
-__all__ = ["ActivationOffload", "ActivationOffloadStats", "offload_activations"]
+__all__ = ["ActivationOffload", "ActivationOffloadStats", "DEFAULT_MAX_INFLIGHT_BYTES", "offload_activations"]
 
 # How many blocks the CPU may run ahead of the GPU while activations are offloaded. Copies land in
 # GPU time but are noticed in CPU time: a CPU far ahead would see no copy landed during forward (so
@@ -54,6 +57,12 @@ _D2H_LABEL = "torch_fsdp_offload::activations_d2h"
 _H2D_LABEL = "activations_h2d"  # the engine adds the torch_fsdp_offload:: prefix
 _BLOCK_LIST_NAMES = ("blocks", "layers", "model.layers")
 _NONE_YET = 0x7FFFFFFF
+# Device bytes whose copy to the host may be in flight at once. The forward produces activations
+# several times faster than a PCIe link carries them (H200, 1.6B model, batch 4: 195 GB/s made,
+# 55 GB/s carried), so without a bound the copies fall behind, nothing is freed before backward, and
+# the peak does not fall. 1 GiB keeps a few of the largest saved tensors (MLP hidden states, 0.25-0.5
+# GiB) queued, enough to keep the link busy.
+DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 
 
 @dataclasses.dataclass
@@ -74,6 +83,8 @@ class ActivationOffloadStats:
         deduplicated_views (int): saved tensors that shared an already offloaded storage.
         kept_tensors (int): saved tensors left on the device (small, parameter, buffer, or in a
             block that is not offloaded).
+        inflight_waits (int): times the forward waited for the oldest copy to the host to land,
+            because ``max_inflight_bytes`` were in flight (the link was slower than the forward).
     """
 
     saved_bytes: int = 0
@@ -87,6 +98,7 @@ class ActivationOffloadStats:
     reused_device_copies: int = 0
     deduplicated_views: int = 0
     kept_tensors: int = 0
+    inflight_waits: int = 0
 
     def reset(self) -> None:
         """Set every counter back to zero."""
@@ -238,7 +250,9 @@ def _param_storages(module: nn.Module, recurse: bool) -> frozenset[int]:
     return frozenset(t.untyped_storage().data_ptr() for t in tensors if type(t) in (torch.Tensor, nn.Parameter))
 
 
-def _check_knobs(min_offload_bytes: Any, prefetch_blocks: Any, keep_last_blocks: Any, fraction: Any) -> None:
+def _check_knobs(
+    min_offload_bytes: Any, prefetch_blocks: Any, keep_last_blocks: Any, fraction: Any, max_inflight_bytes: Any
+) -> None:
     if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
         raise ValueError(
             f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}; use 0 to offload every "
@@ -260,6 +274,12 @@ def _check_knobs(min_offload_bytes: Any, prefetch_blocks: Any, keep_last_blocks:
         raise ValueError(
             f"fraction must be a number in [0, 1] (the fraction of blocks whose activations are "
             f"offloaded), got {fraction!r}"
+        )
+    if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0:
+        raise ValueError(
+            f"max_inflight_bytes must be an int >= 0, got {max_inflight_bytes!r}; it bounds the device "
+            "memory held by copies to the host that have not landed yet (e.g. 1 << 30; 0 waits for each "
+            "copy before the next tensor is saved)"
         )
 
 
@@ -311,11 +331,14 @@ class ActivationOffload:
     the number of blocks the previous forward had (at the first forward: the number of registered
     blocks, or unknown, in which case every block is offloaded when ``fraction > 0``).
 
-    A tensor's GPU memory is released once its D2H copy has landed. If backward comes within
-    ``prefetch_blocks`` of a block before its copies landed (a link slower than the forward), the
-    device copies still alive are used in place and not reloaded. So that "landed" is judged in GPU
-    time, the CPU runs at most two blocks ahead of the GPU while blocks are offloaded (it waits on an
-    event recorded at the start of the block two back).
+    A tensor's GPU memory is released once its D2H copy has landed (checked at every saved tensor and
+    block boundary). At most ``max_inflight_bytes`` of copies are in flight: past that, the forward
+    waits for the oldest to land, so where the forward makes activations faster than the link carries
+    them it runs at the link's pace, and the peak falls by the offloaded bytes instead of holding them
+    until after the copies land. If backward comes within ``prefetch_blocks`` of a block before its
+    copies landed, the device copies still alive are used in place and not reloaded. So that "landed"
+    is judged in GPU time, the CPU runs at most two blocks ahead of the GPU while blocks are offloaded
+    (it waits on an event recorded at the start of the block two back).
 
     Under ``torch.autocast`` with fp32 weights, the bf16 weight casts autograd saves are not
     parameters and are offloaded like activations; keep weights in the compute dtype (or use FSDP's
@@ -335,6 +358,9 @@ class ActivationOffload:
         keep_last_blocks (int | float): the last blocks kept on the device, as a count or as a fraction
             of the blocks. Default 0.
         fraction (float): the fraction of blocks offloaded, counted from the first. Default 1.0.
+        max_inflight_bytes (int): device bytes whose copy to the host may be in flight at once before
+            the forward waits for the oldest (>= 0). Default 1 GiB. Larger hides more of the copies
+            under compute and saves less memory at the peak.
         platform (Platform | PlatformKind | str | None): the platform to act for; ``None`` detects it
             (``TORCH_FSDP_OFFLOAD_PLATFORM`` overrides). Copies happen on DISCRETE and COHERENT only;
             forcing ``"discrete"`` on a machine without a GPU runs every copy synchronously on the CPU.
@@ -343,8 +369,8 @@ class ActivationOffload:
 
     Raises:
         ValueError: ``min_offload_bytes < 0``, ``prefetch_blocks < 1``, ``fraction`` outside [0, 1],
-            ``keep_last_blocks`` negative or a float outside [0, 1], or an unknown platform kind;
-            raised before anything is allocated.
+            ``keep_last_blocks`` negative or a float outside [0, 1], ``max_inflight_bytes < 0``, or an
+            unknown platform kind; raised before anything is allocated.
         TypeError: ``platform`` of the wrong type.
 
     Example::
@@ -366,14 +392,16 @@ class ActivationOffload:
         prefetch_blocks: int = 1,
         keep_last_blocks: int | float = 0,
         fraction: float = 1.0,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         platform: Platform | PlatformKind | str | None = None,
         device: torch.device | str | int | None = None,
     ) -> None:
-        _check_knobs(min_offload_bytes, prefetch_blocks, keep_last_blocks, fraction)
+        _check_knobs(min_offload_bytes, prefetch_blocks, keep_last_blocks, fraction, max_inflight_bytes)
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_blocks = prefetch_blocks
         self.keep_last_blocks = keep_last_blocks
         self.fraction = float(fraction)
+        self.max_inflight_bytes = max_inflight_bytes
         self.platform = _resolve_platform(platform, device)
         self.device = self.platform.device
         self.stats = ActivationOffloadStats()
@@ -384,6 +412,7 @@ class ActivationOffload:
         self._pool = _PinnedPool(self.device)
         self._lock = threading.Lock()
         self._pending: collections.deque[_Stored] = collections.deque()  # D2H copies not seen landed
+        self._pending_bytes = 0
         self._pass: _Pass | None = None
         self._depth = 0
         self._hook_stack: list[saved_tensors_hooks | None] = []
@@ -392,6 +421,7 @@ class ActivationOffload:
         self._last_pass_blocks: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._root_entered: list[bool] = []
+        self._warned_outside = False
 
     @property
     def pinned_bytes(self) -> int:
@@ -405,8 +435,13 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------ entering and blocks
     def __enter__(self) -> ActivationOffload:
+        return self._enter(self._root)
+
+    def _enter(self, root: nn.Module | None) -> ActivationOffload:
         if self._depth == 0:
-            root_storages = _param_storages(self._root, recurse=True) if self._root is not None else frozenset()
+            # The module whose forward opens the pass: its parameters and buffers (e.g. RoPE tables
+            # passed into the blocks) are never copied.
+            root_storages = _param_storages(root, recurse=True) if root is not None else frozenset()
             self._pass = _Pass(root_storages)
             if self._registered_blocks == 0:
                 self._start_block(None)
@@ -481,6 +516,8 @@ class ActivationOffload:
         """Enter this object around every forward of ``module`` (no ``with`` needed).
 
         Forwards run without grad (evaluation) or during backward (recomputation) are left alone.
+        Several modules may be attached, one inside another (a model and its sub-models): the
+        outermost one running opens the forward pass, and its parameters and buffers are never copied.
 
         Args:
             module (nn.Module): the model whose forward produces the activations.
@@ -515,7 +552,7 @@ class ActivationOffload:
         entered = torch.is_grad_enabled() and not _in_backward()
         self._root_entered.append(entered)
         if entered:
-            self.__enter__()
+            self._enter(module)
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._root_entered.pop():
@@ -523,6 +560,16 @@ class ActivationOffload:
 
     def _block_pre_hook(self, module: nn.Module, args: Any) -> None:
         pass_ = self._pass
+        if pass_ is None and self._copies and not self._warned_outside and torch.is_grad_enabled() and not _in_backward():
+            self._warned_outside = True
+            warnings.warn(
+                f"activation offload: block {type(module).__name__} ran with grad enabled outside an "
+                "offloaded forward, so its activations stay on the device. Attach the model "
+                "(offload_activations(model) or ActivationOffload.attach), or enter the offloader "
+                "around the forward. Under fully_shard with CoherentOffload(activations=...), shard each "
+                "block, then the model around them (which needs parameters of its own).",
+                stacklevel=2,
+            )
         if pass_ is None or _in_backward():
             return
         pass_.block_depth += 1
@@ -649,6 +696,7 @@ class ActivationOffload:
                 stored.d2h_done.record(self._d2h_stream)
                 with self._lock:
                     self._pending.append(stored)
+                    self._pending_bytes += stored.nbytes
             else:
                 stored.host.copy_(stored.device_data)
                 stored.device_data = None
@@ -659,6 +707,7 @@ class ActivationOffload:
             stats.d2h_copies += 1
             stats.d2h_bytes += stored.nbytes
         self.stats.offloaded_bytes += stored.nbytes
+        self._bound_inflight()
         return stored
 
     def _poll(self) -> None:
@@ -667,10 +716,29 @@ class ActivationOffload:
             return
         with self._lock:
             while self._pending and self._pending[0].d2h_done.query():
+                self._landed(self._pending.popleft())
+
+    def _bound_inflight(self) -> None:
+        """Wait, oldest first, until at most ``max_inflight_bytes`` of device copies are in flight.
+
+        Waiting here makes the forward run at the link's pace where it outruns the link, instead of
+        holding every activation on the device until its copy lands after the forward (or not before
+        backward needs it, so that nothing is freed at all).
+        """
+        if not self._cuda:
+            return
+        with self._lock:
+            while self._pending and self._pending_bytes > self.max_inflight_bytes:
                 stored = self._pending.popleft()
-                if stored.is_original and not stored.retained:
-                    stored.device_data = None
-                    stored.is_original = False
+                self.stats.inflight_waits += 1
+                stored.d2h_done.synchronize()
+                self._landed(stored)
+
+    def _landed(self, stored: _Stored) -> None:
+        self._pending_bytes -= stored.nbytes
+        if stored.is_original and not stored.retained:
+            stored.device_data = None
+            stored.is_original = False
 
     # ------------------------------------------------------------------ unpack
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -765,6 +833,7 @@ def offload_activations(
     prefetch_blocks: int = 1,
     keep_last_blocks: int | float = 0,
     fraction: float = 1.0,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     platform: Platform | PlatformKind | str | None = None,
     device: torch.device | str | int | None = None,
 ) -> ActivationOffload:
@@ -779,8 +848,8 @@ def offload_activations(
     Args:
         module (nn.Module | None): the model to attach to; None for a bare context manager.
         blocks (Iterable[nn.Module] | None): the block modules, in forward order.
-        min_offload_bytes, prefetch_blocks, keep_last_blocks, fraction, platform, device: see
-            :class:`ActivationOffload`.
+        min_offload_bytes, prefetch_blocks, keep_last_blocks, fraction, max_inflight_bytes, platform,
+            device: see :class:`ActivationOffload`.
 
     Returns:
         ActivationOffload: the offloader; ``.stats`` counts copies, ``.remove()`` detaches it.
@@ -801,7 +870,7 @@ def offload_activations(
     """
     if module is not None and not isinstance(module, nn.Module):
         raise TypeError(f"offload_activations expects an nn.Module or None, got {type(module).__name__}")
-    _check_knobs(min_offload_bytes, prefetch_blocks, keep_last_blocks, fraction)
+    _check_knobs(min_offload_bytes, prefetch_blocks, keep_last_blocks, fraction, max_inflight_bytes)
     if module is not None and blocks is None:
         blocks = _find_blocks(module)
     block_list = list(blocks) if blocks is not None else []
@@ -813,6 +882,7 @@ def offload_activations(
         prefetch_blocks=prefetch_blocks,
         keep_last_blocks=keep_last_blocks,
         fraction=fraction,
+        max_inflight_bytes=max_inflight_bytes,
         platform=platform,
         device=device,
     )

@@ -48,6 +48,9 @@ class ResolvedPlan:
         optimizer_gpu_fraction (float): fraction of the offloaded groups whose step is streamed
             through the GPU (0.0 for "host" and "device", 1.0 for "stream").
         prefetch_depth (int), chunk_bytes (int), module_fraction (float): as asked.
+        activations (float): fraction of the FSDP-wrapped blocks whose saved activations are
+            offloaded (1.0 for ``activations=True``); 0.0 when off, and on UNIFIED and HOST_ONLY
+            platforms, where activations already live in the one memory.
         reason (str): one line saying why ``auto`` choices were made.
     """
 
@@ -62,6 +65,7 @@ class ResolvedPlan:
     prefetch_depth: int
     chunk_bytes: int
     module_fraction: float
+    activations: float
     reason: str
 
     def describe(self) -> str:
@@ -70,7 +74,8 @@ class ResolvedPlan:
             f"copies={'yes' if self.copies else 'none'}, params={self.offload_params}, "
             f"grads={self.offload_grads}, optimizer state={self.offload_optimizer_state}, "
             f"optimizer step={self.optimizer} ({self.optimizer_gpu_fraction:.2f} on the GPU), prefetch depth={self.prefetch_depth}, "
-            f"chunk={self.chunk_bytes >> 20} MiB, modules offloaded={self.module_fraction:.2f}. "
+            f"chunk={self.chunk_bytes >> 20} MiB, modules offloaded={self.module_fraction:.2f}, "
+            f"activations offloaded={self.activations:.2f} of the blocks. "
             f"Why: {self.reason}"
         )
 
@@ -125,10 +130,16 @@ class CoherentOffload(CPUOffloadPolicy):
             [0, 1]. Default 1.0. The offloaded groups are spread evenly over the order in which
             ``fully_shard`` is called with this policy object (0.5 offloads every second group);
             the others stay on the GPU like plain FSDP2 groups. Use one policy object per model.
-        activations (bool or float): reserved for offloading what the FSDP-wrapped blocks save
-            for backward from inside the policy. Not applied by ``fully_shard`` yet: any value
-            but False raises. Use :func:`torch_fsdp_offload.activations.offload_activations`
-            on the sharded model instead (it shares this policy's transfer streams).
+        activations (bool or float): offload what the ``fully_shard``-ed blocks save for
+            backward to pinned host memory, and prefetch it back a block ahead in backward
+            (:class:`~torch_fsdp_offload.activations.ActivationOffload`, one per model, on the
+            same transfer streams as the parameters). ``True`` offloads every block, a float in
+            [0, 1] that fraction of the blocks, counted from the first (the last blocks before
+            the loss, needed first in backward, stay). Default False. Blocks are the modules
+            ``fully_shard`` is called on that contain no other such module; the module sharded
+            last around them (the root) opens each forward and keeps what it saves outside the
+            blocks on the device, so it needs parameters of its own. A no-op on UNIFIED and
+            HOST_ONLY platforms. Works with ``offload_params=False`` (activations alone).
         platform (str or None): force a platform class (``"unified"``, ``"coherent"``,
             ``"discrete"``, ``"host_only"``) instead of detecting it; the environment variable
             ``TORCH_FSDP_OFFLOAD_PLATFORM`` does the same for every policy.
@@ -222,13 +233,8 @@ class CoherentOffload(CPUOffloadPolicy):
         if not (isinstance(self.activations, bool) or _is_fraction(self.activations)):
             raise ValueError(
                 f"CoherentOffload(activations={self.activations!r}) must be True, False or a "
-                "fraction in [0, 1] of the blocks whose activations are offloaded."
-            )
-        if self.activations is not False:
-            raise ValueError(
-                "CoherentOffload(activations=...) is not applied by fully_shard yet. Offload "
-                "activations with torch_fsdp_offload.activations.offload_activations(model, "
-                "fraction=...) after sharding, and leave activations=False."
+                "number in [0, 1]: the fraction of the fully_shard-ed blocks whose saved "
+                "activations are offloaded to host memory."
             )
         if self.platform is not None and self.platform not in {k.value for k in PlatformKind}:
             raise ValueError(
@@ -286,6 +292,10 @@ class CoherentOffload(CPUOffloadPolicy):
             else:
                 gpu_fraction = float(self.optimizer)
             optimizer = {0.0: "host", 1.0: "stream"}.get(gpu_fraction, "split")
+        activations = float(self.activations)
+        if activations and kind in (PlatformKind.UNIFIED, PlatformKind.HOST_ONLY):
+            activations = 0.0
+            reasons.append("activations stay: host and GPU share one memory")
         return ResolvedPlan(
             platform=kind,
             memory=memory,
@@ -298,6 +308,7 @@ class CoherentOffload(CPUOffloadPolicy):
             prefetch_depth=self.prefetch_depth,
             chunk_bytes=self.chunk_bytes,
             module_fraction=float(self.module_fraction),
+            activations=activations,
             reason="; ".join(reasons) or "as configured",
         )
 

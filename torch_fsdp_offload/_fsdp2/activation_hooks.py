@@ -1,0 +1,98 @@
+"""``CoherentOffload(activations=...)``: activation offload attached as ``fully_shard`` builds groups.
+
+``fully_shard`` is called bottom-up: each block, then the model around them. As each
+:class:`~torch_fsdp_offload._fsdp2.param_group.CoherentFSDPParamGroup` is built, its modules are
+registered with one :class:`~torch_fsdp_offload.activations.ActivationOffload` per model (per policy
+object until a module containing all the modules registered so far closes it):
+
+* a module that contains no module registered before is a *block*: each of its forwards is one
+  offload and prefetch unit, numbered in forward order;
+* a module that contains registered modules is a *container* (the root, or a sub-model): its forward
+  opens the offloaded pass when none is open, and what it saves outside its blocks (embeddings, the
+  head) stays on the device, so nothing is offloaded twice.
+
+Hooks are attached here, at construction, because a module's forward hooks cannot be added from
+inside its own pre-forward hook (they would first run on the next call). FSDP's own pre-forward hook
+is registered first and prepended, so a block's parameters are already unsharded (and recognised as
+parameters, never copied) when its block starts. Copies use the transfer engine of the group's device,
+the one parameter offload uses: activation D2H copies run in forward while parameter copies go the
+other way, and in backward a block's parameter prefetch (FSDP's pre-backward unshard) is issued
+before its first saved tensor is unpacked, which is when the activation reloads are issued.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch.nn as nn
+
+from torch_fsdp_offload.activations import ActivationOffload
+
+if TYPE_CHECKING:
+    from torch_fsdp_offload._fsdp2.param_group import CoherentFSDPParamGroup
+
+__all__ = ["attach_activation_offload", "get_activation_offload"]
+
+_offload_of_module: "weakref.WeakKeyDictionary[nn.Module, ActivationOffload]" = weakref.WeakKeyDictionary()
+
+
+class _ModelBeingSharded:
+    """The offloader of the model whose modules a policy is sharding now, and those modules."""
+
+    def __init__(self, offload: ActivationOffload) -> None:
+        self.offload = offload
+        self.modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def attach_activation_offload(group: CoherentFSDPParamGroup) -> None:
+    """Register ``group``'s modules with their model's activation offloader (at group construction).
+
+    A no-op unless the group's :class:`~torch_fsdp_offload.CoherentOffload` has ``activations``
+    set. On UNIFIED and HOST_ONLY platforms the offloader is still attached, inactive: it copies
+    nothing and its counters stay at zero.
+    """
+    policy = group.coherent_policy
+    if policy.activations is False or policy.activations == 0:
+        return
+    plan = group._offload.plan
+    model = getattr(policy, "_activation_model", None)
+    if model is None:
+        offload = ActivationOffload(fraction=plan.activations, platform=plan.platform, device=group.device)
+        model = _ModelBeingSharded(offload)
+        object.__setattr__(policy, "_activation_model", model)
+    for module in group.modules:
+        contained = {id(m) for m in module.modules() if m is not module and m in model.modules}
+        if contained:
+            model.offload.attach(module)
+            if len(contained) == len(model.modules):
+                # The model's root: the next module sharded with this policy belongs to another model.
+                object.__setattr__(policy, "_activation_model", None)
+        else:
+            model.offload.register_blocks([module])
+        model.modules.add(module)
+        _offload_of_module[module] = model.offload
+
+
+def get_activation_offload(module: nn.Module) -> ActivationOffload | None:
+    """The activation offloader ``fully_shard`` attached to ``module`` (a block or the model).
+
+    Args:
+        module (nn.Module): a module ``fully_shard`` was called on with
+            ``CoherentOffload(activations=...)``.
+
+    Returns:
+        ActivationOffload | None: the model's offloader (its ``stats`` count what moved), or None
+        when ``module`` was not sharded with activation offload.
+
+    Example::
+
+        >>> policy = CoherentOffload(activations=True)
+        >>> for block in model.blocks:
+        ...     fully_shard(block, offload_policy=policy)
+        >>> fully_shard(model, offload_policy=policy)
+        >>> causal_lm_loss(model(tokens), tokens).backward()
+        >>> get_activation_offload(model).stats.d2h_bytes > 0
+        True
+    """
+    return _offload_of_module.get(module)
