@@ -25,6 +25,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedSt
 from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
 from torch_fsdp_offload import optim
+from torch_fsdp_offload._fsdp2 import activation_hooks
 from torch_fsdp_offload.memory import check_host_capacity, pinned_empty
 from torch_fsdp_offload.platform import PlatformKind
 from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan
@@ -440,6 +441,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             )
         _live_groups.add(self)
         optim.register_offloaded_group(self._offload)
+        activation_hooks.attach_activation_offload(self)
 
     # -- lazy init ---------------------------------------------------------------------
     def lazy_init(self) -> None:
