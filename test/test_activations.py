@@ -7,8 +7,10 @@ run for real (synchronously, through the transfer engine); GPU tests add the str
 from __future__ import annotations
 
 import contextlib
+import gc
 import unittest
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -332,6 +334,15 @@ class TestActivationOffload(TestCase):
         self.assertEqual(memory_stats(), before)
         self.assertEqual(len(model._forward_pre_hooks), 0)
         self.assertTrue(all(len(block._forward_pre_hooks) == 0 for block in model.blocks))
+
+    def test_offloader_does_not_keep_the_model_alive(self) -> None:
+        model, offload = self.offloaded_model()
+        _step(model, self.tokens)
+        model_ref = weakref.ref(model)
+        del model
+        gc.collect()
+        self.assertIsNone(model_ref())
+        self.assertGreater(offload.stats.d2h_copies, 0)
 
     def test_block_outside_a_forward_warns_once(self) -> None:
         model = build_model(_CONFIG)

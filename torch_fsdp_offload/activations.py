@@ -416,7 +416,8 @@ class ActivationOffload:
         self._pass: _Pass | None = None
         self._depth = 0
         self._hook_stack: list[saved_tensors_hooks | None] = []
-        self._root: nn.Module | None = None
+        # Weak: the module's hooks refer to this object, which must not keep the module alive.
+        self._root: weakref.ref[nn.Module] | None = None
         self._registered_blocks = 0
         self._last_pass_blocks: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -435,7 +436,7 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------ entering and blocks
     def __enter__(self) -> ActivationOffload:
-        return self._enter(self._root)
+        return self._enter(self._root() if self._root is not None else None)
 
     def _enter(self, root: nn.Module | None) -> ActivationOffload:
         if self._depth == 0:
@@ -527,7 +528,7 @@ class ActivationOffload:
             >>> offload.attach(model)
             >>> causal_lm_loss(model(tokens), tokens).backward()
         """
-        self._root = module
+        self._root = weakref.ref(module)
         self._handles.append(module.register_forward_pre_hook(self._root_pre_hook))
         self._handles.append(module.register_forward_hook(self._root_post_hook, always_call=True))
 
