@@ -45,7 +45,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fsdp_offload import COHERENT_ROWS, GiB, _shard  # noqa: E402
+from fsdp_offload import COHERENT_ROWS, GiB, _shard, optimizer_kwargs  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import _rope_tables, build_model, causal_lm_loss  # noqa: E402
@@ -132,7 +132,7 @@ def build_row(name: str, model_name: str, device: torch.device):
     if name in (RESIDENT, STOCK):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     else:
-        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=LR, fused=True)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, **{**optimizer_kwargs(name), "lr": LR})
     return model, optimizer
 
 

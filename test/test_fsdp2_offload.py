@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+import time
 from unittest import mock
 
 import torch
@@ -89,6 +90,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         max_grad_norm: float | None = None,
         hsdp: bool = False,
         expect_copies: bool = True,
+        overlap_next_forward: bool = False,
     ) -> None:
         torch.manual_seed(0)
         reference = TiedBlocksModel()
@@ -102,7 +104,14 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         _shard(reference, None, mesh, mp_policy)
         _shard(model, policy, mesh, mp_policy)
         reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
-        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, max_grad_norm=max_grad_norm)
+        optim = OffloadOptimizer(
+            model,
+            torch.optim.AdamW,
+            lr=1e-2,
+            fused=True,
+            max_grad_norm=max_grad_norm,
+            overlap_next_forward=overlap_next_forward,
+        )
         engine = get_transfer_engine("cpu")
         engine.stats.reset()
         for step in range(STEPS):
@@ -122,6 +131,10 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             reference_optim.zero_grad()
             optim.step()
             optim.zero_grad()
+        # Host steps may still run (overlap_next_forward): reading parameters directly needs
+        # synchronize(); the model's state_dict() waits by itself.
+        model.state_dict()
+        self.assertEqual(optim._finishing, {})
         for (name, param), (_, reference_param) in zip(model.named_parameters(), reference.named_parameters()):
             self.assertEqual(param.full_tensor(), reference_param.full_tensor(), atol=0, rtol=0, msg=name)
         if expect_copies:
@@ -146,6 +159,20 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self.init_gloo()
         self._run_parity(policy=CoherentOffload(platform="discrete", optimizer=0.5), grad_accum=2)
         self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"), max_grad_norm=0.05)
+        # Host steps finishing while the next forward runs (each group's copy-in waits for its
+        # step; zero_grad deferred for groups still stepping), alone and with streamed groups.
+        self._run_parity(policy=CoherentOffload(platform="discrete"), grad_accum=2, overlap_next_forward=True)
+        self._run_parity(policy=CoherentOffload(platform="discrete", optimizer=0.5), overlap_next_forward=True)
+        # Slow host steps: still running when step() returns, zero_grad() and the forward come.
+        step_inner = OffloadOptimizer._step_inner
+
+        def slow_step_inner(optimizer, owner):
+            if owner is not None:
+                time.sleep(0.02)
+            step_inner(optimizer, owner)
+
+        with mock.patch.object(OffloadOptimizer, "_step_inner", slow_step_inner):
+            self._run_parity(policy=CoherentOffload(platform="discrete"), overlap_next_forward=True)
         # One parameter per pipelined run: uploads of the next run overlap this run's step.
         step_run = OffloadOptimizer._step_run
         with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", 1), mock.patch.object(

@@ -47,7 +47,7 @@ class CoherentOffloadGPUTest(TestCase):
         dist.destroy_process_group()
         os.unlink(cls._store_file)
 
-    def _pair(self, prefetch_depth=1, module_fraction=1.0, reference_policy=None, optimizer="host"):
+    def _pair(self, prefetch_depth=1, module_fraction=1.0, reference_policy=None, optimizer="host", overlap_next_forward=False):
         # The reference steps with the same fused CPU AdamW kernel (stock CPUOffloadPolicy): a
         # GPU-resident reference differs only by the optimizer kernel's rounding.
         torch.manual_seed(0)
@@ -59,7 +59,7 @@ class CoherentOffloadGPUTest(TestCase):
             reference,
             torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True),
             model,
-            OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True),
+            OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, overlap_next_forward=overlap_next_forward),
         )
 
     def _train_both(self, reference, reference_optim, model, optim, *, rtol):
@@ -80,11 +80,19 @@ class CoherentOffloadGPUTest(TestCase):
             self.assertEqual(p.full_tensor().cuda(), q.full_tensor().cuda(), atol=1e-6, rtol=1e-6, msg=name)
 
     def test_parity_with_stock_offload(self):
-        for depth in (1, 2):
-            reference, reference_optim, model, optim = self._pair(depth)
+        # Host steps overlapping backward; with overlap_next_forward also the next forward.
+        for depth, overlap_next_forward in ((1, False), (2, False), (2, True)):
+            reference, reference_optim, model, optim = self._pair(depth, overlap_next_forward=overlap_next_forward)
             self._train_both(reference, reference_optim, model, optim, rtol=1e-6)
+            optim.synchronize()
             self._assert_params_close(model, reference)
             self.assertTrue(optim._overlap_learned)
+
+    def test_steps_finishing_in_next_forward_with_streamed_groups(self):
+        # Half the groups streamed, the other half finishing on the host during the forward.
+        pair = self._pair(2, reference_policy=CPUOffloadPolicy(pin_memory=True), optimizer=0.5, overlap_next_forward=True)
+        self._train_both(*pair, rtol=1e-3)
+        pair[3].synchronize()
 
     def test_streamed_optimizer_matches_resident(self):
         # Streamed steps run the same CUDA fused AdamW kernel as GPU-resident FSDP2, whether a

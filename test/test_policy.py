@@ -38,7 +38,7 @@ class CoherentOffloadKnobsTest(TestCase):
             ({"offload_grads": False}, "needs offload_grads=True"),
             ({"offload_params": False}, "set offload_grads=False"),
             ({"pin_memory": True}, "allocates exact-size pinned memory itself"),
-            ({"activations": True}, "not applied by fully_shard yet"),
+            ({"activations": 1.5}, r"must be True, False or a number in \[0, 1\]"),
             ({"platform": "gh200"}, "is not a platform class"),
         ],
     )

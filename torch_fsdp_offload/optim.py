@@ -10,6 +10,7 @@ group's compute-dtype mirror right after, ready for the next forward's copy-in.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -30,6 +31,9 @@ class OffloadedGroup(Protocol):
     """What the FSDP integration exposes of one offloaded parameter group."""
 
     offloaded: bool
+    # Set by OffloadOptimizer(overlap_next_forward=True): the group's host step still running;
+    # its copy-in waits for it.
+    update_pending: "concurrent.futures.Future | None"
 
     @property
     def params(self) -> list[nn.Parameter]: ...
@@ -109,6 +113,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             stepping (disables overlap). Default None.
         host_threads (int or None): CPU threads for host steps. Default: torch's intra-op
             thread count minus one, leaving a core to the thread that launches GPU work.
+        overlap_next_forward (bool): let ``step()`` return while host steps still run, each
+            group's step finishing before the next forward copies that group in (groups are
+            stepped newest-gradient first, which after backward is forward order). The host
+            work then overlaps the next forward as well as backward. Until a group's step
+            finished its parameters hold the previous values: ``zero_grad()``, ``state_dict()``
+            and ``load_state_dict()`` of this optimizer and of the model it was built from wait
+            as needed; other reads of the parameters between ``step()`` and the next forward
+            must call :meth:`synchronize` first. Default False.
         **optimizer_kwargs: passed to ``optimizer_class``.
 
     Raises:
@@ -141,6 +153,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         max_grad_norm: float | None = None,
         host_threads: int | None = None,
+        overlap_next_forward: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -152,8 +165,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"OffloadOptimizer(max_grad_norm={max_grad_norm!r}) must be > 0 or None.")
         if host_threads is not None and host_threads < 1:
             raise ValueError(f"OffloadOptimizer(host_threads={host_threads!r}) must be >= 1 or None.")
-        if isinstance(params, nn.Module):
-            params = params.parameters()
+        model = params if isinstance(params, nn.Module) else None
+        if model is not None:
+            params = model.parameters()
         # A throwaway instance validates the kwargs and yields the class's defaults.
         defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs).defaults
         super().__init__(params, defaults)
@@ -162,9 +176,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.overlap = overlap
         self.max_grad_norm = max_grad_norm
         self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
+        self.overlap_next_forward = overlap_next_forward
+        # Host steps still running after step() returned (overlap_next_forward), and the
+        # zero_grad() calls deferred until they finish: key group, value set_to_none.
+        self._finishing: dict[OffloadedGroup, concurrent.futures.Future] = {}
+        self._finished: set[OffloadedGroup] = set()
+        self._zero_after: dict[OffloadedGroup, bool] = {}
+        self._finish_lock = threading.Lock()
+        if model is not None and overlap_next_forward:
+            # Reading or replacing the model's parameters must see every step finished.
+            optimizer_ref = weakref.ref(self)
+
+            def synchronize_hook(*unused: Any) -> None:
+                optimizer = optimizer_ref()
+                if optimizer is not None:
+                    optimizer.synchronize()
+
+            model.register_state_dict_pre_hook(synchronize_hook)
+            model.register_load_state_dict_pre_hook(synchronize_hook)
         # key: an offloaded group, or None for every other parameter (GPU-resident ones).
         self._inner: dict[OffloadedGroup | None, tuple[torch.optim.Optimizer, list]] | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: _NewestFirstWorker | None = None
         self._pending: dict[OffloadedGroup, concurrent.futures.Future] = {}
         self._landings: dict[OffloadedGroup, int] = defaultdict(int)
         self._grad_versions: dict[OffloadedGroup, list[int]] = {}
@@ -233,6 +265,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _host_step_in_worker(self, owner: OffloadedGroup) -> None:
         torch.set_num_threads(self.host_threads)
         self._step_inner(owner)
+        with self._finish_lock:
+            set_to_none = self._zero_after.pop(owner, None)
+            self._finished.add(owner)
+        if set_to_none is not None:
+            # zero_grad() came while this group was stepping (overlap_next_forward).
+            _zero_grads(owner.params, set_to_none)
 
     # -- overlap ------------------------------------------------------------------------
     def _on_grads_ready(self, owner: OffloadedGroup, is_last_backward: bool) -> None:
@@ -249,13 +287,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not (self.overlap and self._overlap_learned and is_last_backward) or owner in self._streamed:
             return
         self._build()
-        self._pending[owner] = self._worker().submit(self._host_step_in_worker, owner)
+        self._pending[owner] = self._submit_host_step(owner)
 
-    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _submit_host_step(self, owner: OffloadedGroup) -> concurrent.futures.Future:
+        with self._finish_lock:
+            self._finished.discard(owner)
+        return self._worker().submit(self._host_step_in_worker, owner)
+
+    def _worker(self) -> "_NewestFirstWorker":
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="torch_fsdp_offload_host_step"
-            )
+            self._executor = _NewestFirstWorker()
         return self._executor
 
     # -- steps streamed through the GPU -------------------------------------------------
@@ -526,6 +567,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._build()
+        self.synchronize()
         stepped = set(self._pending)
         # Reading gradient versions is safe while those groups still step in the worker.
         safe_pattern = self._check_overlap_pattern()
@@ -544,31 +586,72 @@ class OffloadOptimizer(torch.optim.Optimizer):
         todo = [owner for owner in self._inner if owner is not None and owner not in stepped]
         host_todo = [owner for owner in todo if owner not in self._streamed]
         streamed_todo = [owner for owner in todo if owner in self._streamed]
-        host_futures = list(self._pending.values())
-        if streamed_todo:
-            # Both at once: the host cores step their groups (some may still be stepping since
-            # backward) while the link and the GPU step the streamed ones.
-            host_futures += [self._worker().submit(self._host_step_in_worker, o) for o in host_todo]
+        host_futures = dict(self._pending)
+        if streamed_todo or self.overlap_next_forward:
+            # Host cores step their groups (some may still be stepping since backward) while
+            # the link and the GPU step the streamed ones; the worker runs the newest
+            # submission first, so submit in reverse forward order.
+            for owner in sorted(host_todo, key=lambda o: o.forward_index(), reverse=True):
+                host_futures[owner] = self._submit_host_step(owner)
         else:
-            for future in host_futures:
+            for future in host_futures.values():
                 future.result()
+            host_futures = {}
             for owner in host_todo:
                 self._step_inner(owner)
         started = time.perf_counter()
         self._stream_steps(streamed_todo)
         self.last_stream_step_seconds = time.perf_counter() - started
-        for future in host_futures:
-            future.result()
+        if self.overlap_next_forward:
+            # Each group's next copy-in waits for its own step; nothing else waits here.
+            for owner, future in host_futures.items():
+                owner.update_pending = future
+            self._finishing = host_futures
+        else:
+            for future in host_futures.values():
+                future.result()
         if None in self._inner:
             self._step_inner(None)
         self._overlap_learned = self._overlap_learned or safe_pattern
         self._reset_cycle()
-        self.last_host_step_seconds, self._host_seconds = self._host_seconds, 0.0
+        with self._seconds_lock:
+            self.last_host_step_seconds, self._host_seconds = self._host_seconds, 0.0
         for owner in self._inner:
             if owner is not None:
                 owner.prefetch_next_forward()
                 break
         return loss
+
+    def synchronize(self) -> None:
+        """Wait until every step has finished (only host steps of ``overlap_next_forward`` can
+        still run after ``step()`` returned); re-raise an error a host step raised.
+
+        Example::
+
+            >>> optim.step()
+            >>> optim.synchronize()
+            >>> log_norms(model)  # reads the updated parameters
+        """
+        finishing, self._finishing = self._finishing, {}
+        for owner, future in finishing.items():
+            future.result()
+            owner.update_pending = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        deferred = set()
+        with self._finish_lock:
+            for owner in self._finishing:
+                if owner not in self._finished:
+                    self._zero_after[owner] = set_to_none
+                    deferred.add(owner)
+        skip = {id(param) for owner in deferred for param in owner.params}
+        _zero_grads(
+            [p for group in self.param_groups for p in group["params"] if id(p) not in skip], set_to_none
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return super().state_dict()
 
     def _reset_cycle(self) -> None:
         self._pending.clear()
@@ -583,6 +666,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.synchronize()
         super().load_state_dict(state_dict)
         # Loaded state is new tensors: streamed groups move it into their flat buffers again.
         self._flat_state.clear()
@@ -597,9 +681,56 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_device_inner", "_flat_state", "_streamed", "_device_scalars"):
+        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_finish_lock", "_finishing", "_device_inner", "_flat_state", "_streamed", "_device_scalars"):
             state.pop(transient, None)
         return state
+
+
+class _NewestFirstWorker:
+    """One thread running submitted host steps, the most recently submitted first.
+
+    Gradients land in reverse forward order, so after backward the newest group is the first
+    the next forward needs; running newest-first steps the backlog in forward order."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="torch_fsdp_offload_host_step", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._ready:
+            self._queue.append((future, fn, args))
+            self._ready.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                future, fn, args = self._queue.pop()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # handed to whoever waits on the future
+                future.set_exception(error)
+
+
+def _zero_grads(params: Iterable[nn.Parameter], set_to_none: bool) -> None:
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
+            else:
+                param.grad.requires_grad_(False)
+            param.grad.zero_()
 
 
 def _copy_hyperparameters(pairs: list) -> None:

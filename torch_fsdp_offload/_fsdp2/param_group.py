@@ -77,6 +77,7 @@ class CoherentFSDPParam(FSDPParam):
             or self.sharded_state != ShardedState.SHARDED
             or hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")
         ):
+            offload.wait_update()  # FSDP reads the host shard itself
             return super().all_gather_inputs
         return [offload.take_input(self)]
 
@@ -129,6 +130,9 @@ class GroupOffload:
         self.grad_transfer: Transfer | None = None
         self.capturing_grads = False
         self.captured_grads: dict[CoherentFSDPParam, torch.Tensor] = {}
+        # The group's host optimizer step when it may still be running after step() returned
+        # (OffloadOptimizer(overlap_next_forward=True)); copy-in waits for it.
+        self.update_pending: Any = None
 
     @property
     def active(self) -> bool:
@@ -203,8 +207,24 @@ class GroupOffload:
             self.dirty = False
             self._inflight = None
 
-    def issue_h2d(self) -> None:
-        """Start this group's coalesced copy-in unless a current one is in flight."""
+    def wait_update(self, block: bool = True) -> bool:
+        """Whether the group's optimizer step has finished, waiting for it unless ``block`` is
+        False; re-raises an error the step raised."""
+        pending = self.update_pending
+        if pending is not None:
+            if not block and not pending.done():
+                return False
+            pending.result()
+            self.update_pending = None
+        return True
+
+    def issue_h2d(self, block: bool = True) -> None:
+        """Start this group's coalesced copy-in unless a current one is in flight.
+
+        With ``block=False`` (a prefetch) nothing is started while the group's optimizer step
+        is still running; its own unshard starts the copy then."""
+        if not self.wait_update(block):
+            return
         if self.dirty:
             self.refresh_mirror()
         with self.lock:
@@ -393,13 +413,13 @@ class RootSchedule:
         for neighbour in ahead:
             # A group still unsharded (e.g. the root, kept after forward) needs no copy-in.
             if neighbour.active and not neighbour.group.is_unsharded:
-                neighbour.issue_h2d()
+                neighbour.issue_h2d(block=False)
 
     def prefetch_first(self, depth: int) -> None:
         """Start the next forward's first copies (called after the optimizer step)."""
         for offload in self.order[: max(depth, 1)]:
             if offload.active:
-                offload.issue_h2d()
+                offload.issue_h2d(block=False)
 
 
 class CoherentFSDPParamGroup(_BaseParamGroup):
