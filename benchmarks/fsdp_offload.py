@@ -61,6 +61,14 @@ COHERENT_ROWS = {
     "coherent(host;modules=0.5)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
     "coherent(host;next-fwd;modules=0.5)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
     "coherent(split=0.5;modules=0.75)": {"optimizer": 0.5, "prefetch_depth": 2, "module_fraction": 0.75},
+    # Parameters of some blocks and half the blocks' activations offloaded: the memory target
+    # (<= 50% of resident) with as much of the step kept on the GPU as that allows.
+    "coherent(host;next-fwd;modules=0.625;act=0.5)": {
+        "optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.625, "activations": 0.5,
+    },
+    "coherent(split=0.25;next-fwd;modules=0.75;act=0.5)": {
+        "optimizer": 0.25, "prefetch_depth": 2, "module_fraction": 0.75, "activations": 0.5,
+    },
 }
 
 
