@@ -14,7 +14,8 @@ where T_gpu is the resident row's forward + backward (the GPU work any offload m
 the bandwidths are measured here, and T_host_unhidden is the host optimizer time that cannot hide
 under backward: a group's host step can start only when its gradients landed and the next
 forward needs the first group, whose gradients land last, so at best the host work of all but the
-backward of one group is hidden: T_host_unhidden = T_gpu + T_host - T_bwd * (N - 1) / N, with
+backward of one group is hidden: T_host_unhidden = T_gpu + T_host - T_bwd * (N - 1) / N (rows
+named ``next-fwd`` let host steps finish under the next forward too: T_host_unhidden = T_host), with
 T_host the host work of the parameters the row steps on the host (fused CPU AdamW plus the bf16
 cast, per parameter, measured in this process by ``measure_host_optimizer``; 0 for rows that step
 nothing on the host). With ``--profile DIR`` each CoherentOffload row at the first batch size also
@@ -299,8 +300,12 @@ def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict) -> float
     host_params = row.get("host_stepped_params", 0)
     if host_params:
         t_host = host_params / 1e9 * (host["adamw_s_per_Gparam"] + host["cast_s_per_Gparam"])
-        n = row["n_blocks"] + 1
-        terms.append(t_gpu + t_host - resident["bwd_s"] * (n - 1) / n)
+        if "next-fwd" in row["name"]:
+            # Host steps may run under the next forward as well as backward.
+            terms.append(t_host)
+        else:
+            n = row["n_blocks"] + 1
+            terms.append(t_gpu + t_host - resident["bwd_s"] * (n - 1) / n)
     return max(terms)
 
 

@@ -50,16 +50,41 @@ def plot_fsdp(results: str, out: str) -> str:
     return path
 
 
-def plot_activations(results: str, out: str) -> str:
-    with open(os.path.join(results, "activations.json")) as f:
-        rows = json.load(f)["configs"][0]["rows"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+def plot_fsdp_bs4(results: str, out: str) -> str:
+    """Step time against peak memory of every bs 4 row of the second session's runs."""
+    rows = _rows(os.path.join(results, "fsdp_offload_bs4.json"))
+    rows += [r for r in _rows(os.path.join(results, "fsdp_offload_bs4_combined.json")) if r["name"].startswith("coherent")]
+    resident = next(r for r in rows if r["name"] == "resident")
+    stock = next(r for r in rows if r["name"].startswith("stock"))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for row in rows:
-        ax.scatter(row["peak_gib"], row["step_s"], s=40)
-        ax.annotate(row["row"], (row["peak_gib"], row["step_s"]), fontsize=8, xytext=(4, 2), textcoords="offset points")
+        ax.scatter(row["peak_gpu_GiB"], row["step_s"], s=40)
+        ax.annotate(row["name"], (row["peak_gpu_GiB"], row["step_s"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.axvline(resident["peak_gpu_GiB"] / 2, linestyle="--", color="grey", linewidth=1)
+    ax.axhline(stock["step_s"] / 1.9, linestyle="--", color="grey", linewidth=1)
+    ax.text(resident["peak_gpu_GiB"] / 2, ax.get_ylim()[1] * 0.97, " 50% of resident memory", fontsize=7, va="top")
+    ax.text(ax.get_xlim()[1], stock["step_s"] / 1.9, "1.9x stock ", fontsize=7, ha="right", va="bottom")
     ax.set_xlabel("peak GPU memory (GiB)")
     ax.set_ylabel("step (s)")
-    ax.set_title("Activation offload, anchor-1.6b bs 4 x 2048, H200")
+    ax.set_title("FSDP2 anchor-1.6b bs 4 x 2048 on one H200 (PCIe Gen5): targets are the lower-left box")
+    fig.tight_layout()
+    path = os.path.join(out, "fsdp_offload_bs4.png")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_activations(results: str, out: str) -> str:
+    with open(os.path.join(results, "activations_bs8_long.json")) as f:
+        configs = json.load(f)["configs"]
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4))
+    for ax, config in zip(axes, configs):
+        for row in config["rows"]:
+            ax.scatter(row["peak_gib"], row["step_s"], s=40)
+            ax.annotate(row["row"], (row["peak_gib"], row["step_s"]), fontsize=8, xytext=(4, 2), textcoords="offset points")
+        ax.set_xlabel("peak GPU memory (GiB)")
+        ax.set_ylabel("step (s)")
+        ax.set_title(f"anchor-1.6b {config['batch_size']} x {config['seq_len']}")
+    fig.suptitle("Activation offload on one H200 (PCIe Gen5)")
     fig.tight_layout()
     path = os.path.join(out, "activations.png")
     fig.savefig(path, dpi=110)
@@ -72,7 +97,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/img")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for plot in (plot_fsdp, plot_activations):
+    for plot in (plot_fsdp, plot_fsdp_bs4, plot_activations):
         print(plot(args.results, args.out))
 
 

@@ -54,7 +54,7 @@ class CoherentOffloadKnobsTest(TestCase):
     @parametrize(
         "platform, optimizer, expected",
         [
-            ("discrete", "auto", ("pinned", True, "host", 0.0)),
+            ("discrete", "auto", ("pinned", True, "split", 0.5)),
             ("discrete", 0.25, ("pinned", True, "split", 0.25)),
             ("discrete", "stream", ("pinned", True, "stream", 1.0)),
             ("coherent", "auto", ("pinned", True, "stream", 1.0)),

@@ -21,11 +21,11 @@ _MEMORY_KINDS = ("auto", "pinned", "managed")
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
 # GPU share of the optimizer step on a PCIe machine under optimizer="auto". A streamed step moves
 # about 30 bytes per parameter over the link (fp32 parameter, gradient and two Adam moments up;
-# parameter, moments and the bf16 mirror down). Measured on our H200 (PCIe Gen5, 1.6B params,
-# benchmarks/results/fsdp_offload.json): all groups streamed 0.95 s, all on the host 0.75 s, a
-# 0.5 split 0.91 s step (the streamed half competes with the gradient copies for the link), so
-# on PCIe the host wins: stream only where the link is several times faster (C2C).
-_DISCRETE_GPU_FRACTION = 0.0
+# parameter, moments and the bf16 mirror down); a host step costs ~0.35 ns of host time per
+# parameter. With streamed steps pipelined and running beside the host steps, our H200 (PCIe Gen5,
+# 16 cores, 1.6B params, benchmarks/results/fsdp_offload_bs4.json) measured: all on the host
+# 0.75 s, a quarter streamed 0.61-0.66 s, half 0.56-0.59 s, three quarters 0.69 s, all 0.76 s.
+_DISCRETE_GPU_FRACTION = 0.5
 _MIN_CHUNK_BYTES = 1 << 20
 
 
@@ -117,9 +117,9 @@ class CoherentOffload(CPUOffloadPolicy):
             offloaded groups is streamed (those that run first in forward, whose gradients
             land last and so cannot overlap backward on the host) while the host steps the
             rest, both at once. ``"auto"`` (default): 1.0 on COHERENT machines (the link is
-            cheap), host steps on DISCRETE ones (measured on our H200's PCIe: host 0.75 s,
-            streamed 0.95 s, half and half 0.91 s for 1.6B parameters) and without an
-            accelerator; on UNIFIED memory the shards are device
+            cheap), 0.5 on DISCRETE ones (measured on our H200's PCIe for 1.6B parameters: all
+            on the host 0.75 s, half streamed 0.56-0.59 s, all streamed 0.76 s) and host steps
+            without an accelerator; on UNIFIED memory the shards are device
             memory and the step runs on the GPU in place.
         prefetch_depth (int): how many parameter groups ahead the H2D copy is issued, in
             forward and in backward. Default 1. 0 copies each group only when it is needed.
