@@ -202,6 +202,48 @@ class TestFSDP1Parity(GlooMultiProcessTestCase):
         dist.barrier()
 
 
+def _accumulated_grads(model, device=torch.device("cpu"), rank: int = 0, steps: int = 2):
+    """Two backward passes per step outside no_sync(), then a step; returns the gradients each step
+    stepped with and the losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(200 + rank)
+    grads, losses = [], []
+    for _ in range(steps):
+        for _ in range(2):
+            tokens = torch.randint(0, 256, (2, 16), generator=generator).to(device)
+            loss = causal_lm_loss(model(tokens), tokens)
+            loss.backward()
+            losses.append(loss.item())
+        grads.append([None if param.grad is None else param.grad.detach().cpu().clone() for param in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, losses
+
+
+class TestFSDP1Accumulation(GlooMultiProcessTestCase):
+    def test_accumulation_outside_no_sync(self) -> None:
+        # Two backwards without no_sync() add their gradients, as in FSDP1 without offload. On a
+        # CPU compute device FSDP1 itself accumulates (the gradient is not "offloaded" in its
+        # sense); on a GPU it would drop the first one, which the front door prevents
+        # (test_gpu_accumulation_outside_no_sync). Forced DISCRETE runs the engine copy path.
+        self.init_gloo()
+        device = torch.device("cpu")
+        for use_orig_params in (False, True):
+            torch.manual_seed(0)
+            reference = _wrap(StockFSDP, device, use_orig_params=use_orig_params)
+            ref_grads, ref_losses = _accumulated_grads(reference, rank=self.rank)
+            model = _wrap(FullyShardedDataParallel, device, use_orig_params=use_orig_params,
+                          offload_policy=CoherentOffload(platform="discrete"))
+            grads, losses = _accumulated_grads(model, rank=self.rank)
+            self.assertEqual(losses, ref_losses, atol=0, rtol=0)
+            # FSDP1 without offload accumulates: equal gradients are the sums, not the last ones.
+            self.assertEqual(grads, ref_grads, atol=0, rtol=0)
+            # The handles hold nothing on the side between backwards (the CPU path patches nothing).
+            for state in StockFSDP.fsdp_modules(model):
+                self.assertIsNone(state._handle._torch_fsdp_offload.previous_grad)
+        dist.barrier()
+
+
 class TestFSDP1Errors(TestCase):
     # The checks run before FSDP1's constructor, so no process group is needed.
     def test_errors(self) -> None:
@@ -224,7 +266,8 @@ class TestFSDP1Errors(TestCase):
         self.assertEqual(_plan(None, None, None), (None, None))
         self.assertEqual(_plan(OffloadPolicy(), CPUOffload(True), None), (None, CPUOffload(True)))
         plan, cpu_offload = _plan(CPUOffloadPolicy(pin_memory=True), None, None)
-        self.assertIsNone(plan)  # stock FSDP1 pins itself
+        self.assertIsNone(plan.pinned)  # stock FSDP1 pins itself
+        self.assertFalse(plan.engine)
         self.assertEqual(cpu_offload, CPUOffload(offload_params=True))
         # On a unified-memory machine nothing is offloaded: the GPU's memory is the host's.
         self.assertEqual(_plan(CoherentOffload(platform="unified"), None, torch.device("cpu")), (None, None))
@@ -285,6 +328,31 @@ class TestFSDP1GPU(TestCase):
             model.zero_grad(set_to_none=True)
             model(torch.zeros(1, 8, dtype=torch.long, device=device))
             self.assertTrue(all(param.grad is None for param in model.parameters()))
+        finally:
+            dist.destroy_process_group()
+
+
+    @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
+    def test_gpu_accumulation_outside_no_sync(self) -> None:
+        # Stock FSDP1 with CPU offload drops the first backward's gradient here (its TODO in
+        # prepare_gradient_for_backward); the front door must match FSDP1 without offload. fp32
+        # and world size 1 (FSDP1 runs NO_SHARD): the offloaded run steps on the host, so 1e-5.
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            runs = {}
+            for name, fsdp_class, kwargs in (
+                ("no_offload", StockFSDP, {}),
+                ("coherent", FullyShardedDataParallel, dict(offload_policy=CoherentOffload(platform="discrete"))),
+                ("coherent_orig", FullyShardedDataParallel,
+                 dict(offload_policy=CoherentOffload(platform="discrete"), use_orig_params=True)),
+                ("stock_policy", FullyShardedDataParallel, dict(offload_policy=CPUOffloadPolicy())),
+            ):
+                torch.manual_seed(0)
+                model = _wrap(fsdp_class, device, **kwargs)
+                runs[name] = _accumulated_grads(model, device)
+            for name in ("coherent", "coherent_orig", "stock_policy"):
+                self.assertEqual(runs[name], runs["no_offload"], atol=1e-5, rtol=1e-5, msg=name)
         finally:
             dist.destroy_process_group()
 

@@ -8,7 +8,7 @@ not FSDP2 underneath. What FSDP1 users rely on is FSDP1's ``FlatParameter`` mach
 ``use_orig_params=False`` (optimizers built over flat parameters) and every ``ShardingStrategy``.
 Emulating that surface on FSDP2 would change state-dict layouts and optimizer-state keys and break
 existing checkpoints; keeping FSDP1 keeps all of it bit for bit. The offload policy changes only
-where a handle's shard lives and how its bytes cross the link, through six patch points of FSDP1's
+where a handle's shard lives and how its bytes cross the link, through seven patch points of FSDP1's
 internals, all in this file and checked against the torch versions they were read from
 (fsdp-internals.md §2):
 
@@ -34,6 +34,14 @@ internals, all in this file and checked against the torch versions they were rea
   device the stale values are then dropped in ``prepare_gradient_for_backward`` (they are "on the
   CPU"), but on a CPU compute device they are accumulated into the next gradient, so stock
   ``CPUOffload`` + ``use_orig_params=True`` diverges from no offload from the third step.
+* ``FlatParamHandle.prepare_gradient_for_backward`` (with ``_offload_grad``): gradient accumulation
+  across backward passes outside ``no_sync()``. When the previous gradient is on the host and the
+  compute device is a GPU, FSDP1 drops it (its own TODO: it cannot add the host gradient to the
+  new device one), and the new gradient overwrites ``_cpu_grad``: the earlier micro-batches are
+  silently lost. The front door copies the previous gradient to the device there and adds it to
+  the reduced gradient before it goes down, for every sharding strategy (``NO_SHARD`` included).
+  On a CPU compute device the gradient is not "offloaded" in FSDP1's sense and FSDP1 accumulates
+  it itself; nothing is patched there.
 
 Prefetching is FSDP1's own (``forward_prefetch``, ``backward_prefetch``): an unshard issued early
 issues its H2D early. ``prefetch_depth=N`` sets FSDP1's forward and backward prefetch limits, so each
@@ -69,7 +77,7 @@ __all__ = ["FullyShardedDataParallel"]
 
 logger = logging.getLogger(__name__)
 
-# FSDP1 releases whose internals (the six patch points above) were read: 2.11 and 2.13 are line
+# FSDP1 releases whose internals (the seven patch points above) were read: 2.11 and 2.13 are line
 # for line identical there (fsdp-internals.md §2); 2.12 and 2.14 did not change FSDP1.
 _SUPPORTED_TORCH = ((2, 11), (2, 14))
 _HANDLE_ATTRIBUTE = "_torch_fsdp_offload"
@@ -80,11 +88,16 @@ _originals: dict[str, object] = {}
 class _HandleOffload:
     """What one ``FlatParamHandle`` does differently under an offload policy."""
 
-    pinned: bool  # host shard in exact-size pinned memory (False: plain host memory)
+    # Host shard in exact-size pinned memory (True), plain host memory (False), or FSDP1's own
+    # pin_memory() (None).
+    pinned: bool | None
     engine: TransferEngine | None  # copies through the engine; None: FSDP1's own copies
     chunk_bytes: int | None = None
     mirror: torch.Tensor | None = None  # pinned compute-dtype copy of the shard
     mirror_transfer: Transfer | None = None  # last H2D that read the mirror
+    # The previous backward's (host) gradient, on the compute device, while a backward outside
+    # no_sync() accumulates onto it; added to the reduced gradient before it is offloaded.
+    previous_grad: torch.Tensor | None = None
 
 
 class FullyShardedDataParallel(_FSDP1):
@@ -201,7 +214,7 @@ class FullyShardedDataParallel(_FSDP1):
 
 @dataclass(frozen=True)
 class _Plan:
-    pinned: bool
+    pinned: bool | None
     engine: bool
     chunk_bytes: int | None
 
@@ -229,8 +242,9 @@ def _plan(
         )
     _check_torch_version()
     if not isinstance(offload_policy, CoherentOffload):
-        # Stock FSDP1 pins the shard itself; only pin_memory=False needs our placement.
-        plan = None if offload_policy.pin_memory else _Plan(pinned=False, engine=False, chunk_bytes=None)
+        # FSDP1 pins the shard itself (pinned=None) unless asked not to; the handles still carry
+        # the plan so that gradient accumulation outside no_sync() is not lost.
+        plan = _Plan(pinned=None if offload_policy.pin_memory else False, engine=False, chunk_bytes=None)
         return plan, CPUOffload(offload_params=True)
     unsupported = {
         "module_fraction < 1": offload_policy.module_fraction < 1,
@@ -291,7 +305,9 @@ def _install() -> None:
     _originals["_offload_grad"] = _runtime_utils._offload_grad
     _originals["_post_backward_final_callback"] = _runtime_utils._post_backward_final_callback
     _originals["_reset_flat_param_grad_info_if_needed"] = handle_class._reset_flat_param_grad_info_if_needed
+    _originals["prepare_gradient_for_backward"] = handle_class.prepare_gradient_for_backward
     handle_class._reset_flat_param_grad_info_if_needed = _reset_flat_param_grad_info_if_needed
+    handle_class.prepare_gradient_for_backward = _prepare_gradient_for_backward
     handle_class.init_flat_param_attributes = _init_flat_param_attributes
     handle_class._use_low_precision_shard = _use_low_precision_shard
     handle_class.flat_param_to = _flat_param_to
@@ -322,7 +338,7 @@ def _pin_memory_as(pinned: bool):
 @torch.no_grad()
 def _init_flat_param_attributes(self) -> None:
     offload = getattr(self, _HANDLE_ATTRIBUTE, None)
-    if offload is None or not self._offload_params:
+    if offload is None or offload.pinned is None or not self._offload_params:
         return _originals["init_flat_param_attributes"](self)
     with _pin_memory_as(offload.pinned):
         return _originals["init_flat_param_attributes"](self)
@@ -372,8 +388,33 @@ def _flat_param_to(self, *args, **kwargs) -> None:
             self._use_unsharded_views(as_params=True)
 
 
+def _prepare_gradient_for_backward(self) -> None:
+    offload = getattr(self, _HANDLE_ATTRIBUTE, None)
+    flat_param = self.flat_param
+    previous = flat_param.grad
+    # FSDP1's own test for "a synced gradient from an earlier backward, offloaded to the host".
+    accumulating = (
+        offload is not None
+        and self._offload_params
+        and previous is not None
+        and previous.device != self.device
+        and previous.size() == flat_param._local_shard.size()
+    )
+    _originals["prepare_gradient_for_backward"](self)
+    if accumulating:
+        # FSDP1 drops `previous` here (it sets .grad to None and offloads only the new gradient
+        # over _cpu_grad). On the device, it is added to the reduced gradient in _offload_grad.
+        offload.previous_grad = previous.to(self.device, dtype=flat_param._local_shard.dtype)
+
+
 def _offload_grad(state, handle, grad_to_offload: torch.Tensor) -> None:
     offload = getattr(handle, _HANDLE_ATTRIBUTE, None) if handle is not None else None
+    if offload is not None and offload.previous_grad is not None:
+        previous, offload.previous_grad = offload.previous_grad, None
+        # Allocated on the compute stream, read here on FSDP1's post-backward (or all-reduce) stream.
+        if previous.device.type == "cuda":
+            previous.record_stream(torch.cuda.current_stream(previous.device))
+        grad_to_offload.add_(previous)
     if offload is None or offload.engine is None or not handle._offload_params:
         return _originals["_offload_grad"](state, handle, grad_to_offload)
     transfer = offload.engine.d2h(
@@ -387,6 +428,11 @@ def _offload_grad(state, handle, grad_to_offload: torch.Tensor) -> None:
 
 
 def _post_backward_final_callback(state, module) -> None:
+    for handle in state._all_handles:
+        offload = getattr(handle, _HANDLE_ATTRIBUTE, None)
+        if offload is not None:
+            # A handle that got no new gradient this backward keeps the previous one in _cpu_grad.
+            offload.previous_grad = None
     cpu_offload = state.cpu_offload
     on_cpu = (
         cpu_offload.offload_params
