@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from torch_fsdp_offload.planner import get_profile, predict_step, TrainingConfig  # noqa: E402
+from torch_fsdp_offload.planner import get_profile, predict_per_gpu, predict_step, TrainingConfig  # noqa: E402
 from torch_fsdp_offload.planner.profile import model_breakdown, training_profile  # noqa: E402
 
 GiB = 1 << 30
@@ -143,6 +143,17 @@ def _measured_platform(data: dict, base):
     )
 
 
+def _long_enough(model: str, seq_len: int):
+    """The built-in config with ``max_seq_len`` raised to the run's (long-context rows train the
+    same weights at 8192 tokens)."""
+    from torch_fsdp_offload.models import MODEL_CONFIGS
+
+    config = MODEL_CONFIGS.get(model)
+    if config is None or seq_len <= config.max_seq_len:
+        return model
+    return dataclasses.replace(config, max_seq_len=seq_len)
+
+
 def calibrated_profile(model: str, batch_size: int, seq_len: int, resident: dict, platform, *, host_GBps, plain_bf16: bool):
     """The step model's input for one micro-batch, calibrated on the group's resident row.
 
@@ -150,7 +161,7 @@ def calibrated_profile(model: str, batch_size: int, seq_len: int, resident: dict
     the resident row gives the forward, backward and GPU optimizer times and, as ``fixed_bytes``,
     what its measured peak holds beyond the predicted one (workspaces, allocator state).
     """
-    breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len)
+    breakdown = model_breakdown(_long_enough(model, seq_len), batch_size=batch_size, seq_len=seq_len)
     profile = training_profile(breakdown, platform, host_GBps=host_GBps)
     # activations.py trains a plain (unsharded) module with bf16 weights, grads and AdamW state.
     state_bytes = {"param_bytes": 2, "reduce_bytes": 2, "optimizer_state_bytes": 4} if plain_bf16 else {}
@@ -167,10 +178,56 @@ def calibrated_profile(model: str, batch_size: int, seq_len: int, resident: dict
     return dataclasses.replace(profile, fixed_bytes=int(measured - predicted))
 
 
+def validate_multi_gpu(path: str, data: dict, args) -> dict:
+    """``benchmarks/multi_gpu.py`` rows: measured per-GPU step and peak against ``predict_per_gpu``
+    (analytic times, no calibration) with the run's link."""
+    links = data.get("link_GBps") or [{}]
+    link = {key: min(float(entry[key]) for entry in links) for key in ("h2d_GBps", "d2h_GBps", "both_GBps") if key in links[0]}
+    platform = _measured_platform({"link_GBps": link}, get_profile(args.platform))
+    world_size = int(data.get("world_size", 2))
+    rows = []
+    for name, measured_rows in data.get("rows", {}).items():
+        if "stock" in name:
+            continue
+        offload = TrainingConfig(module_fraction=1.0, prefetch_depth=2) if name.startswith("coherent") else False
+        for row in measured_rows:
+            batch_size = int(row["batch_size"])
+            predicted = predict_per_gpu(data["model"], world_size=world_size, batch_size=batch_size, seq_len=int(data["seq_len"]),
+                                        offload=offload, platform=platform)
+            entry = {"row": name, "batch_size": batch_size, "predicted_step_s": predicted["step_s"],
+                     "predicted_tokens_per_s_per_gpu": predicted["tokens_per_s_per_gpu"],
+                     "predicted_peak_GiB": predicted["peak_gpu_GiB"]}
+            if "skipped" in row:
+                entry["measured"] = row["skipped"]
+            else:
+                entry.update(measured_step_s=row["step_s"], measured_tokens_per_s_per_gpu=row["tokens_per_s_per_gpu"],
+                             measured_peak_GiB=row["peak_gpu_GiB"], step_error=predicted["step_s"] / row["step_s"] - 1.0,
+                             peak_error=predicted["peak_gpu_GiB"] / row["peak_gpu_GiB"] - 1.0)
+            rows.append(entry)
+    return {"file": path, "model": data["model"], "world_size": world_size, "platform": dataclasses.asdict(platform), "rows": rows}
+
+
+def print_multi_gpu(validated: dict) -> None:
+    print(f"{validated['model']} on {validated['world_size']} GPUs, per GPU (predict_per_gpu, not calibrated)")
+    print("| row | bs | step pred s | meas s | err | tok/s/GPU pred | meas | peak pred GiB | meas GiB | err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in validated["rows"]:
+        if "measured_step_s" not in r:
+            print(f"| {r['row']} | {r['batch_size']} | {r['predicted_step_s']:.3f} | | | {r['predicted_tokens_per_s_per_gpu']:.0f} | "
+                  f"| {r['predicted_peak_GiB']:.1f} | {r['measured']} | |")
+            continue
+        print(f"| {r['row']} | {r['batch_size']} | {r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | {r['step_error']:+.0%} | "
+              f"{r['predicted_tokens_per_s_per_gpu']:.0f} | {r['measured_tokens_per_s_per_gpu']:.0f} | "
+              f"{r['predicted_peak_GiB']:.1f} | {r['measured_peak_GiB']:.1f} | {r['peak_error']:+.0%} |")
+    print()
+
+
 def validate_file(path: str, args) -> dict | None:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     kind = str(data.get("benchmark", ""))
+    if kind == "multi_gpu":
+        return validate_multi_gpu(path, data, args)
     if kind and not kind.startswith(("fsdp_offload", "activations")):
         return None  # transfer.py and others: no training rows
     model = str(data.get("model", args.model)).split(" ")[0]
@@ -322,17 +379,23 @@ def main(argv=None) -> int:
     if not paths:
         print("no benchmark results found: run benchmarks/fsdp_offload.py and benchmarks/activations.py first", file=sys.stderr)
         return 2
-    files = []
+    files, multi_gpu = [], []
     for path in paths:
         try:
             validated = validate_file(path, args)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
             print(f"{path}: cannot validate ({type(error).__name__}: {error}); skipped", file=sys.stderr)
             continue
-        if validated is not None:
+        if validated is None:
+            continue
+        if "world_size" in validated:
+            multi_gpu.append(validated)
+        else:
             files.append(validated)
     summary = summarize(files)
     print_table(files, summary)
+    for validated in multi_gpu:
+        print_multi_gpu(validated)
     output = {
         "benchmark": "planner_validate",
         "torch": torch.__version__,
@@ -341,6 +404,7 @@ def main(argv=None) -> int:
         "host_GBps": args.host_GBps or get_profile(args.platform).host_GBps,
         "host_GBps_measured_here": measured_host,
         "files": files,
+        "multi_gpu": multi_gpu,
         "summary": summary,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.scenario import Scenario
 
@@ -410,30 +411,18 @@ def _copy_time(h2d_bytes: float, d2h_bytes: float, platform: PlatformProfile) ->
     )
 
 
-def _activation_schedule(
-    profile: TrainingProfile, activation_blocks: int, per_block: int, forward_s: float, backward_s: float,
-    platform: PlatformProfile,
-) -> tuple[int, int]:
-    """``(bytes released by the start of backward, bytes reloaded in backward)`` of offloaded activations.
+def _activation_traffic(profile: TrainingProfile, activation_blocks: int, per_block: int) -> tuple[float, float, float]:
+    """``(bytes sent down in forward, bytes still in flight when backward starts, bytes reloaded)``.
 
-    Blocks are offloaded from the first; block ``i``'s D2H copy starts when its forward ends and
-    the copies queue on one stream. A landed copy releases its GPU memory when the CPU next looks,
-    up to a block later; backward reloads a block one block ahead of use if its copy landed by
-    then, and otherwise uses the device copy in place (nothing waits for the link).
+    Blocks are offloaded from the first; the forward waits rather than let more than
+    ``DEFAULT_MAX_INFLIGHT_BYTES`` of copies pile up, so the copies down are on the forward's
+    critical path except the last in-flight window, which drains during backward. When every
+    block is offloaded, backward starts with the last block and uses its device copy in place.
     """
-    n = profile.n_blocks
-    block_fwd, block_bwd = forward_s / n, backward_s / n
-    copy_s = per_block / (platform.d2h_GBps * 1e9)
-    released = reloaded = 0
-    landed_at = 0.0
-    for index in range(activation_blocks):
-        landed_at = max(landed_at, block_fwd * (index + 1)) + copy_s
-        if landed_at <= forward_s - block_fwd:
-            released += per_block
-        reload_issued_at = forward_s + block_bwd * (n - 2 - index)
-        if landed_at <= reload_issued_at:
-            reloaded += per_block
-    return released, reloaded
+    down = activation_blocks * per_block
+    in_flight = min(down, DEFAULT_MAX_INFLIGHT_BYTES)
+    kept_on_device = 1 if activation_blocks == profile.n_blocks else 0
+    return down - in_flight, in_flight, (activation_blocks - kept_on_device) * per_block
 
 
 def predict_step(
@@ -484,8 +473,8 @@ def predict_step(
     n_blocks = profile.n_blocks
     offloaded_blocks = round(config.module_fraction * n_blocks)
     activation_blocks = round(config.activations * n_blocks)
-    gpu_fraction = config.optimizer_gpu_fraction
-    streamed_blocks = round(gpu_fraction * offloaded_blocks)
+    # The split runs over parameter runs, not whole groups: fractional blocks.
+    streamed_blocks = config.optimizer_gpu_fraction * offloaded_blocks
     host_blocks = offloaded_blocks - streamed_blocks
     shard = profile.block_params / world_size
     per_block_saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
@@ -496,6 +485,9 @@ def predict_step(
     grad_down = offloaded_blocks * shard * profile.reduce_bytes * copies
     stream_up = streamed_blocks * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes) * copies
     stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + profile.compute_bytes) * copies
+    act_forward, act_in_flight, reloaded = (
+        _activation_traffic(profile, activation_blocks, per_block_saved) if activation_blocks and copies else (0, 0, 0)
+    )
 
     gather_s = reduce_s = 0.0
     if world_size > 1:
@@ -509,39 +501,51 @@ def predict_step(
         return max(compute, link, collectives), link > max(compute, collectives)
 
     backward_compute = profile.backward_s + (profile.forward_s if config.checkpointing else 0.0)
-    released, reloaded = 0, 0
-    if activation_blocks and copies:
-        released, reloaded = _activation_schedule(
-            profile, activation_blocks, per_block_saved, profile.forward_s, backward_compute, platform
-        )
-    forward, forward_bound = phase(profile.forward_s, weight_bytes, 0.0, gather_s)
+    forward, forward_bound = phase(profile.forward_s, weight_bytes, act_forward, gather_s)
     if offloaded_blocks == n_blocks and copies and config.prefetch_depth > 0:
         # The first group's copy has nothing to hide behind.
         forward += shard * profile.compute_bytes / (platform.h2d_GBps * 1e9)
-    backward, backward_bound = phase(backward_compute, weight_bytes + reloaded, grad_down, gather_s + reduce_s)
+    backward, backward_bound = phase(
+        backward_compute, weight_bytes + reloaded, grad_down + act_in_flight, gather_s + reduce_s
+    )
+    if act_forward:
+        # The copies start after the first block's forward and must be down (but for the in-flight
+        # window) before the last offloaded block's forward ends; the reloads, one block ahead,
+        # cannot start before backward does.
+        forward = max(forward, profile.forward_s / n_blocks + act_forward / (platform.d2h_GBps * 1e9)
+                      + profile.forward_s * (n_blocks - activation_blocks) / n_blocks)
+        backward = max(backward, backward_compute / n_blocks + (weight_bytes + reloaded) / (platform.h2d_GBps * 1e9))
 
     params_offloaded = offloaded_blocks * profile.block_params
     gpu_optimizer = profile.gpu_optimizer_s * (profile.total_params - params_offloaded) / profile.total_params / world_size
-    host_time = host_blocks * shard * host_step_bytes_per_param(profile) * world_size / (profile.host_GBps * 1e9)
-    host_tail = 0.0
-    if host_blocks:
-        per_group = host_time / host_blocks
-        group_landing = shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
-        host_end = 0.0
-        for order in range(host_blocks):
-            landed = backward * (order + 1) / n_blocks + group_landing
-            host_end = max(host_end, landed) + per_group
-        host_tail = max(0.0, host_end - backward)
     stream_time = 0.0
     if streamed_blocks:
+        # One pipeline over parameter runs, both link directions at once; the first run's copy up
+        # fills it.
+        run_up = stream_up / max(1.0, streamed_blocks)
         stream_time = max(
             profile.gpu_optimizer_s * streamed_blocks * profile.block_params / profile.total_params / world_size,
-            stream_up / (platform.h2d_GBps * 1e9) + stream_down / (platform.d2h_GBps * 1e9),
+            run_up / (platform.h2d_GBps * 1e9) + _copy_time(stream_up, stream_down, platform),
         )
-    optimizer = max(gpu_optimizer, host_tail + stream_time)
+    gpu_path_optimizer = max(gpu_optimizer, stream_time)
+
+    # The host steps run beside everything else, on one host DRAM shared by all GPUs of the host
+    # and by the streamed groups' copies. They start when the first host group's gradients have
+    # landed (host groups are the last in forward order, so the first in backward) and must end
+    # before the next forward reaches the host groups (with or without overlap_next_forward).
+    host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + (stream_up + stream_down)
+    host_time = host_bytes * world_size / (profile.host_GBps * 1e9) if host_blocks else 0.0
+    host_tail = 0.0
+    if host_blocks:
+        first_landing = backward / n_blocks + (
+            shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
+        )
+        host_cycle = first_landing + host_time + forward * host_blocks / n_blocks
+        host_tail = max(0.0, host_cycle - (backward + gpu_path_optimizer + forward))
+    optimizer = gpu_path_optimizer + host_tail
 
     peak = _peak_bytes(profile, config, offloaded_blocks, streamed_blocks, activation_blocks, per_block_saved,
-                       released, world_size)
+                       act_forward, world_size)
     return StepPrediction(
         config=config,
         step_s=forward + backward + optimizer,
@@ -550,10 +554,10 @@ def predict_step(
         optimizer_s=optimizer,
         peak_gpu_bytes=int(peak),
         h2d_bytes=int(2 * weight_bytes + reloaded + stream_up),
-        d2h_bytes=int(grad_down + activation_blocks * per_block_saved * copies + stream_down),
+        d2h_bytes=int(grad_down + act_forward + act_in_flight + stream_down),
         host_optimizer_s=host_time,
         link_bound=forward_bound or backward_bound,
-        host_bound=host_tail > 0 and host_tail >= stream_time and host_tail > gpu_optimizer,
+        host_bound=host_tail > 0,
     )
 
 
@@ -564,7 +568,7 @@ def _peak_bytes(
     streamed_blocks: int,
     activation_blocks: int,
     per_block_saved: int,
-    released: int,
+    released: float,
     world_size: int,
 ) -> float:
     shard = profile.block_params / world_size
@@ -574,9 +578,6 @@ def _peak_bytes(
     unsharded = live_groups * profile.block_params * profile.compute_bytes + profile.block_params * profile.reduce_bytes
     copy_in_buffers = offloaded_blocks * shard * profile.compute_bytes
     activations = profile.n_blocks * per_block_saved + profile.other_activation_bytes - released
-    if activation_blocks:
-        # One block's copy is in flight while its GPU memory is still held.
-        activations += per_block_saved
     if config.checkpointing:
         # Backward recomputes one block at a time: its full activations live once.
         activations += profile.block_activation_bytes

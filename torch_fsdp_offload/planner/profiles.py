@@ -67,8 +67,12 @@ class PlatformProfile:
 # on 15 threads beside the thread that drives the GPU, while the gradient copies land in the same
 # DRAM.) Other hosts: assumed the same until measured.
 _H200_HOST_GBPS = 102.0
-# NCCL between two GPUs over PCIe Gen5 (no NVLink): assumed, not measured.
-_PCIE_GPU_GPU_GBPS = 40.0
+# NCCL all-gather / reduce-scatter per GPU on our 2 x H200 host, from multi_gpu.json: resident
+# llama-8b at bs 1 is the one run whose backward is bound by its collectives (0.315 s/step against
+# 0.28 s of compute and optimizer); 4.0e9 params x 6 bytes (bf16 gather, fp32 reduce) over that
+# backward gives ~150 GB/s. (40 GB/s, the PCIe guess it replaces, predicted 0.895 s/step at bs 2
+# where 0.491 s was measured.)
+_PCIE_GPU_GPU_GBPS = 150.0
 
 PLATFORM_PROFILES: dict[str, PlatformProfile] = {
     "h100-pcie": PlatformProfile(
