@@ -51,6 +51,7 @@ from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa:
 from torch_fsdp_offload.models import _rope_tables, build_model, causal_lm_loss  # noqa: E402
 from torch_fsdp_offload.planner import get_profile, predict_per_gpu, TrainingConfig  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
+from torch_fsdp_offload.train import materialize_sharded  # noqa: E402
 
 # Set before the process group exists: some multi-GPU VMs refuse NVLink multicast objects.
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
@@ -86,13 +87,6 @@ def _host_rss_gib() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def _group_home(module: nn.Module, device: torch.device) -> torch.device:
-    """Where FSDP expects the shards of ``module``'s parameter group: the host when offloaded."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    offloaded = group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
-    return torch.device("cpu") if offloaded else device
-
-
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate each group's shards where FSDP keeps them and fill them, without the full model.
@@ -100,14 +94,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     Values are drawn on the GPU per local shard (N(0, 0.02), 1-D parameters such as norm weights
     1): only throughput matters here, and drawing 8B values on the host would take minutes.
     """
-    for block in model.blocks:
-        block.to_empty(device=_group_home(block, device))
-    root_home = _group_home(model, device)
-    for child in model.children():
-        if child is not model.blocks:
-            child.to_empty(device=root_home)
-    # Last, on the root alone: FSDP re-reads the root group's (now materialised) parameters.
-    model.to_empty(device=root_home, recurse=False)
+    materialize_sharded(model, device)
     for param in model.parameters():
         local = param.to_local()
         if local.dim() == 1:

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import io
 import json
+import math
 import os
 import socket
 import subprocess
@@ -18,9 +19,15 @@ import sys
 import tempfile
 import unittest
 
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torch_fsdp_offload.train import parse_args
+from torch_fsdp_offload.models import build_model
+from torch_fsdp_offload.policy import CoherentOffload
+from torch_fsdp_offload.train import materialize_sharded, parse_args
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 180
@@ -133,6 +140,54 @@ class TestTrain(TestCase):
             return [(r["step"], r["loss"], r["data_position"], r["h2d_bytes"]) for r in records]
 
         self.assertEqual(trace(_records(resumed)), trace(on_records[2:]))
+
+        # module_fraction=0.5 keeps half the groups resident: the same training bit for bit, with
+        # fewer bytes copied (the resident groups' shards are materialised on the device).
+        half = self._path("half.jsonl")
+        _run(train + ["--platform", "discrete", "--module-fraction", "0.5", "--steps", "4", "--json-log", half])
+        half_records = _records(half)
+        self.assertEqual([r["loss"] for r in half_records], [r["loss"] for r in on_records])
+        for partial, full in zip(half_records, on_records):
+            self.assertTrue(0 < partial["h2d_bytes"] < full["h2d_bytes"])
+            self.assertTrue(0 < partial["d2h_bytes"] < full["d2h_bytes"])
+
+    def test_materialize_sharded_places_groups(self) -> None:
+        # "meta" stands in for the GPU: offloaded groups must land on the host, resident groups and
+        # the (unsharded) buffers on the compute device.
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+        try:
+            model = build_model("tiny", device="meta")
+            policy = CoherentOffload(platform="discrete", module_fraction=0.5)
+            for block in model.blocks:
+                fully_shard(block, offload_policy=policy)
+            fully_shard(model, offload_policy=policy)
+            materialize_sharded(model, "meta")
+            groups = {
+                name: module._get_fsdp_state()._fsdp_param_group
+                for name, module in (("root", model), ("blocks.0", model.blocks[0]), ("blocks.1", model.blocks[1]))
+            }
+            offloaded = {name for name, group in groups.items() if group._offload.offloaded}
+            self.assertTrue(offloaded and offloaded != set(groups))  # a mix of both
+            for name, param in model.named_parameters():
+                prefix = next((group for group in ("blocks.0", "blocks.1") if name.startswith(group)), "root")
+                self.assertEqual(param.to_local().device.type, "cpu" if prefix in offloaded else "meta", msg=name)
+            self.assertTrue(all(buffer.is_meta for buffer in model.buffers()))
+            with self.assertRaisesRegex(ValueError, "call fully_shard"):
+                materialize_sharded(build_model("tiny", device="meta"), "meta")
+        finally:
+            dist.destroy_process_group()
+
+    @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
+    def test_gpu_partial_module_offload(self) -> None:
+        # Resident groups (module_fraction < 1) must be materialised on the GPU, offloaded ones on
+        # the host; before, every shard went to the host and FSDP computed with CPU parameters.
+        log = self._path("gpu_half.jsonl")
+        _run([sys.executable, "-m", "torch_fsdp_offload.train", "--device", "cuda", "--platform", "discrete", "--module-fraction", "0.5",
+              "--steps", "3", "--json-log", log])
+        records = _records(log)
+        self.assertEqual([r["step"] for r in records], [1, 2, 3])
+        self.assertTrue(all(math.isfinite(r["loss"]) for r in records))
+        self.assertTrue(all(r["h2d_bytes"] > 0 for r in records))
 
     def test_torchrun_two_ranks(self) -> None:
         losses = _two_rank_reference(self.tmp)

@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from torch_fsdp_offload.models import (
     HF_CONFIGS,
@@ -250,11 +250,70 @@ def _transformer_blocks(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=len)
 
 
+def _shard_home(module: nn.Module, device: torch.device) -> torch.device:
+    # FSDP keeps a group's shards on the host exactly when the group's policy is a CPUOffloadPolicy
+    # (CoherentOffload leaves resident groups, module_fraction < 1, with a plain OffloadPolicy).
+    group = module._get_fsdp_state()._fsdp_param_group
+    offloaded = group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+    return torch.device("cpu") if offloaded else device
+
+
+@torch.no_grad()
+def materialize_sharded(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate, uninitialised, the shards of a model built on ``meta`` and sharded with ``fully_shard``.
+
+    Each FSDP parameter group's shards go where FSDP keeps them: on the host for an offloaded group,
+    on ``device`` for a resident one (``CoherentOffload(module_fraction < 1)`` mixes both; so do
+    platforms where nothing is offloaded). Buffers, which FSDP does not shard, go to ``device``.
+    Only local shards are allocated, so no rank ever holds the whole model. Fill the values
+    afterwards (e.g. ``Transformer.init_weights``).
+
+    Args:
+        model (nn.Module): built on the ``meta`` device, with ``fully_shard`` applied to it (the
+            root) and to any of its submodules.
+        device (torch.device | str): the compute device.
+
+    Raises:
+        ValueError: ``model`` is not an FSDP2 module (``fully_shard`` was not applied to it).
+
+    Example::
+
+        >>> model = build_model("tiny", device="meta")
+        >>> for block in model.blocks:
+        ...     fully_shard(block, offload_policy=CoherentOffload(module_fraction=0.5))
+        >>> fully_shard(model, offload_policy=CoherentOffload(module_fraction=0.5))
+        >>> materialize_sharded(model, "cuda")
+        >>> model.init_weights(seed=0)
+    """
+    if not isinstance(model, FSDPModule):
+        raise ValueError(
+            f"materialize_sharded expects a model sharded with fully_shard, got a plain {type(model).__name__}; "
+            "call fully_shard(model, ...) first"
+        )
+    device = torch.device(device)
+    owner: dict[nn.Module, nn.Module] = {}
+
+    def assign(module: nn.Module, group_root: nn.Module) -> None:
+        owner[module] = group_root = module if isinstance(module, FSDPModule) else group_root
+        for child in module.children():
+            assign(child, group_root)
+
+    assign(model, model)
+    # Children before parents: an FSDP module's _apply re-reads its group's parameters, which may
+    # live in its submodules and must already be materialised.
+    for module in reversed(list(model.modules())):
+        module.to_empty(device=_shard_home(owner[module], device), recurse=False)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
 def build_sharded_model(args: argparse.Namespace, dist_env: _Distributed) -> nn.Module:
     """Build the model and shard each block, then the root, with ``args.policy``.
 
-    Built-in models are created on the meta device and materialised shard by shard, so no rank
-    ever holds the whole model. transformers models are built on the CPU (their initialisation
+    Built-in models are created on the meta device and materialised shard by shard
+    (:func:`materialize_sharded`: offloaded groups on the host, resident ones on the device), so no
+    rank ever holds the whole model. transformers models are built on the CPU (their initialisation
     of non-persistent buffers does not survive ``to_empty``) and moved to the device one block
     at a time by ``fully_shard``.
     """
@@ -269,15 +328,8 @@ def build_sharded_model(args: argparse.Namespace, dist_env: _Distributed) -> nn.
         fully_shard(block, mesh=dist_env.mesh, mp_policy=mp_policy, offload_policy=args.policy)
     fully_shard(model, mesh=dist_env.mesh, mp_policy=mp_policy, offload_policy=args.policy)
     if args.hf_config is None:
-        # FSDP requires offloaded shards to be materialised on the host.
-        offloaded = isinstance(args.policy, CoherentOffload) and args.policy.offload_params
-        model.to_empty(device="cpu" if offloaded else dist_env.device)
+        materialize_sharded(model, dist_env.device)
         model.init_weights(seed=args.seed)
-        # Buffers (RoPE tables) are not sharded: they belong with the compute.
-        for module in model.modules():
-            for name, buffer in list(module._buffers.items()):
-                if buffer is not None:
-                    module._buffers[name] = buffer.to(dist_env.device)
     if args.offload_activations:
         # Kept alive by the hooks it registers on the model.
         offload_activations(model, blocks=list(_transformer_blocks(model)), fraction=args.offload_activations)
