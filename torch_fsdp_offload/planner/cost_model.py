@@ -432,25 +432,27 @@ def predict_step(
 
     Per step the offloaded blocks' parameter shards cross host-to-device twice in the compute
     dtype (forward and the backward re-gather); gradients of offloaded groups cross device-to-host
-    in the reduce dtype; streamed groups then move their fp32 parameter, gradient and moments up
-    and parameter, moments and mirror down, one direction after the other. Offloaded activations
-    go down in forward; a copy that has not landed when backward needs its tensor is skipped (the
-    device copy is used in place), so activation copies never stall compute, and only landed
-    blocks are reloaded. Each phase takes the longest of its compute and its copy streams (their
-    sum with ``prefetch_depth=0``); at ``world_size > 1`` FSDP's all-gathers and reduce-scatters
-    over ``platform.gpu_interconnect_GBps`` are one more overlapped stream.
+    in the reduce dtype; streamed parameters then move their fp32 parameter, gradient and moments
+    up and parameter, moments and mirror down as one pipeline over runs of parameters, both
+    directions at once, after one run's upload fills it. Offloaded activations go down in forward
+    with at most ``DEFAULT_MAX_INFLIGHT_BYTES`` in flight (the forward waits for the link beyond
+    that) and are reloaded in backward. Each phase takes the longest of its compute and its copy
+    streams (their sum with ``prefetch_depth=0``); at ``world_size > 1`` FSDP's all-gathers and
+    reduce-scatters over ``platform.gpu_interconnect_GBps`` are one more overlapped stream.
 
     The host optimizer is bound by host DRAM bandwidth (:func:`host_step_bytes_per_param` bytes per
-    parameter at ``profile.host_GBps``; one host DRAM serves all ``world_size`` GPUs). Host-stepped
-    groups are the last in forward order, so their gradients land first in backward; each group
-    steps when its gradients have landed and the previous group is done. Streamed groups step
-    after the host groups have finished. What outlasts backward is exposed.
+    parameter at ``profile.host_GBps``, shared with the streamed copies; one host DRAM serves all
+    ``world_size`` GPUs). Host-stepped groups are the last in forward order, so their gradients land
+    first in backward; host steps start when the first of them landed, run beside the streamed
+    steps, and must end before the next forward reaches the host groups (with or without
+    ``overlap_next_forward``). What outlasts the GPU work is exposed.
 
     Peak GPU memory is taken at the start of backward (gradients were freed by ``zero_grad``):
     resident sharded parameters and optimizer state, the unsharded compute-dtype parameters of
     ``prefetch_depth + 1`` groups and one reduce-dtype gradient, the copy-in buffer every offloaded
-    group keeps until its backward (measured: one compute-dtype shard per offloaded group), all
-    activations not yet released, ``fixed_bytes``; or during a streamed step, if larger.
+    group keeps until its backward (measured: one compute-dtype shard per offloaded group), the
+    activations still on the GPU (all but the offloaded ones that landed, plus the in-flight
+    window), ``fixed_bytes``; or during a streamed step, if larger.
 
     Args:
         profile (TrainingProfile): the model at one micro-batch (per GPU).
