@@ -176,6 +176,32 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
         # Every step after the first (which creates the state) is pipelined, in several runs.
         self.assertGreater(runs.call_count, 2 * (STEPS - 1))
+        # The window: never more than _STREAM_RUNS_IN_FLIGHT runs uploaded and not yet landed.
+        uploaded, stepped, landed, widest = [0], [0], set(), [0]
+        upload_run = OffloadOptimizer._upload_run
+
+        def counting_upload(optimizer, owner, run):
+            uploaded[0] += 1
+            widest[0] = max(widest[0], uploaded[0] - len(landed))
+            return upload_run(optimizer, owner, run)
+
+        class Landing:
+            def __init__(self, transfer, run_index):
+                self.transfer, self.run_index = transfer, run_index
+
+            def synchronize(self):
+                self.transfer.synchronize()
+                landed.add(self.run_index)
+
+        def recording_step(optimizer, owner, run, upload):
+            stepped[0] += 1
+            return [Landing(t, stepped[0]) for t in step_run(optimizer, owner, run, upload)]
+
+        with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", 1), mock.patch.object(
+            OffloadOptimizer, "_upload_run", counting_upload
+        ), mock.patch.object(OffloadOptimizer, "_step_run", recording_step):
+            self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
+        self.assertEqual(widest[0], optim_module._STREAM_RUNS_IN_FLIGHT)
 
     def test_unified_platform_copies_nothing(self):
         self.init_gloo()

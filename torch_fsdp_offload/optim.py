@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from torch_fsdp_offload.memory import pinned_empty
+from torch_fsdp_offload.transfer import Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -435,8 +436,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _stream_steps(self, owners: list[OffloadedGroup]) -> None:
         """Step the streamed groups through the GPU as one pipeline over runs of parameters:
         the upload of the next run (on the H2D stream) overlaps the step of this one and the
-        download of the previous (on the D2H stream), so both link directions stay busy and
-        the device holds only a few runs at once. The host blocks once, at the end.
+        download of the previous (on the D2H stream), so both link directions stay busy, and at
+        most :data:`_STREAM_RUNS_IN_FLIGHT` runs hold device memory at once.
 
         A group's first streamed step (which creates its state) goes through
         :meth:`_stream_step`; so does a group with a parameter that has a gradient but no
@@ -459,14 +460,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     if key != "params":
                         device_group[key] = value
         with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
-            downloads = []
+            # Downloads of each stepped run, oldest first. The host issues copies far faster than
+            # the link moves them: without this window it would queue every run's upload at
+            # once and hold the whole optimizer state on the device.
+            in_flight: collections.deque[list[Transfer]] = collections.deque()
             upload = self._upload_run(*runs[0])
             for position, (owner, run) in enumerate(runs):
+                while len(in_flight) > _STREAM_RUNS_IN_FLIGHT - 2:
+                    for download in in_flight.popleft():
+                        download.synchronize()
                 next_upload = self._upload_run(*runs[position + 1]) if position + 1 < len(runs) else None
-                downloads += self._step_run(owner, run, upload)
+                in_flight.append(self._step_run(owner, run, upload))
                 upload = next_upload
-            for download in downloads:
-                download.synchronize()
+            while in_flight:
+                for download in in_flight.popleft():
+                    download.synchronize()
         for owner in dict.fromkeys(owner for owner, _ in runs):
             self._scalars_to_host(owner)
 
@@ -757,6 +765,8 @@ def _grad_versions(owner: OffloadedGroup) -> list[int]:
 # Bytes of device memory one pipelined run of a streamed step may take (its uploads); a single
 # larger parameter makes a run of its own.
 _STREAM_RUN_BYTES = 1 << 30
+# Runs holding device memory at once: one downloading, one stepping, one uploading.
+_STREAM_RUNS_IN_FLIGHT = 3
 
 
 def _param_runs(owner: OffloadedGroup, flat_state: dict[str, torch.Tensor]) -> list[tuple[int, int, int, int]]:
