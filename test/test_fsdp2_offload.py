@@ -86,6 +86,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         hsdp: bool = False,
         expect_copies: bool = True,
         overlap_next_forward: bool = False,
+        lr_schedule: bool = False,
     ) -> None:
         torch.manual_seed(0)
         reference = TiedBlocksModel()
@@ -107,6 +108,11 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             max_grad_norm=max_grad_norm,
             overlap_next_forward=overlap_next_forward,
         )
+        schedulers = [
+            torch.optim.lr_scheduler.LinearLR(o, start_factor=1.0, end_factor=0.1, total_iters=STEPS)
+            for o in (reference_optim, optim)
+            if lr_schedule
+        ]
         engine = get_transfer_engine("cpu")
         engine.stats.reset()
         for step in range(STEPS):
@@ -126,6 +132,8 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             reference_optim.zero_grad()
             optim.step()
             optim.zero_grad()
+            for scheduler in schedulers:
+                scheduler.step()
         # Host steps may still run (overlap_next_forward): reading parameters directly needs
         # synchronize(); the model's state_dict() waits by itself.
         model.state_dict()
@@ -161,13 +169,14 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         # Slow host steps: still running when step() returns, zero_grad() and the forward come.
         step_inner = OffloadOptimizer._step_inner
 
-        def slow_step_inner(optimizer, owner):
+        def slow_step_inner(optimizer, owner, copy_hyperparameters=True):
             if owner is not None:
                 time.sleep(0.02)
-            step_inner(optimizer, owner)
+            step_inner(optimizer, owner, copy_hyperparameters)
 
         with mock.patch.object(OffloadOptimizer, "_step_inner", slow_step_inner):
-            self._run_parity(policy=CoherentOffload(platform="discrete"), overlap_next_forward=True)
+            # The scheduler changes lr while earlier steps still run: each used its own lr.
+            self._run_parity(policy=CoherentOffload(platform="discrete"), overlap_next_forward=True, lr_schedule=True)
         # One parameter per pipelined run: uploads of the next run overlap this run's step.
         step_run = OffloadOptimizer._step_run
         with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", 1), mock.patch.object(
@@ -202,6 +211,22 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         ), mock.patch.object(OffloadOptimizer, "_step_run", recording_step):
             self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
         self.assertEqual(widest[0], optim_module._STREAM_RUNS_IN_FLIGHT)
+
+    def test_hyperparameter_change_after_overlapped_groups_raises(self):
+        # Groups step during backward with the lr of that moment; changing it before step()
+        # would leave them stepped with the old value, so step() refuses.
+        self.init_gloo()
+        torch.manual_seed(0)
+        model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), self._mesh(), MixedPrecisionPolicy())
+        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        for step in range(2):  # the first step learns that overlap is safe
+            _loss(model, _batch(step, self.rank)).backward()
+            optim.step()
+            optim.zero_grad()
+        _loss(model, _batch(2, self.rank)).backward()
+        optim.param_groups[0]["lr"] = 5e-3
+        with self.assertRaisesRegex(RuntimeError, "hyperparameter changed between backward and step"):
+            optim.step()
 
     def test_unified_platform_copies_nothing(self):
         self.init_gloo()
@@ -252,6 +277,7 @@ class FSDP2OffloadParityWorldSize4Test(FSDP2OffloadParityTest):
     WORLD_SIZE = 4
 
     # Covered at world sizes 1 and 2; four ranks on CI's two cores are kept to what needs four.
+    test_hyperparameter_change_after_overlapped_groups_raises = None
     test_parity_grad_accumulation_clipping_partial = None
     test_parity_each_optimizer_placement = None
     test_unified_platform_copies_nothing = None

@@ -129,7 +129,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ValueError: ``max_grad_norm`` is not positive, or ``optimizer_kwargs`` are rejected
             by ``optimizer_class``.
         RuntimeError: at ``step()``, when overlap was on and a group received a second
-            gradient before ``step()``, or its gradients were modified after it had stepped.
+            gradient before ``step()``, or its gradients or the hyperparameters (lr, ...) were
+            modified after it had stepped during backward. Schedulers that change the lr after
+            ``step()`` are fine: each group's step uses the values of the moment it was started.
 
     Example::
 
@@ -249,9 +251,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             fraction = offloaded[0].plan.optimizer_gpu_fraction
             self._streamed = set(offloaded[: round(fraction * len(offloaded))])
 
-    def _step_inner(self, owner: OffloadedGroup | None) -> None:
+    def _step_inner(self, owner: OffloadedGroup | None, copy_hyperparameters: bool = True) -> None:
         inner, pairs = self._inner[owner]
-        _copy_hyperparameters(pairs)
+        if copy_hyperparameters:
+            _copy_hyperparameters(pairs)
         if owner is None:
             inner.step()
             return
@@ -265,7 +268,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _host_step_in_worker(self, owner: OffloadedGroup) -> None:
         torch.set_num_threads(self.host_threads)
-        self._step_inner(owner)
+        # The hyperparameters were taken when the step was submitted (see _submit_host_step).
+        self._step_inner(owner, copy_hyperparameters=False)
         with self._finish_lock:
             set_to_none = self._zero_after.pop(owner, None)
             self._finished.add(owner)
@@ -291,6 +295,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._pending[owner] = self._submit_host_step(owner)
 
     def _submit_host_step(self, owner: OffloadedGroup) -> concurrent.futures.Future:
+        # Take the hyperparameters (lr set by a scheduler, ...) now, on the caller's thread: the
+        # worker may run this step after step() returned and a scheduler changed them.
+        _copy_hyperparameters(self._inner[owner][1])
         with self._finish_lock:
             self._finished.discard(owner)
         return self._worker().submit(self._host_step_in_worker, owner)
@@ -577,6 +584,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._build()
         self.synchronize()
         stepped = set(self._pending)
+        changed = [owner for owner in stepped if _hyperparameters_changed(self._inner[owner][1])]
+        if changed:
+            for future in self._pending.values():
+                future.result()
+            self._reset_cycle()
+            raise RuntimeError(
+                "OffloadOptimizer: learning rate or another hyperparameter changed between "
+                "backward and step(), after some groups had already stepped during backward with "
+                "the old values. Change hyperparameters before backward (or after step(), as LR "
+                "schedulers do), or construct OffloadOptimizer(..., overlap=False)."
+            )
         # Reading gradient versions is safe while those groups still step in the worker.
         safe_pattern = self._check_overlap_pattern()
         if stepped and not safe_pattern:
@@ -741,12 +759,28 @@ def _zero_grads(params: Iterable[nn.Parameter], set_to_none: bool) -> None:
             param.grad.zero_()
 
 
+def _hyperparameters_changed(pairs: list) -> bool:
+    """Whether an outer group's hyperparameters differ from what its inner group last used."""
+    for inner_group, outer_group in pairs:
+        for key, value in outer_group.items():
+            if key == "params":
+                continue
+            used = inner_group.get(key)
+            if isinstance(value, torch.Tensor) or isinstance(used, torch.Tensor):
+                if not (isinstance(value, torch.Tensor) and isinstance(used, torch.Tensor) and torch.equal(value, used)):
+                    return True
+            elif used != value:
+                return True
+    return False
+
+
 def _copy_hyperparameters(pairs: list) -> None:
-    """Hyperparameters (lr set by a scheduler, ...) flow from the outer groups to the inners."""
+    """Hyperparameters (lr set by a scheduler, ...) flow from the outer groups to the inners;
+    tensors are copied, so a step taken later still sees the values of this moment."""
     for inner_group, outer_group in pairs:
         for key, value in outer_group.items():
             if key != "params":
-                inner_group[key] = value
+                inner_group[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
