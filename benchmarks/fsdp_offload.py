@@ -300,7 +300,7 @@ def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict) -> float
     host_params = row.get("host_stepped_params", 0)
     if host_params:
         t_host = host_params / 1e9 * (host["adamw_s_per_Gparam"] + host["cast_s_per_Gparam"])
-        if "next-fwd" in row["name"]:
+        if optimizer_kwargs(row["name"])["overlap_next_forward"]:
             # Host steps may run under the next forward as well as backward.
             terms.append(t_host)
         else:

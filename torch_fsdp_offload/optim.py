@@ -375,10 +375,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             master, grads, *state_flats = (upload.wait() for upload in uploads)
             state_views = {key: owner.views(flat) for key, flat in zip(flat_state or {}, state_flats)}
             device_optimizer, proxies = self._device_optimizer(owner)
-            for device_group, inner_group in zip(device_optimizer.param_groups, inner.param_groups):
-                for key, value in inner_group.items():
-                    if key != "params":
-                        device_group[key] = value
+            _copy_hyperparameters(list(zip(device_optimizer.param_groups, inner.param_groups)))
             scalars_on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
             for index, (param, proxy, view, grad) in enumerate(
                 zip(owner.params, proxies, owner.views(master), owner.views(grads))
@@ -462,10 +459,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             _copy_hyperparameters(pairs)
             owner.wait_grads()
             device_optimizer, _ = self._device_optimizer(owner)
-            for device_group, inner_group in zip(device_optimizer.param_groups, inner.param_groups):
-                for key, value in inner_group.items():
-                    if key != "params":
-                        device_group[key] = value
+            _copy_hyperparameters(list(zip(device_optimizer.param_groups, inner.param_groups)))
         with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
             # Downloads of each stepped run, oldest first. The host issues copies far faster than
             # the link moves them: without this window it would queue every run's upload at
@@ -586,10 +580,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         stepped = set(self._pending)
         changed = [owner for owner in stepped if _hyperparameters_changed(self._inner[owner][1])]
         if changed:
-            for future in self._pending.values():
-                future.result()
-            self._reset_cycle()
-            raise RuntimeError(
+            self._refuse_step(
                 "OffloadOptimizer: learning rate or another hyperparameter changed between "
                 "backward and step(), after some groups had already stepped during backward with "
                 "the old values. Change hyperparameters before backward (or after step(), as LR "
@@ -598,10 +589,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Reading gradient versions is safe while those groups still step in the worker.
         safe_pattern = self._check_overlap_pattern()
         if stepped and not safe_pattern:
-            for future in self._pending.values():
-                future.result()
-            self._reset_cycle()
-            raise RuntimeError(
+            self._refuse_step(
                 "OffloadOptimizer: gradients of groups that had already stepped during backward "
                 "were modified before step() (e.g. by clip_grad_norm_ or a gradient scaler). "
                 "Those groups were updated with the unmodified gradients. Pass max_grad_norm= "
@@ -678,6 +666,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
         return super().state_dict()
+
+    def _refuse_step(self, message: str) -> None:
+        """Let the groups already stepping finish, forget this cycle, and raise ``message``."""
+        for future in self._pending.values():
+            future.result()
+        self._reset_cycle()
+        raise RuntimeError(message)
 
     def _reset_cycle(self) -> None:
         self._pending.clear()
