@@ -19,7 +19,8 @@ Row keys read (docs/planner.md, "Validation"): ``name``, ``batch_size``, ``step_
 and the configuration either as explicit keys (``module_fraction``, ``optimizer``,
 ``activations``, ``checkpointing``, ``prefetch_depth``, also inside a ``config`` object) or in
 the name: ``resident``, ``resident+checkpoint``, ``coherent(depth=2,fraction=0.75,optimizer=host,
-activations=0.5,checkpoint)``; ``act=`` and ``ckpt`` are accepted as short forms.
+activations=0.5,checkpoint)``; ``act=`` and ``ckpt`` are accepted as short forms, and a ``;ac``
+suffix (``resident;ac``, ``coherent(host;modules=0.625;ac)``) means every block checkpointed.
 
 Usage::
 
@@ -66,6 +67,8 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
     fraction_knob = "activations" if name.startswith("offload") else "module_fraction"
     if name.startswith(("resident", "checkpoint")):
         knobs["module_fraction"] = 0.0
+        if name == "checkpoint+offload":  # activations.py: the checkpoint inputs offloaded
+            knobs["activations"] = 1.0
     elif name.startswith("offload"):
         knobs.update(module_fraction=0.0, activations=1.0)
     elif name.startswith("coherent") or explicit:
@@ -87,9 +90,9 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
             knobs["optimizer"] = value if value in ("host", "stream") else float(value)
         elif key in ("activations", "act"):
             knobs["activations"] = 1.0 if value in ("", "True", "true") else float(value)
-        elif key in ("checkpoint", "ckpt"):
+        elif key in ("checkpoint", "ckpt", "ac"):
             knobs["checkpointing"] = True
-    if "checkpoint" in name or "ckpt" in name:
+    if "checkpoint" in name or "ckpt" in name or name.endswith(";ac"):
         knobs["checkpointing"] = True
     for key, value in explicit.items():
         if key == "activations" and isinstance(value, bool):

@@ -30,7 +30,9 @@ from torch_fsdp_offload.planner import (
     ScenarioError,
     TrainingConfig,
 )
-from torch_fsdp_offload.planner.cost_model import host_step_bytes_per_param
+from torch_fsdp_offload.activations import _CPU_LEAD_BLOCKS
+from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
+from torch_fsdp_offload.planner.cost_model import host_step_bytes_per_param, phase_peaks
 from torch_fsdp_offload.planner.profile import model_breakdown, training_profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -303,7 +305,8 @@ class TestStepModel(TestCase):
         self.assertEqual(host_step_bytes_per_param(self.profile), 38)
         full = self.predict(module_fraction=1.0, optimizer="host")
         params = self.profile.n_blocks * self.profile.block_params
-        self.assertAlmostEqual(full.host_optimizer_s, params * 38 / (self.platform.host_GBps * 1e9))
+        # Host DRAM also serves the link's DMA: the bf16 parameters read for forward and backward.
+        self.assertAlmostEqual(full.host_optimizer_s, params * (38 + 2 * 2) / (self.platform.host_GBps * 1e9))
         self.assertTrue(full.host_bound)
         # The host step overlaps backward: the step is shorter than forward + backward + host step.
         self.assertLess(full.step_s, full.forward_s + full.backward_s + full.host_optimizer_s)
@@ -328,6 +331,51 @@ class TestStepModel(TestCase):
         c2c_plain = self.predict(platform=get_profile("gh200"))
         c2c = self.predict(platform=get_profile("gh200"), activations=1.0)
         self.assertLess(c2c.step_s - c2c_plain.step_s, offloaded.step_s - plain.step_s)
+
+    def test_host_step_shares_host_dram_with_the_link(self):
+        # Streamed groups' copies cross host DRAM too: the host half of a split takes longer than
+        # the same host work with the link idle would.
+        split = self.predict(module_fraction=1.0, optimizer=0.5)
+        host_params = self.profile.n_blocks * self.profile.block_params / 2
+        alone = host_params * host_step_bytes_per_param(self.profile) / (self.platform.host_GBps * 1e9)
+        self.assertGreater(split.host_optimizer_s, alone)
+        self.assertAlmostEqual(split.host_optimizer_s - alone,
+                               (split.h2d_bytes + split.d2h_bytes - host_params * 4) / (self.platform.host_GBps * 1e9))
+
+    def test_activation_offload_peak_is_in_backward_with_gradients(self):
+        # With every block's activations offloaded, the backward peak is not at its start: it
+        # comes where the reload window (current + prefetch + the CPU's lead) meets the gradients
+        # already accumulated.
+        config = TrainingConfig(activations=1.0)
+        peaks = phase_peaks(self.profile, config, offloaded_blocks=0, streamed_blocks=0, activation_blocks=8)
+        per_block, grad = self.profile.block_activation_bytes, self.profile.block_params * self.profile.reduce_bytes
+        window = 1 + 1 + _CPU_LEAD_BLOCKS
+        resident = phase_peaks(self.profile, TrainingConfig(), offloaded_blocks=0, streamed_blocks=0, activation_blocks=0)
+        # Block window-1 is the lowest with a full window: every later block's gradient is live.
+        expected = window * per_block + (8 - window) * grad
+        self.assertAlmostEqual(resident["backward"] - peaks["backward"], 8 * per_block - expected, delta=1)
+        self.assertEqual(self.predict(activations=1.0).peak_phase, "backward")
+
+    def test_checkpointing_peak_at_the_end_of_backward(self):
+        # Checkpointed: inputs of the blocks not yet reached, one block recomputed, and all
+        # gradients but the first block's: larger at the last backward block than at the first.
+        peaks = phase_peaks(self.profile, TrainingConfig(checkpointing=True), offloaded_blocks=0, streamed_blocks=0,
+                            activation_blocks=0)
+        resident = phase_peaks(self.profile, TrainingConfig(), offloaded_blocks=0, streamed_blocks=0, activation_blocks=0)
+        grad = self.profile.block_params * self.profile.reduce_bytes
+        expected = self.profile.block_checkpoint_bytes + self.profile.block_activation_bytes + 7 * grad
+        self.assertAlmostEqual(resident["backward"] - peaks["backward"],
+                               8 * self.profile.block_activation_bytes - expected, delta=1)
+
+    def test_streamed_state_in_transit_is_bounded(self):
+        # At most _STREAM_RUNS_IN_FLIGHT runs of fp32 state on the GPU at once, whatever is streamed.
+        peaks = phase_peaks(self.profile, TrainingConfig(module_fraction=1.0, optimizer="stream"),
+                            offloaded_blocks=8, streamed_blocks=8, activation_blocks=0)
+        grads = 8 * self.profile.block_params * self.profile.reduce_bytes
+        resident_state = self.profile.other_params * (self.profile.param_bytes + self.profile.optimizer_state_bytes
+                                                      + self.profile.reduce_bytes)
+        self.assertAlmostEqual(peaks["optimizer"], resident_state + grads + _STREAM_RUNS_IN_FLIGHT * _STREAM_RUN_BYTES,
+                               delta=1)
 
     def test_world_size_shards_state_and_adds_collectives(self):
         one = self.predict()
@@ -409,6 +457,12 @@ class TestValidationScript(TestCase):
             TrainingConfig(module_fraction=0.5, prefetch_depth=2),
         )
         self.assertIsNone(validate.row_config(rows[1], "host"))
+        # fsdp_offload.py's ";ac" suffix: every block checkpointed.
+        self.assertEqual(
+            validate.row_config({"name": "coherent(split=0.25;next-fwd;modules=0.625;ac)"}, "host", default_depth=2),
+            TrainingConfig(module_fraction=0.625, optimizer=0.25, checkpointing=True, prefetch_depth=2),
+        )
+        self.assertEqual(validate.row_config({"name": "resident;ac"}, "host"), TrainingConfig(checkpointing=True))
         with tempfile.TemporaryDirectory() as tmp:
             results, out = os.path.join(tmp, "fsdp_offload.json"), os.path.join(tmp, "validate.json")
             with open(results, "w", encoding="utf-8") as handle:

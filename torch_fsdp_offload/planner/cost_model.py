@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES
+from torch_fsdp_offload.activations import _CPU_LEAD_BLOCKS, DEFAULT_MAX_INFLIGHT_BYTES
+from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.scenario import Scenario
 
@@ -33,6 +34,7 @@ __all__ = [
     "model_dram_bandwidth_GBps",
     "naive_offload_GB",
     "offload_window",
+    "phase_peaks",
     "predict_step",
     "time_factor",
 ]
@@ -228,6 +230,9 @@ def offload_window(scenario: Scenario, technique: str, microbatch_factor: float)
 # FSDP2 training level
 # --------------------------------------------------------------------------------------------
 
+# ``offload_activations``' default: backward reloads this many blocks ahead of the one it is in.
+_ACTIVATION_PREFETCH_BLOCKS = 1
+
 
 @dataclass(frozen=True)
 class TrainingProfile:
@@ -363,6 +368,8 @@ class StepPrediction:
         host_optimizer_s (float): host optimizer work (overlapped with backward).
         link_bound (bool): a copy stream, not compute, set the forward or backward time.
         host_bound (bool): the host optimizer step, not the GPU, ends the step.
+        peak_phase (str): ``"forward"``, ``"backward"`` or ``"optimizer"``: where the peak is
+            (:func:`phase_peaks`).
     """
 
     config: TrainingConfig
@@ -376,6 +383,7 @@ class StepPrediction:
     host_optimizer_s: float
     link_bound: bool
     host_bound: bool = False
+    peak_phase: str = "backward"
 
     @property
     def peak_gpu_GiB(self) -> float:
@@ -441,18 +449,18 @@ def predict_step(
     reduce-scatters over ``platform.gpu_interconnect_GBps`` are one more overlapped stream.
 
     The host optimizer is bound by host DRAM bandwidth (:func:`host_step_bytes_per_param` bytes per
-    parameter at ``profile.host_GBps``, shared with the streamed copies; one host DRAM serves all
+    parameter at ``profile.host_GBps``, shared with the link's copies; one host DRAM serves all
     ``world_size`` GPUs). Host-stepped groups are the last in forward order, so their gradients land
     first in backward; host steps start when the first of them landed, run beside the streamed
     steps, and must end before the next forward reaches the host groups (with or without
     ``overlap_next_forward``). What outlasts the GPU work is exposed.
 
-    Peak GPU memory is taken at the start of backward (gradients were freed by ``zero_grad``):
-    resident sharded parameters and optimizer state, the unsharded compute-dtype parameters of
-    ``prefetch_depth + 1`` groups and one reduce-dtype gradient, the copy-in buffer every offloaded
-    group keeps until its backward (measured: one compute-dtype shard per offloaded group), the
-    activations still on the GPU (all but the offloaded ones that landed, plus the in-flight
-    window), ``fixed_bytes``; or during a streamed step, if larger.
+    The host DRAM bandwidth ``profile.host_GBps`` is shared by the host step's bytes and the bytes
+    the link's DMA reads and writes in host memory in the same window (parameters copied in,
+    streamed state, activations), so link traffic slows the host step.
+
+    Peak GPU memory is the largest of the phase peaks of :func:`phase_peaks` (forward end, each
+    block's backward, the optimizer phase) plus ``fixed_bytes``.
 
     Args:
         profile (TrainingProfile): the model at one micro-batch (per GPU).
@@ -535,7 +543,13 @@ def predict_step(
     # and by the streamed groups' copies. They start when the first host group's gradients have
     # landed (host groups are the last in forward order, so the first in backward) and must end
     # before the next forward reaches the host groups (with or without overlap_next_forward).
-    host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + (stream_up + stream_down)
+    # The link's DMA reads and writes host DRAM too: the parameters' copies in, the streamed state
+    # and the activations both ways take their bytes from the bandwidth the host step runs on.
+    # (The host groups' gradients landing are already in host_step_bytes_per_param.)
+    streamed_grads_down = streamed_blocks * shard * profile.reduce_bytes * copies
+    link_dram_bytes = (2 * weight_bytes + streamed_grads_down + stream_up + stream_down
+                       + act_forward + act_in_flight + reloaded)
+    host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + link_dram_bytes
     host_time = host_bytes * world_size / (profile.host_GBps * 1e9) if host_blocks else 0.0
     host_tail = 0.0
     if host_blocks:
@@ -546,8 +560,9 @@ def predict_step(
         host_tail = max(0.0, host_cycle - (backward + gpu_path_optimizer + forward))
     optimizer = gpu_path_optimizer + host_tail
 
-    peak = _peak_bytes(profile, config, offloaded_blocks, streamed_blocks, activation_blocks, per_block_saved,
-                       act_forward, world_size)
+    peaks = phase_peaks(profile, config, offloaded_blocks=offloaded_blocks, streamed_blocks=streamed_blocks,
+                        activation_blocks=activation_blocks, world_size=world_size, copies=bool(copies))
+    peak = max(peaks.values()) + profile.fixed_bytes
     return StepPrediction(
         config=config,
         step_s=forward + backward + optimizer,
@@ -555,6 +570,7 @@ def predict_step(
         backward_s=backward,
         optimizer_s=optimizer,
         peak_gpu_bytes=int(peak),
+        peak_phase=max(peaks, key=peaks.__getitem__),
         h2d_bytes=int(2 * weight_bytes + reloaded + stream_up),
         d2h_bytes=int(grad_down + act_forward + act_in_flight + stream_down),
         host_optimizer_s=host_time,
@@ -563,29 +579,87 @@ def predict_step(
     )
 
 
-def _peak_bytes(
+def phase_peaks(
     profile: TrainingProfile,
     config: TrainingConfig,
+    *,
     offloaded_blocks: int,
-    streamed_blocks: int,
+    streamed_blocks: float,
     activation_blocks: int,
-    per_block_saved: int,
-    released: float,
-    world_size: int,
-) -> float:
+    world_size: int = 1,
+    copies: bool = True,
+) -> dict[str, float]:
+    """Peak GPU bytes of each phase of one step: what is live when, before ``fixed_bytes``.
+
+    * forward: resident state, the saved activations of the blocks not offloaded, the copies to
+      the host still in flight (at most ``DEFAULT_MAX_INFLIGHT_BYTES``), the unsharded groups.
+    * backward: the largest of the moments just before each block's backward (last block
+      first). Resident blocks' activations live until their block's backward; an offloaded block's
+      reload lives from when the CPU issues it, up to ``_CPU_LEAD_BLOCKS + prefetch`` blocks ahead of
+      the GPU, until its backward. Gradients of resident and streamed groups accumulate on the GPU
+      (streamed groups are stepped there); a host group's gradient is on its way down. A
+      checkpointed block re-creates its full activations once. The backward peak is therefore not
+      always at its start: with activations offloaded it comes when gradients have piled up
+      beside the reloads.
+    * optimizer: resident state and gradients, the streamed groups' gradients, and at most
+      ``_STREAM_RUNS_IN_FLIGHT`` runs of ``_STREAM_RUN_BYTES`` of fp32 state in transit.
+
+    Every offloaded group's compute-dtype shard is copied into a staging buffer before its
+    all-gather: ``prefetch_depth`` of them live beside the unsharded groups.
+
+    Args:
+        profile (TrainingProfile): the model at one micro-batch (per GPU).
+        config (TrainingConfig): the knobs (prefetch depth, checkpointing).
+        offloaded_blocks (int): blocks whose state lives on the host (the last in forward order).
+        streamed_blocks (float): offloaded blocks stepped on the GPU (the first offloaded ones).
+        activation_blocks (int): blocks whose activations are offloaded (the first ones).
+        world_size (int): GPUs the parameters are sharded over.
+        copies (bool): offloaded state crosses a link (False on UNIFIED: read in place).
+
+    Returns:
+        dict[str, float]: ``{"forward", "backward", "optimizer"}`` peak bytes.
+
+    Example::
+
+        >>> phase_peaks(profile, TrainingConfig(activations=1.0), offloaded_blocks=0,
+        ...             streamed_blocks=0, activation_blocks=8)["backward"]
+    """
+    n_blocks = profile.n_blocks
     shard = profile.block_params / world_size
+    grad_shard = shard * profile.reduce_bytes
+    resident_blocks = n_blocks - offloaded_blocks
     resident_params = (profile.total_params - offloaded_blocks * profile.block_params) / world_size
     resident_state = resident_params * (profile.param_bytes + profile.optimizer_state_bytes)
     live_groups = 1 + max(config.prefetch_depth, 1)
-    unsharded = live_groups * profile.block_params * profile.compute_bytes + profile.block_params * profile.reduce_bytes
-    copy_in_buffers = offloaded_blocks * shard * profile.compute_bytes
-    activations = profile.n_blocks * per_block_saved + profile.other_activation_bytes - released
-    if config.checkpointing:
-        # Backward recomputes one block at a time: its full activations live once.
-        activations += profile.block_activation_bytes
-    backward_peak = resident_state + unsharded + copy_in_buffers + activations
-    # A streamed step holds the resident state and gradients and two groups' fp32 state in transit.
-    optimizer_peak = resident_params * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes)
+    unsharded = live_groups * profile.block_params * profile.compute_bytes
+    staging = min(config.prefetch_depth, offloaded_blocks) * shard * profile.compute_bytes if copies else 0.0
+    saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
+    offloaded_acts = activation_blocks if copies else 0
+
+    in_flight = min(offloaded_acts * saved, DEFAULT_MAX_INFLIGHT_BYTES)
+    forward = (resident_state + unsharded + staging + (n_blocks - offloaded_acts) * saved + in_flight
+               + profile.other_activation_bytes)
+
+    # Blocks 0 .. offloaded_acts-1 have offloaded activations; blocks resident_blocks .. n-1 have
+    # offloaded state; of those, the first streamed_blocks are stepped on the GPU.
+    reload_window = 1 + _ACTIVATION_PREFETCH_BLOCKS + _CPU_LEAD_BLOCKS
+    backward = 0.0
+    for block in range(n_blocks - 1, -1, -1):
+        kept = sum(saved for j in range(offloaded_acts, block + 1))
+        reloaded = saved * sum(1 for j in range(max(0, block - reload_window + 1), min(block, offloaded_acts - 1) + 1))
+        later = range(block + 1, n_blocks)
+        on_device = [j for j in later if j < resident_blocks + streamed_blocks or not copies]
+        grads = grad_shard * len(on_device)
+        if block + 1 < n_blocks and block + 1 not in on_device:
+            grads += grad_shard  # the host group just finished: its gradient on its way down
+        recompute = profile.block_activation_bytes if config.checkpointing else 0.0
+        backward = max(backward, kept + reloaded + grads + recompute)
+    backward += resident_state + unsharded + staging + profile.other_activation_bytes
+
+    resident_grads = resident_params * profile.reduce_bytes
+    optimizer = resident_state + resident_grads
     if streamed_blocks:
-        optimizer_peak += 2 * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes)
-    return max(backward_peak, optimizer_peak) + profile.fixed_bytes
+        run_state = shard * (profile.param_bytes + profile.optimizer_state_bytes)
+        transit = min(streamed_blocks * run_state, _STREAM_RUNS_IN_FLIGHT * _STREAM_RUN_BYTES)
+        optimizer += streamed_blocks * grad_shard + transit
+    return {"forward": forward, "backward": backward, "optimizer": optimizer}

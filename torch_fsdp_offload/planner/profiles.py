@@ -30,9 +30,10 @@ class PlatformProfile:
             all offload traffic against (conservative on full-duplex links).
         h2d_GBps (float), d2h_GBps (float): achieved copy bandwidth each way (large pinned copies).
         bidirectional_GBps (float): achieved total when both ways copy at once.
-        host_GBps (float): effective host DRAM bandwidth of the host optimizer step: the bytes of
-            :func:`~torch_fsdp_offload.planner.cost_model.host_step_bytes_per_param` (38 per fp32
-            AdamW parameter with a bf16 mirror) over its time. ``plan`` measures it on this machine
+        host_GBps (float): host DRAM bandwidth the host optimizer step shares with the link's DMA:
+            the bytes of :func:`~torch_fsdp_offload.planner.cost_model.host_step_bytes_per_param`
+            (38 per fp32 AdamW parameter with a bf16 mirror) plus the bytes the link copies to and
+            from host memory in the same window, over its time. ``plan`` measures it on this machine
             (:func:`~torch_fsdp_offload.planner.profile.measure_host_GBps`).
         gpu_interconnect_GBps (float): per-GPU bandwidth of FSDP's all-gather and reduce-scatter
             between the GPUs of one host (``world_size > 1``).
@@ -62,11 +63,13 @@ class PlatformProfile:
 # Our x86 + H200 host (16 cores), in CoherentOffload's own path: with every group offloaded, the
 # time from the start of backward to the end of the host step was 0.634 / 0.628 / 0.633 s at bs 4 /
 # 8 / 16 (fsdp_offload*.json, bwd_s + opt_s); the first group's gradients land ~0.03 s into
-# backward, leaving 0.60 s for 1.611e9 params x 38 bytes = 61.2 GB: 102 GB/s. (Fused AdamW alone,
-# 28 bytes per param in 0.361 s, reaches 125 GB/s on all 16 threads; the host step of our path runs
-# on 15 threads beside the thread that drives the GPU, while the gradient copies land in the same
-# DRAM.) Other hosts: assumed the same until measured.
-_H200_HOST_GBPS = 102.0
+# backward, leaving 0.60 s in which host DRAM served 1.611e9 params x 38 bytes of host step (AdamW,
+# mirror cast, gradient landing) and 1.611e9 x 4 bytes of parameter copies read by the link's DMA:
+# 67.7 GB, 113 GB/s. The host step alone is faster (fused AdamW + cast, 34 bytes per param in
+# 0.27 s on 15 threads: 126 GB/s) and slower while the link runs both ways (0.47 s: the DMA takes
+# its share of the same DRAM), which is why the DMA bytes count against this figure.
+# Other hosts: assumed the same until measured.
+_H200_HOST_GBPS = 113.0
 # NCCL all-gather / reduce-scatter per GPU on our 2 x H200 host, from multi_gpu.json: resident
 # llama-8b at bs 1 is the one run whose backward is bound by its collectives (0.315 s/step against
 # 0.28 s of compute and optimizer); 4.0e9 params x 6 bytes (bf16 gather, fp32 reduce) over that

@@ -79,7 +79,7 @@ class Scenario:
         link_GBps (float): CPU-GPU link bandwidth all offload traffic is budgeted against.
         model_dram_GBps (float | None): the model's own DRAM bandwidth if measured (else estimated).
         host_GBps (float | None): host optimizer bandwidth (``bandwidth_GBps.host``; default: the
-            platform profile's, 102 GB/s on h200-pcie, measured in CoherentOffload's host step).
+            platform profile's, 113 GB/s on h200-pcie, measured in CoherentOffload's host step).
         checkpointing (Checkpointing | None): activation checkpointing figures, if known.
         crossings (dict): link crossings per offloaded byte and iteration, per memory kind.
         n_blocks (int | None): number of offloadable blocks (fractions are rounded to whole blocks).
