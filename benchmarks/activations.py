@@ -11,6 +11,8 @@ Rows, all in this process after the link was measured in it:
 
 * ``resident``: activations stay on the GPU;
 * ``checkpoint``: ``torch.utils.checkpoint`` per block (``use_reentrant=False``);
+* ``checkpoint+offload``: the same, with :func:`offload_activations` moving what checkpointing still
+  saves (each block's input) to the host: its baseline is ``checkpoint``;
 * ``offload(all)``: :func:`offload_activations` on every block;
 * ``offload(fraction=F)``: on the first F of the blocks;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
@@ -30,7 +32,8 @@ GiB pinned copy each way and both ways at once, measured here. ``LB`` is the bou
 run anywhere in the step; ``LB_phased`` holds when the peak must fall by the offloaded bytes: the D2H
 copies must land within the forward and the reloads within the backward.
 Targets (issue 5): ``offload(all)`` at least 3x faster than ``save_on_cpu`` at batch 4, at least 80%
-of the activation bytes copied off the GPU, and a step within 1.15 x LB.
+of the activation bytes copied off the GPU, and a step within 1.15 x LB; ``checkpoint+offload`` is
+checked the same way, its 80% counted of what checkpointing still saves.
 
 Usage (GPU machine, one process, about 2 minutes for the defaults):
     python benchmarks/activations.py --out benchmarks/results/activations.json [--profile]
@@ -67,7 +70,7 @@ from torch_fsdp_offload.models import build_model, causal_lm_loss, MODEL_CONFIGS
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 
 GiB = 1 << 30
-_PLAIN_ROWS = ("resident", "checkpoint", "offload(all)", "offload(fraction)", "save_on_cpu")
+_PLAIN_ROWS = ("resident", "checkpoint", "checkpoint+offload", "offload(all)", "offload(fraction)", "save_on_cpu")
 _FSDP_ROWS = ("fsdp2", "fsdp2+act(all)", "fsdp2+act(fraction)")
 _TARGET_SPEEDUP = 3.0
 _TARGET_OFFLOADED = 0.8
@@ -79,6 +82,17 @@ def _forward_checkpointed(model: nn.Module, tokens: torch.Tensor) -> torch.Tenso
     for block in model.blocks:
         h = checkpoint(block, h, None, use_reentrant=False)
     return model.output(model.norm(h))
+
+
+class _CheckpointedBlock(nn.Module):
+    """A block run under ``torch.utils.checkpoint`` (non-reentrant): it saves only its input."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, h: torch.Tensor, rope) -> torch.Tensor:
+        return checkpoint(self.block, h, rope, use_reentrant=False)
 
 
 def _count_saved_bytes(model: nn.Module, tokens: torch.Tensor) -> tuple[int, int]:
@@ -143,6 +157,13 @@ def run_row(
         context = functools.partial(save_on_cpu, pin_memory=True)
     elif name == "checkpoint":
         forward = functools.partial(_forward_checkpointed, model)
+    elif name == "checkpoint+offload":
+        # Each block checkpointed inside itself, so the checkpoint input is saved within the block
+        # the offload tracks (the model's blocks are put back after the row).
+        original_blocks = list(model.blocks)
+        for index, block in enumerate(original_blocks):
+            model.blocks[index] = _CheckpointedBlock(block)
+        offload = offload_activations(model, prefetch_blocks=args.prefetch_blocks)
     elif name.startswith("offload"):
         offload = offload_activations(
             model, fraction=args.fraction if "fraction" in name else 1.0, prefetch_blocks=args.prefetch_blocks
@@ -192,8 +213,13 @@ def run_row(
         row["d2h_bytes"] = row["h2d_bytes"] = 0
     if profile_path is not None:
         row["profile"] = profile_steps(step, profile_path)
-    if offload is not None and name.startswith("offload"):
+    if offload is not None:
+        row["offloaded_of_saved"] = row["d2h_bytes"] / max(1, (offload.stats.saved_bytes - stats_before.saved_bytes) // args.steps)
+    if offload is not None and not name.startswith("fsdp2"):
         offload.remove()
+    if name == "checkpoint+offload":
+        for index, block in enumerate(original_blocks):
+            model.blocks[index] = block
     return row
 
 
@@ -327,8 +353,10 @@ def run_config(batch: int, seq_len: int, args: argparse.Namespace, bandwidth: di
     by_name = {row["row"]: row for row in results}
     save_row = by_name.get("save_on_cpu")
     for row in results:
-        base = by_name.get("fsdp2" if row["row"].startswith("fsdp2") else "resident")
-        offloads = row["row"].startswith(("offload", "fsdp2+act"))
+        base = by_name.get(
+            "fsdp2" if row["row"].startswith("fsdp2") else "checkpoint" if row["row"].startswith("checkpoint+") else "resident"
+        )
+        offloads = row["row"].startswith(("offload", "fsdp2+act", "checkpoint+offload"))
         row["offloaded_fraction"] = row["d2h_bytes"] / activation_bytes if offloads else None
         if base is not None:
             row["lower_bound_s"], row["lower_bound_phased_s"] = lower_bounds(row, base, bandwidth)
@@ -383,14 +411,17 @@ def _targets(configs: list[dict]) -> list[dict]:
     for config in configs:
         name = config["config"]
         rows = {row["row"]: row for row in config["rows"]}
-        ours = rows.get("offload(all)")
-        if ours is None:
-            continue
-        if config["batch_size"] == 4 and "speedup_vs_save_on_cpu" in ours:
-            value = ours["speedup_vs_save_on_cpu"]
-            check(name, "offload(all) speedup vs save_on_cpu >= 3", value, value >= _TARGET_SPEEDUP)
-        value = ours["offloaded_fraction"]
-        check(name, "activation bytes offloaded >= 80%", value, value >= _TARGET_OFFLOADED)
+        for label in ("offload(all)", "checkpoint+offload"):
+            ours = rows.get(label)
+            if ours is None:
+                continue
+            if config["batch_size"] == 4 and "speedup_vs_save_on_cpu" in ours:
+                value = ours["speedup_vs_save_on_cpu"]
+                check(name, f"{label} speedup vs save_on_cpu >= 3", value, value >= _TARGET_SPEEDUP)
+            # offload(all): of the activations without checkpointing; checkpoint+offload: of
+            # what checkpointing still saves (the block inputs).
+            value = ours["offloaded_fraction"] if label == "offload(all)" else ours["offloaded_of_saved"]
+            check(name, f"{label} activation bytes offloaded >= 80%", value, value >= _TARGET_OFFLOADED)
         for row in config["rows"]:
             if row["offloaded_fraction"] is not None and "step_over_lb" in row:
                 value = row["step_over_lb"]

@@ -10,7 +10,8 @@ inside a step), peak GPU memory, the bytes that crossed the link each way, and t
 
     LB = max(T_gpu, H2D / BW_h2d, D2H / BW_d2h, (H2D + D2H) / BW_both, T_host_unhidden)
 
-where T_gpu is the resident row's forward + backward (the GPU work any offload must still do),
+where T_gpu is the resident row's forward + backward (the GPU work any offload must still do;
+for rows that checkpoint activations, ``;ac``, that of ``resident;ac``, recompute included),
 the bandwidths are measured here, and T_host_unhidden is the host optimizer time that cannot hide
 under backward: a group's host step can start only when its gradients landed and the next
 forward needs the first group, whose gradients land last, so at best the host work of all but the
@@ -18,7 +19,9 @@ backward of one group is hidden: T_host_unhidden = T_gpu + T_host - T_bwd * (N -
 named ``next-fwd`` let host steps finish under the next forward too: T_host_unhidden = T_host), with
 T_host the host work of the parameters the row steps on the host (fused CPU AdamW plus the bf16
 cast, per parameter, measured in this process by ``measure_host_optimizer``; 0 for rows that step
-nothing on the host). With ``--profile DIR`` each CoherentOffload row at the first batch size also
+nothing on the host). ``LBc`` (``lower_bound_link_busy_s``) is the same bound with the host work
+measured while both link directions copy: host DRAM serves the DMA and the optimizer at once, and
+the AdamW step is bound by it (on our H200 host it runs ~1.5x slower then). With ``--profile DIR`` each CoherentOffload row at the first batch size also
 writes a chrome trace and a summary of how much copy time ran under compute (``profile_overlap``).
 
 Usage (GPU machine):
@@ -32,18 +35,22 @@ import contextlib
 import gc
 import json
 import os
+import re
 import statistics
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
+from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache, pinned_empty  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
@@ -70,13 +77,39 @@ COHERENT_ROWS = {
     "coherent(split=0.25;next-fwd;modules=0.75;act=0.5)": {
         "optimizer": 0.25, "prefetch_depth": 2, "module_fraction": 0.75, "activations": 0.5,
     },
+    # With activation checkpointing (";ac", compared with "resident;ac" and "stock;ac"): the
+    # activations that fill resident memory at bs 4 shrink to the block inputs, so more blocks
+    # can stay resident (less host optimizer work) within half of the resident peak.
+    "coherent(host;next-fwd;modules=0.5;ac)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
+    "coherent(host;next-fwd;modules=0.625;ac)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.625},
+    "coherent(split=0.25;next-fwd;modules=0.625;ac)": {"optimizer": 0.25, "prefetch_depth": 2, "module_fraction": 0.625},
+    "coherent(split=0.25;next-fwd;modules=0.75;ac)": {"optimizer": 0.25, "prefetch_depth": 2, "module_fraction": 0.75},
+    "coherent(split=0.5;next-fwd;ac)": {"optimizer": 0.5, "prefetch_depth": 2},
+    "coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)": {"optimizer": 0.25, "prefetch_depth": 1, "module_fraction": 0.625},
+    "coherent(split=0.375;next-fwd;modules=0.625;ac;depth=1)": {"optimizer": 0.375, "prefetch_depth": 1, "module_fraction": 0.625},
+    # Host step threads (OffloadOptimizer(host_threads=N)): fewer than all cores but one, when the
+    # copies and the launching thread compete with the step for cores and memory bandwidth.
+    "coherent(host;next-fwd;threads=8)": {"optimizer": "host", "prefetch_depth": 2},
+    "coherent(host;next-fwd;threads=12)": {"optimizer": "host", "prefetch_depth": 2},
 }
+# Baselines, each also with ";ac" (activation checkpointing of every block).
+BASELINE_ROWS = ("resident", "stock_cpu_offload+fused_cpu_adamw")
+
+
+def checkpointed(name: str) -> bool:
+    """Rows named ``;ac`` checkpoint every block (``checkpoint_wrapper``, non-reentrant)."""
+    return name.endswith(";ac") or re.search(r"[(;]ac[;)]", name) is not None
 
 
 def optimizer_kwargs(name: str) -> dict:
     """OffloadOptimizer arguments of a CoherentOffload row: rows named ``next-fwd`` let host
-    steps finish during the next forward (``overlap_next_forward=True``)."""
-    return {"lr": 1e-4, "fused": True, "overlap_next_forward": "next-fwd" in name}
+    steps finish during the next forward (``overlap_next_forward=True``), ``threads=N`` step
+    with N host threads."""
+    kwargs = {"lr": 1e-4, "fused": True, "overlap_next_forward": "next-fwd" in name}
+    threads = re.search(r"threads=(\d+)", name)
+    if threads is not None:
+        kwargs["host_threads"] = int(threads.group(1))
+    return kwargs
 
 
 @contextlib.contextmanager
@@ -138,11 +171,15 @@ def copy_compute_overlap(profiler, steps: int) -> dict:
     return summary
 
 
-def _shard(model: nn.Module, offload_policy) -> None:
+def _shard(model: nn.Module, offload_policy, activation_checkpointing: bool) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {"mp_policy": mp_policy}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
+    if activation_checkpointing:
+        # As torchtitan does: checkpoint each block, then shard the wrapper.
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = checkpoint_wrapper(block)
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -154,14 +191,16 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
     torch.manual_seed(0)
     model = build_model(model_name, device="cuda")
     params = sum(p.numel() for p in model.parameters())
-    if name == "resident":
-        _shard(model, None)
+    ac = checkpointed(name)
+    base = name[: -len(";ac")] if name.endswith(";ac") else name
+    if base == "resident":
+        _shard(model, None, ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    elif name == "stock_cpu_offload+fused_cpu_adamw":
-        _shard(model, CPUOffloadPolicy(pin_memory=True))
+    elif base == "stock_cpu_offload+fused_cpu_adamw":
+        _shard(model, CPUOffloadPolicy(pin_memory=True), ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif name in COHERENT_ROWS:
-        _shard(model, CoherentOffload(**COHERENT_ROWS[name]))
+        _shard(model, CoherentOffload(**COHERENT_ROWS[name]), ac)
         optimizer = OffloadOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(name))
     else:
         raise ValueError(name)
@@ -253,37 +292,98 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
     del model, optimizer, loss
     gc.collect()
     torch.cuda.empty_cache()
+    # The pinned pool keeps freed blocks for reuse; rows differ in sizes, so hand them back (29 GB
+    # a fully offloaded row: a handful would exhaust a 128 GiB host).
+    empty_pinned_cache()
     return row
 
 
 def measure_host_optimizer(numel: int = 1 << 26, repeats: int = 3) -> dict:
     """Seconds per parameter of the host work an offloaded step needs, measured here: a fused
-    CPU AdamW step (fp32 param, grad, two moments) and the bf16 cast of the result, with the
-    threads OffloadOptimizer uses. Host-memory bound, so it scales with the parameter count."""
+    CPU AdamW step (fp32 param, grad, two moments) and the bf16 cast of the result, at several
+    thread counts (OffloadOptimizer's default, all cores but one, among them); the fastest is the
+    lower bound's. Host-memory bound, so it scales with the parameter count."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads - 1))
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel)
+    adamw = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    mirror = torch.empty(numel, dtype=torch.bfloat16)
+    adamw.step()  # creates the state
+    by_threads = {}
     try:
-        param = torch.nn.Parameter(torch.randn(numel))
-        param.grad = torch.randn(numel)
-        adamw = torch.optim.AdamW([param], lr=1e-4, fused=True)
-        mirror = torch.empty(numel, dtype=torch.bfloat16)
-        adamw.step()  # creates the state
-        step_times, cast_times = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            adamw.step()
-            t1 = time.perf_counter()
-            mirror.copy_(param.detach())
-            t2 = time.perf_counter()
-            step_times.append(t1 - t0)
-            cast_times.append(t2 - t1)
+        for count in sorted({max(1, threads // 2), max(1, (3 * threads) // 4), max(1, threads - 1), threads}):
+            torch.set_num_threads(count)
+            timings = [_timed_host_step(adamw, param, mirror) for _ in range(repeats)]
+            by_threads[count] = {
+                "adamw_s_per_Gparam": round(min(step for step, _ in timings) / numel * 1e9, 4),
+                "cast_s_per_Gparam": round(min(cast for _, cast in timings) / numel * 1e9, 4),
+            }
+    finally:
+        torch.set_num_threads(threads)
+    best = min(by_threads, key=lambda count: sum(by_threads[count].values()))
+    torch.set_num_threads(best)
+    try:
+        # The same work while both link directions copy (as during an offloaded step): the DMA
+        # reads and writes host DRAM too, which the AdamW step is bound by.
+        with _link_busy() as link:
+            contended = [_timed_host_step(adamw, param, mirror) for _ in range(repeats)]
     finally:
         torch.set_num_threads(threads)
     return {
-        "adamw_s_per_Gparam": round(min(step_times) / numel * 1e9, 4),
-        "cast_s_per_Gparam": round(min(cast_times) / numel * 1e9, 4),
-        "threads": max(1, threads - 1),
+        **by_threads[best],
+        "threads": best,
+        "by_threads": by_threads,
+        "link_busy": {
+            "adamw_s_per_Gparam": round(min(step for step, _ in contended) / numel * 1e9, 4),
+            "cast_s_per_Gparam": round(min(cast for _, cast in contended) / numel * 1e9, 4),
+            "link_GBps_meanwhile": round(link.gbps, 1),
+        },
     }
+
+
+def _timed_host_step(adamw, param, mirror) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    adamw.step()
+    t1 = time.perf_counter()
+    mirror.copy_(param.detach())
+    return t1 - t0, time.perf_counter() - t1
+
+
+class _link_busy:
+    """Context: a thread copies 256 MiB pinned buffers host-to-device and device-to-host at once,
+    back to back, until exit; ``gbps`` is what it moved (both directions) per second."""
+
+    def __init__(self, nbytes: int = 256 << 20) -> None:
+        self.source = pinned_empty((nbytes,), torch.uint8)
+        self.destination = pinned_empty((nbytes,), torch.uint8)
+        self.device_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.device_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.stop = threading.Event()
+        self.moved = 0
+        self.gbps = 0.0
+
+    def _copy_until_stopped(self) -> None:
+        h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
+        while not self.stop.is_set():
+            with torch.cuda.stream(h2d):
+                self.device_in.copy_(self.source, non_blocking=True)
+            with torch.cuda.stream(d2h):
+                self.destination.copy_(self.device_out, non_blocking=True)
+            h2d.synchronize()
+            d2h.synchronize()
+            self.moved += 2 * self.source.numel()
+
+    def __enter__(self) -> "_link_busy":
+        self.thread = threading.Thread(target=self._copy_until_stopped)
+        self.started = time.perf_counter()
+        self.thread.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.gbps = self.moved / (time.perf_counter() - self.started) / 1e9
 
 
 def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict) -> float:
@@ -318,7 +418,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--rows",
-        default="resident,stock_cpu_offload+fused_cpu_adamw," + ",".join(COHERENT_ROWS),
+        default=",".join([*BASELINE_ROWS, *(f"{name};ac" for name in BASELINE_ROWS), *COHERENT_ROWS]),
     )
     parser.add_argument("--out", default="benchmarks/results/fsdp_offload.json")
     parser.add_argument("--profile", default=None, help="directory for a chrome trace of each CoherentOffload row at the first batch size")
@@ -334,10 +434,14 @@ def main(argv=None) -> int:
     bandwidth = {"h2d_GBps": report.h2d_gbps, "d2h_GBps": report.d2h_gbps, "both_GBps": report.bidirectional_gbps}
     print(f"link measured in this run: H2D {bandwidth['h2d_GBps']:.1f} GB/s, D2H {bandwidth['d2h_GBps']:.1f} GB/s, both {bandwidth['both_GBps']:.1f} GB/s")
     host = measure_host_optimizer()
-    print(f"host work measured in this run: fused AdamW {host['adamw_s_per_Gparam']:.3f} s and bf16 cast {host['cast_s_per_Gparam']:.3f} s per 1e9 params ({host['threads']} threads)")
+    print(
+        f"host work measured in this run: fused AdamW {host['adamw_s_per_Gparam']:.3f} s and bf16 cast "
+        f"{host['cast_s_per_Gparam']:.3f} s per 1e9 params ({host['threads']} threads); with the link busy "
+        f"({host['link_busy']['link_GBps_meanwhile']:.0f} GB/s both ways) {host['link_busy']['adamw_s_per_Gparam']:.3f} s "
+        f"and {host['link_busy']['cast_s_per_Gparam']:.3f} s"
+    )
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-        resident = None
         for name in args.rows.split(","):
             profile_dir = args.profile if (args.profile and name.startswith("coherent") and batch_size == int(args.batch_sizes.split(",")[0])) else None
             try:
@@ -346,19 +450,26 @@ def main(argv=None) -> int:
                 row = {"name": name, "batch_size": batch_size, "error": f"OOM: {error}"[:200]}
                 gc.collect()
                 torch.cuda.empty_cache()
-            if name == "resident" and "error" not in row:
-                resident = row
             rows.append(row)
             print(json.dumps(row), flush=True)
-        for row in rows:
-            if row["batch_size"] == batch_size and "error" not in row and resident is not None:
-                row["lower_bound_s"] = round(lower_bound(row, resident, bandwidth, host), 4)
-                row["step_over_lb"] = round(row["step_s"] / row["lower_bound_s"], 2)
-                row["peak_vs_resident"] = round(row["peak_gpu_GiB"] / resident["peak_gpu_GiB"], 2)
-                stock = next((r for r in rows if r["batch_size"] == batch_size and r["name"].startswith("stock") and "error" not in r), None)
-                if stock is not None:
-                    row["speedup_vs_stock"] = round(stock["step_s"] / row["step_s"], 2)
-    header = f"{'row':42s} {'bs':>3s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'host opt':>8s} {'peak GiB':>8s} {'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'vs stock':>8s}"
+        measured = {r["name"]: r for r in rows if r["batch_size"] == batch_size and "error" not in r}
+        resident = measured.get("resident")
+        stock = measured.get("stock_cpu_offload+fused_cpu_adamw")
+        for row in measured.values():
+            if resident is None:
+                continue
+            # A checkpointing row's GPU work includes the recompute: its LB uses resident;ac.
+            compute = measured.get("resident;ac", resident) if checkpointed(row["name"]) else resident
+            row["lower_bound_s"] = round(lower_bound(row, compute, bandwidth, host), 4)
+            row["step_over_lb"] = round(row["step_s"] / row["lower_bound_s"], 2)
+            row["lower_bound_link_busy_s"] = round(lower_bound(row, compute, bandwidth, host["link_busy"]), 4)
+            row["step_over_lb_link_busy"] = round(row["step_s"] / row["lower_bound_link_busy_s"], 2)
+            row["peak_vs_resident"] = round(row["peak_gpu_GiB"] / resident["peak_gpu_GiB"], 2)
+            if stock is not None:
+                row["speedup_vs_stock"] = round(stock["step_s"] / row["step_s"], 2)
+            if "stock_cpu_offload+fused_cpu_adamw;ac" in measured:
+                row["speedup_vs_stock_ac"] = round(measured["stock_cpu_offload+fused_cpu_adamw;ac"]["step_s"] / row["step_s"], 2)
+    header = f"{'row':42s} {'bs':>3s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'host opt':>8s} {'peak GiB':>8s} {'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'/LBc':>5s} {'vs stock':>8s}"
     print(header)
     for r in rows:
         if "error" in r:
@@ -367,7 +478,8 @@ def main(argv=None) -> int:
         print(
             f"{r['name']:42s} {r['batch_size']:>3d} {r['step_s']:7.3f} {r['fwd_s']:6.3f} {r['bwd_s']:6.3f} {r['opt_s']:6.3f} "
             f"{r['host_optimizer_s']:8.3f} {r['peak_gpu_GiB']:8.1f} {r['h2d_GB']:7.2f} {r['d2h_GB']:7.2f} "
-            f"{r.get('lower_bound_s', float('nan')):6.3f} {r.get('step_over_lb', float('nan')):5.2f} {r.get('speedup_vs_stock', float('nan')):8.2f}"
+            f"{r.get('lower_bound_s', float('nan')):6.3f} {r.get('step_over_lb', float('nan')):5.2f} "
+            f"{r.get('step_over_lb_link_busy', float('nan')):5.2f} {r.get('speedup_vs_stock', float('nan')):8.2f}"
         )
     result = {
         "benchmark": "fsdp_offload",

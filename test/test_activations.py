@@ -497,8 +497,9 @@ class TestActivationOffloadGPU(TestCase):
         offloaded_peak = self._peak_above(lambda: grads.extend(self._chain_grads(model, x)))
         for grad, reference in zip(grads, expected):
             self.assertTrue(torch.equal(grad, reference))
-        self.assertGreater(offload.stats.inflight_waits, 0)
-        # Generous: what stays is the in-flight bound, a block being made, and backward's window.
+        # (Whether the forward had to wait for the link depends on speed: under
+        # TORCH_CUDA_SANITIZER the launches are slow enough that it never does. The peak is the
+        # behaviour.) Generous: what stays is the in-flight bound, a block being made, and backward's window.
         self.assertLess(offloaded_peak, resident_peak - offload.stats.d2h_bytes // 3)
 
     def test_fully_shard_policy_gradients_and_peak(self) -> None:

@@ -343,6 +343,7 @@ class TestFSDP1GPU(TestCase):
             runs = {}
             for name, fsdp_class, kwargs in (
                 ("no_offload", StockFSDP, {}),
+                ("no_offload_orig", StockFSDP, dict(use_orig_params=True)),
                 ("coherent", FullyShardedDataParallel, dict(offload_policy=CoherentOffload(platform="discrete"))),
                 ("coherent_orig", FullyShardedDataParallel,
                  dict(offload_policy=CoherentOffload(platform="discrete"), use_orig_params=True)),
@@ -351,8 +352,12 @@ class TestFSDP1GPU(TestCase):
                 torch.manual_seed(0)
                 model = _wrap(fsdp_class, device, **kwargs)
                 runs[name] = _accumulated_grads(model, device)
-            for name in ("coherent", "coherent_orig", "stock_policy"):
-                self.assertEqual(runs[name], runs["no_offload"], atol=1e-5, rtol=1e-5, msg=name)
+            # Each against FSDP1 without offload in the same use_orig_params mode (flat parameters
+            # or the original ones: different gradient lists).
+            for name, reference in (
+                ("coherent", "no_offload"), ("coherent_orig", "no_offload_orig"), ("stock_policy", "no_offload")
+            ):
+                self.assertEqual(runs[name], runs[reference], atol=1e-5, rtol=1e-5, msg=name)
         finally:
             dist.destroy_process_group()
 

@@ -9,11 +9,15 @@ bit for bit with plain FSDP2.
 from __future__ import annotations
 
 import copy
+import gc
+import threading
 import time
+import weakref
 from unittest import mock
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from torch.testing._internal.common_utils import run_tests
@@ -21,6 +25,7 @@ from torch.testing._internal.common_utils import run_tests
 from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload import optim as optim_module
+from torch_fsdp_offload.memory import empty_cache, memory_stats
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 STEPS = 10
@@ -53,10 +58,13 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 
 
-def _shard(model: nn.Module, policy, mesh, mp_policy) -> nn.Module:
+def _shard(model: nn.Module, policy, mesh, mp_policy, activation_checkpointing: bool = False) -> nn.Module:
     kwargs = {"mesh": mesh, "mp_policy": mp_policy}
     if policy is not None:
         kwargs["offload_policy"] = policy
+    if activation_checkpointing:
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = checkpoint_wrapper(block)
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -66,6 +74,40 @@ def _shard(model: nn.Module, policy, mesh, mp_policy) -> nn.Module:
 def _batch(step: int, rank: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, 37, (2, 9), generator=generator)
+
+
+class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
+    WORLD_SIZE = 1
+
+    def test_dropped_model_and_optimizer_free_their_host_memory(self):
+        # A process that builds several models (evaluation, sweeps, benchmarks) must get each
+        # one's pinned buffers back: nothing of ours may keep a dropped model alive, and the
+        # host-step thread ends with its optimizer.
+        self.init_gloo()
+        threads_before = {thread.ident for thread in threading.enumerate()}
+
+        def train_and_drop(placement, overlap_next_forward):
+            model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer=placement), None, MixedPrecisionPolicy())
+            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap_next_forward=overlap_next_forward)
+            for step in range(2):
+                _loss(model, _batch(step, 0)).backward()
+                optim.step()
+                optim.zero_grad()
+            optim.synchronize()
+            self.assertGreater(memory_stats()["host_bytes"], 0)
+            return weakref.ref(model), weakref.ref(optim)
+
+        for placement, overlap_next_forward in (("host", False), ("host", True), (0.5, True)):
+            model_ref, optim_ref = train_and_drop(placement, overlap_next_forward)
+            gc.collect()
+            self.assertIsNone(model_ref())
+            self.assertIsNone(optim_ref())
+            empty_cache()
+            self.assertEqual(memory_stats()["host_bytes"], 0)
+        for thread in threading.enumerate():
+            if thread.ident not in threads_before:
+                thread.join(timeout=10)
+                self.assertFalse(thread.is_alive(), thread.name)
 
 
 class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
@@ -87,6 +129,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         expect_copies: bool = True,
         overlap_next_forward: bool = False,
         lr_schedule: bool = False,
+        activation_checkpointing: bool = False,
     ) -> None:
         torch.manual_seed(0)
         reference = TiedBlocksModel()
@@ -97,8 +140,8 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             if mixed_precision
             else MixedPrecisionPolicy()
         )
-        _shard(reference, None, mesh, mp_policy)
-        _shard(model, policy, mesh, mp_policy)
+        _shard(reference, None, mesh, mp_policy, activation_checkpointing)
+        _shard(model, policy, mesh, mp_policy, activation_checkpointing)
         reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
         optim = OffloadOptimizer(
             model,
@@ -211,6 +254,22 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         ), mock.patch.object(OffloadOptimizer, "_step_run", recording_step):
             self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
         self.assertEqual(widest[0], optim_module._STREAM_RUNS_IN_FLIGHT)
+
+    def test_parity_activation_checkpointing(self):
+        # Checkpointed blocks run their forward again inside backward, after FSDP's pre-backward
+        # copy-in: the recompute must read the copied-in parameters, not trigger another copy
+        # or a prefetch that overwrites a buffer still in use.
+        self.init_gloo()
+        self._run_parity(
+            policy=CoherentOffload(platform="discrete", optimizer="host", prefetch_depth=2),
+            activation_checkpointing=True,
+            overlap_next_forward=True,
+        )
+        self._run_parity(
+            policy=CoherentOffload(platform="discrete", optimizer=0.5, module_fraction=0.5),
+            activation_checkpointing=True,
+            grad_accum=2,
+        )
 
     def test_hyperparameter_change_after_overlapped_groups_raises(self):
         # Groups step during backward with the lr of that moment; changing it before step()

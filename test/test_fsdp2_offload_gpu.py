@@ -13,6 +13,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy, OffloadPolicy
 from torch.testing._internal.common_utils import run_tests, TestCase
 
@@ -23,9 +24,12 @@ from torch_fsdp_offload.models import build_model, causal_lm_loss
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 
-def _shard(model, policy):
+def _shard(model, policy, activation_checkpointing=False):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {"mp_policy": mp, "offload_policy": policy}
+    if activation_checkpointing:
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = checkpoint_wrapper(block)
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -47,14 +51,26 @@ class CoherentOffloadGPUTest(TestCase):
         dist.destroy_process_group()
         os.unlink(cls._store_file)
 
-    def _pair(self, prefetch_depth=1, module_fraction=1.0, reference_policy=None, optimizer="host", overlap_next_forward=False):
+    def _pair(
+        self,
+        prefetch_depth=1,
+        module_fraction=1.0,
+        reference_policy=None,
+        optimizer="host",
+        overlap_next_forward=False,
+        activation_checkpointing=False,
+    ):
         # The reference steps with the same fused CPU AdamW kernel (stock CPUOffloadPolicy): a
         # GPU-resident reference differs only by the optimizer kernel's rounding.
         torch.manual_seed(0)
         reference = build_model("small", device="cuda")
         model = copy.deepcopy(reference)
-        _shard(reference, reference_policy or CPUOffloadPolicy(pin_memory=True))
-        _shard(model, CoherentOffload(prefetch_depth=prefetch_depth, module_fraction=module_fraction, optimizer=optimizer))
+        _shard(reference, reference_policy or CPUOffloadPolicy(pin_memory=True), activation_checkpointing)
+        _shard(
+            model,
+            CoherentOffload(prefetch_depth=prefetch_depth, module_fraction=module_fraction, optimizer=optimizer),
+            activation_checkpointing,
+        )
         return (
             reference,
             torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True),
@@ -87,6 +103,16 @@ class CoherentOffloadGPUTest(TestCase):
             optim.synchronize()
             self._assert_params_close(model, reference)
             self.assertTrue(optim._overlap_learned)
+
+    def test_parity_with_activation_checkpointing(self):
+        # Checkpointed blocks recompute their forward inside backward, after our copy-in for
+        # backward: same losses and parameters as stock offload with the same checkpointing.
+        reference, reference_optim, model, optim = self._pair(
+            2, overlap_next_forward=True, activation_checkpointing=True
+        )
+        self._train_both(reference, reference_optim, model, optim, rtol=1e-6)
+        optim.synchronize()
+        self._assert_params_close(model, reference)
 
     def test_steps_finishing_in_next_forward_with_streamed_groups(self):
         # Half the groups streamed, the other half finishing on the host during the forward.

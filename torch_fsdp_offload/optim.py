@@ -66,7 +66,9 @@ class OffloadedGroup(Protocol):
 
 # Set on each parameter a group manages (parameters compare elementwise, so no dict keys).
 _GROUP_ATTRIBUTE = "_torch_fsdp_offload_group"
-_optimizer_by_group: "weakref.WeakKeyDictionary[OffloadedGroup, OffloadOptimizer]" = (
+# Weak both ways: a strong value would keep its key alive (the optimizer holds its groups), and
+# with them every pinned buffer of a model the user dropped.
+_optimizer_by_group: "weakref.WeakKeyDictionary[OffloadedGroup, weakref.ref[OffloadOptimizer]]" = (
     weakref.WeakKeyDictionary()
 )
 
@@ -79,7 +81,8 @@ def register_offloaded_group(group: OffloadedGroup) -> None:
 
 def notify_grads_ready(group: OffloadedGroup, *, is_last_backward: bool) -> None:
     """Called by the FSDP integration once a group's gradient copy to the host was issued."""
-    optimizer = _optimizer_by_group.get(group)
+    optimizer_ref = _optimizer_by_group.get(group)
+    optimizer = optimizer_ref() if optimizer_ref is not None else None
     if optimizer is not None:
         optimizer._on_grads_ready(group, is_last_backward)
 
@@ -243,7 +246,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             pairs = list(zip(inner.param_groups, (self.param_groups[i] for i in by_outer)))
             self._inner[owner] = (inner, pairs)
             if owner is not None:
-                _optimizer_by_group[owner] = self
+                _optimizer_by_group[owner] = weakref.ref(self)
         offloaded = sorted((o for o in self._inner if o is not None), key=lambda o: o.forward_index())
         if offloaded:
             # Stream the groups that run first in forward: their gradients land last, so a host
@@ -305,6 +308,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _worker(self) -> "_NewestFirstWorker":
         if self._executor is None:
             self._executor = _NewestFirstWorker()
+            # The thread ends with the optimizer (a process building several models must get
+            # their pinned buffers back); the callback holds the worker, not the optimizer.
+            weakref.finalize(self, self._executor.shutdown)
         return self._executor
 
     # -- steps streamed through the GPU -------------------------------------------------
@@ -726,18 +732,30 @@ class _NewestFirstWorker:
             self._ready.notify()
         return future
 
+    def shutdown(self) -> None:
+        """End the thread once the steps already submitted have run."""
+        with self._ready:
+            self._queue.appendleft(None)  # popped after every submitted step
+            self._ready.notify()
+
     def _run(self) -> None:
         while True:
             with self._ready:
                 while not self._queue:
                     self._ready.wait()
-                future, fn, args = self._queue.pop()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as error:  # handed to whoever waits on the future
-                future.set_exception(error)
+                task = self._queue.pop()
+            if task is None:
+                return
+            future, fn, args = task
+            # Nothing of a finished step stays referenced while the thread waits for the next:
+            # the step's bound method would keep its optimizer (and pinned buffers) alive.
+            del task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:  # handed to whoever waits on the future
+                    future.set_exception(error)
+            del future, fn, args
 
 
 def _zero_grads(params: Iterable[nn.Parameter], set_to_none: bool) -> None:
