@@ -21,11 +21,17 @@ def _rows(path: str) -> list[dict]:
 
 
 def plot_fsdp(results: str, out: str) -> str:
-    rows = _rows(os.path.join(results, "fsdp_offload.json"))
-    rows += [r for r in _rows(os.path.join(results, "fsdp_offload_bs16.json")) if r["name"] != "resident"]
-    names = list(dict.fromkeys(r["name"] for r in rows))
+    """Tokens/s and peak memory per micro-batch of the rows of the bs 8/16 run; each bs 4 row from
+    the most recent run that has it."""
+    sources = ["fsdp_offload_bs8_16.json", "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4.json"]
+    rows: list[dict] = []
+    for source in sources:
+        for row in _rows(os.path.join(results, source)):
+            if not any(r["name"] == row["name"] and r["batch_size"] == row["batch_size"] for r in rows):
+                rows.append(row)
+    names = list(dict.fromkeys(r["name"] for r in _rows(os.path.join(results, sources[0]))))
     batch_sizes = sorted({r["batch_size"] for r in rows})
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.8))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs, steps, peaks = [], [], []
@@ -42,31 +48,39 @@ def plot_fsdp(results: str, out: str) -> str:
         ax.set_xticklabels([f"bs {bs} x 2048" for bs in batch_sizes])
         ax.set_ylabel(label)
     handles, labels = ax_time.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(names), fontsize=8)
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
     fig.suptitle("FSDP2 anchor-1.6b on one H200 (PCIe Gen5), torch 2.11")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     path = os.path.join(out, "fsdp_offload.png")
     fig.savefig(path, dpi=110)
     return path
 
 
 def plot_fsdp_bs4(results: str, out: str) -> str:
-    """Step time against peak memory of every bs 4 row of the second session's runs."""
-    rows = _rows(os.path.join(results, "fsdp_offload_bs4.json"))
-    rows += [r for r in _rows(os.path.join(results, "fsdp_offload_bs4_combined.json")) if r["name"].startswith("coherent")]
-    resident = next(r for r in rows if r["name"] == "resident")
-    stock = next(r for r in rows if r["name"].startswith("stock"))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for row in rows:
-        ax.scatter(row["peak_gpu_GiB"], row["step_s"], s=40)
-        ax.annotate(row["name"], (row["peak_gpu_GiB"], row["step_s"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    """Step time against peak memory of the bs 4 rows measured with the current code (third
+    session), and the second session's rows it did not re-measure (hollow markers)."""
+    current = _rows(os.path.join(results, "fsdp_offload_bs4_rerun.json"))
+    current += [r for r in _rows(os.path.join(results, "fsdp_offload_bs4_ac.json")) if r["name"] not in {c["name"] for c in current}]
+    earlier = [
+        r for source in ("fsdp_offload_bs4.json", "fsdp_offload_bs4_combined.json")
+        for r in _rows(os.path.join(results, source))
+        if r["name"].startswith("coherent") and r["name"] not in {c["name"] for c in current}
+        and r["name"] != "coherent(stream)"  # measured before the streaming window: superseded
+    ]
+    resident = next(r for r in current if r["name"] == "resident")
+    stock = next(r for r in current if r["name"] == "stock_cpu_offload+fused_cpu_adamw")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for group, hollow in ((current, False), (earlier, True)):
+        for row in group:
+            ax.scatter(row["peak_gpu_GiB"], row["step_s"], s=40, facecolors="none" if hollow else None, edgecolors="C0")
+            ax.annotate(row["name"], (row["peak_gpu_GiB"], row["step_s"]), fontsize=6, xytext=(4, 2), textcoords="offset points")
     ax.axvline(resident["peak_gpu_GiB"] / 2, linestyle="--", color="grey", linewidth=1)
     ax.axhline(stock["step_s"] / 1.9, linestyle="--", color="grey", linewidth=1)
     ax.text(resident["peak_gpu_GiB"] / 2, ax.get_ylim()[1] * 0.97, " 50% of resident memory", fontsize=7, va="top")
     ax.text(ax.get_xlim()[1], stock["step_s"] / 1.9, "1.9x stock ", fontsize=7, ha="right", va="bottom")
     ax.set_xlabel("peak GPU memory (GiB)")
     ax.set_ylabel("step (s)")
-    ax.set_title("FSDP2 anchor-1.6b bs 4 x 2048 on one H200 (PCIe Gen5): targets are the lower-left box")
+    ax.set_title("FSDP2 anchor-1.6b bs 4 x 2048 on one H200 (PCIe Gen5): targets are the lower-left box", fontsize=9)
     fig.tight_layout()
     path = os.path.join(out, "fsdp_offload_bs4.png")
     fig.savefig(path, dpi=110)
@@ -74,8 +88,10 @@ def plot_fsdp_bs4(results: str, out: str) -> str:
 
 
 def plot_activations(results: str, out: str) -> str:
-    with open(os.path.join(results, "activations_bs8_long.json")) as f:
-        configs = json.load(f)["configs"]
+    configs = []
+    for source in ("activations_bs4.json", "activations_bs8_long.json"):
+        with open(os.path.join(results, source)) as f:
+            configs += json.load(f)["configs"]
     fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4))
     for ax, config in zip(axes, configs):
         for row in config["rows"]:
