@@ -368,14 +368,53 @@ class TestStepModel(TestCase):
                                8 * self.profile.block_activation_bytes - expected, delta=1)
 
     def test_streamed_state_in_transit_is_bounded(self):
-        # At most _STREAM_RUNS_IN_FLIGHT runs of fp32 state on the GPU at once, whatever is streamed.
+        # At most _STREAM_RUNS_IN_FLIGHT runs on the GPU at once, whatever is streamed; the streamed
+        # gradients went down in backward (FSDP's reduce output) and come up with their run.
         peaks = phase_peaks(self.profile, TrainingConfig(module_fraction=1.0, optimizer="stream"),
                             offloaded_blocks=8, streamed_blocks=8, activation_blocks=0)
-        grads = 8 * self.profile.block_params * self.profile.reduce_bytes
         resident_state = self.profile.other_params * (self.profile.param_bytes + self.profile.optimizer_state_bytes
                                                       + self.profile.reduce_bytes)
-        self.assertAlmostEqual(peaks["optimizer"], resident_state + grads + _STREAM_RUNS_IN_FLIGHT * _STREAM_RUN_BYTES,
-                               delta=1)
+        self.assertAlmostEqual(peaks["optimizer"], resident_state + _STREAM_RUNS_IN_FLIGHT * _STREAM_RUN_BYTES, delta=1)
+
+    def test_streamed_groups_are_whole_groups_and_their_gradients_go_down(self):
+        # OffloadOptimizer streams round(split * offloaded) whole groups: split=0.25 of 5 offloaded
+        # groups streams one group and steps four on the host (not 1.25 and 3.75).
+        quarter = self.predict(module_fraction=0.625, optimizer=0.25)
+        one_group = self.predict(module_fraction=0.625, optimizer=0.2)
+        self.assertEqual(quarter.host_optimizer_s, one_group.host_optimizer_s)
+        self.assertEqual(quarter.h2d_bytes, one_group.h2d_bytes)
+        # In backward a streamed group's gradient leaves the GPU like a host group's.
+        config = TrainingConfig(module_fraction=1.0, optimizer=0.5)
+        streamed = phase_peaks(self.profile, config, offloaded_blocks=8, streamed_blocks=4, activation_blocks=0)
+        hosted = phase_peaks(self.profile, config, offloaded_blocks=8, streamed_blocks=0, activation_blocks=0)
+        self.assertEqual(streamed["backward"], hosted["backward"])
+
+    def test_offload_must_beat_a_fitting_resident_plan_by_the_margin(self):
+        from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN, search_training
+
+        resident, offloaded = TrainingConfig(), TrainingConfig(module_fraction=0.5)
+        outcomes = set()
+        # A slower GPU optimizer makes resident slower than half offloaded (its host step is free
+        # here): from a little to a lot.
+        for gpu_optimizer_s in (0.002 * 1.2**k for k in range(40)):
+            profile = dataclasses.replace(self.profile, host_GBps=1e6, gpu_optimizer_s=gpu_optimizer_s)
+            speedup = predict_step(profile, resident, self.platform).step_s / predict_step(profile, offloaded, self.platform).step_s
+            _, (_, best) = search_training([(1, profile)], self.platform, 1e15, [resident, offloaded])
+            self.assertEqual(best.config, offloaded if speedup >= 1 + OFFLOAD_MARGIN else resident)
+            outcomes.add((speedup > 1, best.config == offloaded))
+        # Offload faster but within the margin (resident kept) and beyond it (offload picked).
+        self.assertTrue({(True, False), (True, True)} <= outcomes, outcomes)
+
+    def test_measured_host_step_rate_replaces_bandwidth_model(self):
+        # A measured seconds-per-parameter host step (fsdp_offload.py's link-busy figure) sets the
+        # host time: host-stepped parameters times the rate, whatever the host bandwidth says.
+        rate = 0.5e-9
+        profile = dataclasses.replace(self.profile, host_step_s_per_param=rate)
+        full = predict_step(profile, TrainingConfig(module_fraction=1.0), self.platform)
+        self.assertAlmostEqual(full.host_optimizer_s, 8 * self.profile.block_params * rate)
+        slow_host = dataclasses.replace(profile, host_GBps=1.0)
+        self.assertEqual(predict_step(slow_host, TrainingConfig(module_fraction=1.0), self.platform).host_optimizer_s,
+                         full.host_optimizer_s)
 
     def test_world_size_shards_state_and_adds_collectives(self):
         one = self.predict()
@@ -410,7 +449,7 @@ class TestStepModel(TestCase):
         self.assertLess(offloaded["peak_gpu_GiB"], resident["peak_gpu_GiB"])
         self.assertTrue(offloaded["host_bound"])
         self.assertAlmostEqual(resident["tokens_per_s_per_gpu"], 4 * 2048 / resident["step_s"])
-        self.assertEqual((resident["world_size"], offloaded["config"]), (2, "modules=1.00 opt=host"))
+        self.assertEqual((resident["world_size"], offloaded["config"]), (2, "modules=1.00 opt=host depth=2"))
         with self.assertRaisesRegex(TypeError, "offload must be a bool, a module fraction or a TrainingConfig"):
             predict_per_gpu("anchor-1.6b", offload="all", platform="h200-pcie")
 
@@ -463,6 +502,11 @@ class TestValidationScript(TestCase):
             TrainingConfig(module_fraction=0.625, optimizer=0.25, checkpointing=True, prefetch_depth=2),
         )
         self.assertEqual(validate.row_config({"name": "resident;ac"}, "host"), TrainingConfig(checkpointing=True))
+        # depth=1 overrides the file's default of 2, and the printed config shows it.
+        shallow = validate.row_config({"name": "coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"}, "host",
+                                      default_depth=2)
+        self.assertEqual((shallow.prefetch_depth, shallow.label), (1, "modules=0.62 opt=split0.25 ckpt"))
+        self.assertEqual(TrainingConfig(module_fraction=0.625, prefetch_depth=2).label, "modules=0.62 opt=host depth=2")
         with tempfile.TemporaryDirectory() as tmp:
             results, out = os.path.join(tmp, "fsdp_offload.json"), os.path.join(tmp, "validate.json")
             with open(results, "w", encoding="utf-8") as handle:

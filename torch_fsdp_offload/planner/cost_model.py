@@ -259,6 +259,11 @@ class TrainingProfile:
         fixed_bytes (int): GPU memory that does not depend on the plan (workspaces, allocator
             slack; the calibration residual of a measured resident peak, may be negative).
         source (str): where the figures come from (``"analytic"``, ``"measured"``, ``"calibrated"``).
+        host_step_s_per_param (float | None): seconds per host-stepped parameter of the host step
+            (AdamW plus the compute-dtype cast) measured while the link copies both ways, as it
+            does during an offloaded step (``fsdp_offload.py``'s ``host_optimizer_measured
+            ["link_busy"]``). When set it replaces the ``host_GBps`` model: the DMA's share of
+            host DRAM and the copy thread's core are already in the measurement.
     """
 
     name: str
@@ -279,6 +284,7 @@ class TrainingProfile:
     optimizer_state_bytes: int = 8
     fixed_bytes: int = 0
     source: str = "analytic"
+    host_step_s_per_param: float | None = None
 
     @property
     def total_params(self) -> int:
@@ -337,6 +343,8 @@ class TrainingConfig:
             parts.append(f"act={self.activations:.2f}")
         if self.checkpointing:
             parts.append("ckpt")
+        if self.prefetch_depth != 1:
+            parts.append(f"depth={self.prefetch_depth}")
         return " ".join(parts)
 
     def coherent_offload_kwargs(self) -> dict[str, Any] | None:
@@ -457,7 +465,9 @@ def predict_step(
 
     The host DRAM bandwidth ``profile.host_GBps`` is shared by the host step's bytes and the bytes
     the link's DMA reads and writes in host memory in the same window (parameters copied in,
-    streamed state, activations), so link traffic slows the host step.
+    streamed state, activations), so link traffic slows the host step. When the profile has
+    ``host_step_s_per_param`` (the host step measured while the link copies both ways), that
+    measured rate replaces this bandwidth model.
 
     Peak GPU memory is the largest of the phase peaks of :func:`phase_peaks` (forward end, each
     block's backward, the optimizer phase) plus ``fixed_bytes``.
@@ -483,8 +493,8 @@ def predict_step(
     n_blocks = profile.n_blocks
     offloaded_blocks = round(config.module_fraction * n_blocks)
     activation_blocks = round(config.activations * n_blocks)
-    # The split runs over parameter runs, not whole groups: fractional blocks.
-    streamed_blocks = config.optimizer_gpu_fraction * offloaded_blocks
+    # OffloadOptimizer streams whole groups, the first round(fraction * offloaded) in forward order.
+    streamed_blocks = round(config.optimizer_gpu_fraction * offloaded_blocks)
     host_blocks = offloaded_blocks - streamed_blocks
     shard = profile.block_params / world_size
     per_block_saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
@@ -550,7 +560,12 @@ def predict_step(
     link_dram_bytes = (2 * weight_bytes + streamed_grads_down + stream_up + stream_down
                        + act_forward + act_in_flight + reloaded)
     host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + link_dram_bytes
-    host_time = host_bytes * world_size / (profile.host_GBps * 1e9) if host_blocks else 0.0
+    if not host_blocks:
+        host_time = 0.0
+    elif profile.host_step_s_per_param is not None:
+        host_time = host_blocks * shard * world_size * profile.host_step_s_per_param
+    else:
+        host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
     host_tail = 0.0
     if host_blocks:
         first_landing = backward / n_blocks + (
@@ -584,7 +599,7 @@ def phase_peaks(
     config: TrainingConfig,
     *,
     offloaded_blocks: int,
-    streamed_blocks: float,
+    streamed_blocks: int,
     activation_blocks: int,
     world_size: int = 1,
     copies: bool = True,
@@ -596,13 +611,14 @@ def phase_peaks(
     * backward: the largest of the moments just before each block's backward (last block
       first). Resident blocks' activations live until their block's backward; an offloaded block's
       reload lives from when the CPU issues it, up to ``_CPU_LEAD_BLOCKS + prefetch`` blocks ahead of
-      the GPU, until its backward. Gradients of resident and streamed groups accumulate on the GPU
-      (streamed groups are stepped there); a host group's gradient is on its way down. A
+      the GPU, until its backward. Gradients of resident groups accumulate on the GPU; an
+      offloaded group's gradient (host-stepped or streamed) goes down from FSDP's reduce output
+      and is on its way down while the next block runs. A
       checkpointed block re-creates its full activations once. The backward peak is therefore not
       always at its start: with activations offloaded it comes when gradients have piled up
       beside the reloads.
-    * optimizer: resident state and gradients, the streamed groups' gradients, and at most
-      ``_STREAM_RUNS_IN_FLIGHT`` runs of ``_STREAM_RUN_BYTES`` of fp32 state in transit.
+    * optimizer: resident state and gradients, and at most ``_STREAM_RUNS_IN_FLIGHT`` runs of
+      ``_STREAM_RUN_BYTES`` in transit (each run uploads parameters, gradients and state).
 
     Every offloaded group's compute-dtype shard is copied into a staging buffer before its
     all-gather: ``prefetch_depth`` of them live beside the unsharded groups.
@@ -611,7 +627,8 @@ def phase_peaks(
         profile (TrainingProfile): the model at one micro-batch (per GPU).
         config (TrainingConfig): the knobs (prefetch depth, checkpointing).
         offloaded_blocks (int): blocks whose state lives on the host (the last in forward order).
-        streamed_blocks (float): offloaded blocks stepped on the GPU (the first offloaded ones).
+        streamed_blocks (int): offloaded blocks stepped on the GPU (the first offloaded ones;
+            ``OffloadOptimizer`` streams whole groups).
         activation_blocks (int): blocks whose activations are offloaded (the first ones).
         world_size (int): GPUs the parameters are sharded over.
         copies (bool): offloaded state crosses a link (False on UNIFIED: read in place).
@@ -648,18 +665,21 @@ def phase_peaks(
         kept = sum(saved for j in range(offloaded_acts, block + 1))
         reloaded = saved * sum(1 for j in range(max(0, block - reload_window + 1), min(block, offloaded_acts - 1) + 1))
         later = range(block + 1, n_blocks)
-        on_device = [j for j in later if j < resident_blocks + streamed_blocks or not copies]
+        on_device = [j for j in later if j < resident_blocks or not copies]
         grads = grad_shard * len(on_device)
         if block + 1 < n_blocks and block + 1 not in on_device:
-            grads += grad_shard  # the host group just finished: its gradient on its way down
+            grads += grad_shard  # the offloaded group just finished: its gradient on its way down
         recompute = profile.block_activation_bytes if config.checkpointing else 0.0
         backward = max(backward, kept + reloaded + grads + recompute)
     backward += resident_state + unsharded + staging + profile.other_activation_bytes
 
     resident_grads = resident_params * profile.reduce_bytes
     optimizer = resident_state + resident_grads
-    if streamed_blocks:
-        run_state = shard * (profile.param_bytes + profile.optimizer_state_bytes)
-        transit = min(streamed_blocks * run_state, _STREAM_RUNS_IN_FLIGHT * _STREAM_RUN_BYTES)
-        optimizer += streamed_blocks * grad_shard + transit
+    if streamed_blocks and copies:
+        # Streamed gradients went down in backward like the host groups'; each run uploads its
+        # parameters, gradients and optimizer state.
+        run_bytes = shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes)
+        optimizer += min(streamed_blocks * run_bytes, _STREAM_RUNS_IN_FLIGHT * _STREAM_RUN_BYTES)
+    elif streamed_blocks:
+        optimizer += streamed_blocks * grad_shard
     return {"forward": forward, "backward": backward, "optimizer": optimizer}

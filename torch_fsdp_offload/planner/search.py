@@ -34,6 +34,7 @@ from torch_fsdp_offload.planner.scenario import Scenario
 
 __all__ = [
     "DRAM_BOUND_UTILIZATION",
+    "OFFLOAD_MARGIN",
     "ScenarioSearch",
     "default_training_configs",
     "offload_blocked_reason",
@@ -47,6 +48,10 @@ __all__ = [
 DRAM_BOUND_UTILIZATION = 0.85
 # Predictions closer than this are treated as equal; the plan that moves fewer bytes wins.
 _TIE = 0.02
+# A plan that offloads must beat a fitting plan that moves nothing by this much to be recommended:
+# the step model's own error (docs/planner.md, "Validation"); offload pays only when it buys
+# something.
+OFFLOAD_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,8 @@ def search_training(
     Returns:
         ``(predictions, best)``: every ``(factor, prediction)``, and the fitting one with the most
         samples per second (within 2%, the one that moves the fewest bytes), or None if none fits.
+        A plan that offloads is picked over a fitting plan that moves nothing only if it is faster
+        by :data:`OFFLOAD_MARGIN` (the step model's error on our measurements).
 
     Example::
 
@@ -224,6 +231,12 @@ def search_training(
     fitting = [(f, p) for f, p in predictions if p.peak_gpu_bytes <= capacity_bytes]
     if not fitting:
         return predictions, None
+    # Offload pays only when it buys something: against a fitting plan that moves nothing, a plan
+    # that offloads must be faster by more than the step model's own error.
+    staying = [f / p.step_s for f, p in fitting if p.h2d_bytes + p.d2h_bytes == 0]
+    if staying:
+        bar = max(staying) * (1 + OFFLOAD_MARGIN)
+        fitting = [(f, p) for f, p in fitting if p.h2d_bytes + p.d2h_bytes == 0 or f / p.step_s >= bar]
     top = max(f / p.step_s for f, p in fitting)
     close = [(f, p) for f, p in fitting if f / p.step_s >= top * (1 - _TIE)]
     best = min(close, key=lambda fp: (fp[1].h2d_bytes + fp[1].d2h_bytes, fp[1].config.checkpointing, -fp[0] / fp[1].step_s))
