@@ -282,9 +282,7 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
         ),
     }
     if name in COHERENT_ROWS:
-        placement = COHERENT_ROWS[name]["optimizer"]
-        gpu_fraction = {"host": 0.0, "stream": 1.0}.get(placement, placement)
-        row["host_stepped_params"] = round(row["offloaded_params"] * (1 - gpu_fraction))
+        row["host_stepped_params"] = optimizer.stepped_numel["host"]
     elif name.startswith("stock"):
         row["host_stepped_params"] = row["offloaded_params"]
     if overlap is not None:

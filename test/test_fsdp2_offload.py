@@ -110,6 +110,31 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
                 self.assertFalse(thread.is_alive(), thread.name)
 
 
+    def test_stepped_numel_counts_whole_groups(self):
+        # optimizer=0.5 over four offloaded groups streams two whole groups, the first two in
+        # forward order (the root, then block 0); with module_fraction=0.5 every second group
+        # stays on the device.
+        self.init_gloo()
+
+        def numel(modules):
+            return sum(p.numel() for m in modules for p in m.parameters())
+
+        for module_fraction, expected in (
+            (1.0, lambda m: {"host": numel(m.blocks[1:]), "streamed": numel([m]) - numel(m.blocks[1:]), "device": 0}),
+            (0.5, lambda m: {"host": numel([m.blocks[1]]), "streamed": numel([m]) - numel(m.blocks), "device": numel([m.blocks[0], m.blocks[2]])}),
+        ):
+            model = _shard(
+                TiedBlocksModel(),
+                CoherentOffload(platform="discrete", optimizer=0.5, module_fraction=module_fraction),
+                None,
+                MixedPrecisionPolicy(),
+            )
+            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+            _loss(model, _batch(0, 0)).backward()
+            optim.step()
+            self.assertEqual(optim.stepped_numel, expected(model), msg=f"module_fraction={module_fraction}")
+
+
 class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
     WORLD_SIZE = 2
 

@@ -224,6 +224,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
         #: Seconds spent in streamed (GPU) steps in the last ``step()``, copies included.
         self.last_stream_step_seconds = 0.0
 
+    @property
+    def stepped_numel(self) -> dict[str, int]:
+        """This rank's parameter elements by where their optimizer step runs: ``"host"`` (offloaded
+        groups stepped on the CPU), ``"streamed"`` (offloaded groups stepped on the GPU in runs:
+        whole groups, the first ``round(fraction * offloaded groups)`` in forward order) and
+        ``"device"`` (groups that stay on the GPU). Streamed groups are chosen from the forward
+        order, so read this after the first forward.
+
+        Example::
+
+            >>> loss.backward(); optim.step()
+            >>> optim.stepped_numel
+            {'host': 805306368, 'streamed': 201326592, 'device': 604246016}
+        """
+        self._build()
+        counts = {"host": 0, "streamed": 0, "device": 0}
+        for owner, (inner, _) in self._inner.items():
+            where = "device" if owner is None else "streamed" if owner in self._streamed else "host"
+            counts[where] += sum(_local(param).numel() for group in inner.param_groups for param in group["params"])
+        return counts
+
     # -- inner optimizers --------------------------------------------------------------
     def _build(self) -> None:
         if self._inner is not None:
