@@ -323,7 +323,7 @@ def measure_host_optimizer(numel: int = 1 << 26, repeats: int = 3) -> dict:
     try:
         # The same work while both link directions copy (as during an offloaded step): the DMA
         # reads and writes host DRAM too, which the AdamW step is bound by.
-        with _link_busy() as link:
+        with _LinkBusy() as link:
             contended = [_timed_host_step(adamw, param, mirror) for _ in range(repeats)]
     finally:
         torch.set_num_threads(threads)
@@ -347,7 +347,7 @@ def _timed_host_step(adamw, param, mirror) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-class _link_busy:
+class _LinkBusy:
     """Context: a thread copies 256 MiB pinned buffers host-to-device and device-to-host at once,
     back to back, until exit; ``gbps`` is what it moved (both directions) per second."""
 
@@ -371,7 +371,7 @@ class _link_busy:
             d2h.synchronize()
             self.moved += 2 * self.source.numel()
 
-    def __enter__(self) -> "_link_busy":
+    def __enter__(self) -> "_LinkBusy":
         self.thread = threading.Thread(target=self._copy_until_stopped)
         self.started = time.perf_counter()
         self.thread.start()
