@@ -265,6 +265,32 @@ class TestRealModel(TestCase):
         self.assertTrue(recommended.checkpointing or recommended.kwargs is not None)
         self.assertLessEqual(recommended.predicted_peak_gpu_GiB * 2**30, result.training.capacity_bytes)
 
+    def test_memory_budget(self):
+        # anchor-1.6b at bs 4 fits an H200 resident (no offload), but not half of its resident
+        # peak: with that budget the plan offloads and its predicted peak stays inside it.
+        unconstrained = plan("anchor-1.6b", platform="h200-pcie", batch_size=4)
+        self.assertIsNone(unconstrained.recommended.kwargs)
+        budget = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14)
+        self.assertEqual(budget.training.capacity_bytes, 14 * 2**30)
+        self.assertIsNotNone(budget.recommended.kwargs)
+        self.assertGreater(budget.recommended.kwargs["module_fraction"], 0)
+        self.assertLessEqual(budget.recommended.predicted_peak_gpu_GiB, 14)
+        self.assertIn("GPU budget 14.0 GiB", budget.report())
+        # The scenario path takes the budget as its capacity.
+        talk = plan(scenario=TALK, gpu_memory_GiB=50)
+        self.assertAlmostEqual(talk.scenario.capacity_GB, 50 * 2**30 / 1e9)
+        for bad in (0, -1.0, float("nan")):
+            with self.assertRaisesRegex(ValueError, "gpu_memory_GiB must be a positive number"):
+                plan("tiny", platform="h200-pcie", gpu_memory_GiB=bad)
+
+    def test_cli_memory_budget(self):
+        code, out, _ = run_cli("--model", "anchor-1.6b", "--batch-size", "4", "--platform", "h200-pcie", "--gpu-memory-GiB", "14", "--json")
+        self.assertEqual(code, 0)
+        self.assertIsNotNone(json.loads(out)["recommended"]["kwargs"])
+        code, _, err = run_cli("--model", "tiny", "--platform", "h200-pcie", "--gpu-memory-GiB", "0")
+        self.assertEqual(code, 2)
+        self.assertIn("gpu_memory_GiB must be a positive number", err)
+
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_plan_measures_on_gpu(self):
         result = plan("small", batch_size=2, seq_len=512, microbatch_factors=(1, 2))

@@ -129,8 +129,11 @@ def _plan_model(
     compute_dtype: torch.dtype,
     measure: bool,
     world_size: int,
+    capacity_bytes: float | None,
 ) -> PlanResult:
     notes = []
+    if capacity_bytes is None:
+        capacity_bytes = platform.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM
     breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len, compute_dtype=compute_dtype)
     factors = sorted({1, *microbatch_factors})
     timings = None
@@ -173,7 +176,7 @@ def _plan_model(
         optimizer_state_GB=params * base.optimizer_state_bytes / 1e9,
         activations_GB=(base.n_blocks * base.block_activation_bytes + base.other_activation_bytes) / 1e9,
         other_GB=unsharded / 1e9,
-        capacity_GB=platform.gpu_memory_GB * _MEMORY_HEADROOM,
+        capacity_GB=capacity_bytes / 1e9,
         activations_to_dram_GB=(base.n_blocks * base.block_activation_bytes + base.other_activation_bytes) / 1e9,
         iteration_time_s=base.forward_s + base.backward_s + base.gpu_optimizer_s,
         microbatch_scaling=tuple(
@@ -196,7 +199,7 @@ def _plan_model(
     )
     search = search_scenario(scenario)
     notes.extend(_talk_notes(scenario, search))
-    capacity = platform.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM
+    capacity = capacity_bytes
     if world_size > 1:
         notes.append(
             f"per-GPU predictions for FSDP over {world_size} GPUs of one host (collectives at "
@@ -245,6 +248,7 @@ def plan(
     compute_dtype: torch.dtype = torch.bfloat16,
     measure: bool | None = None,
     world_size: int = 1,
+    gpu_memory_GiB: float | None = None,
 ) -> PlanResult:
     """Decide whether offloading pays, and how much to offload, following the talk's framework:
     memory breakdown, iteration time, the model's own DRAM bandwidth against peak, the link
@@ -270,6 +274,10 @@ def plan(
             ``platform`` is not given, i.e. the plan is for this machine).
         world_size (int): GPUs of one host FSDP shards over, for a model; the FSDP2 step
             predictions are per GPU (sharded state, all-gathers and reduce-scatters, a shared host).
+        gpu_memory_GiB (float | None): the GPU memory the step's peak must fit in: a budget below
+            the GPU's (room kept for something else, or a smaller GPU than the profile's).
+            Default: 90% of the platform's memory (the rest for the CUDA context, NCCL and
+            fragmentation).
 
     Returns:
         PlanResult: ``.report()`` (text), ``.to_dict()`` (JSON), ``.plot(path)`` (PNG), and
@@ -278,7 +286,7 @@ def plan(
 
     Raises:
         ValueError: neither or both of ``model`` and ``scenario``; no GPU and no ``platform`` for a
-            model; an unknown profile name.
+            model; an unknown profile name; ``gpu_memory_GiB`` not above 0.
         ScenarioError: a malformed scenario (the message names the key).
 
     Example::
@@ -287,13 +295,19 @@ def plan(
         >>> result.recommended.weights_offload_fraction, round(result.recommended.throughput_gain, 2)
         (0.35, 0.4)
         >>> print(plan("anchor-1.6b", platform="h200-pcie", batch_size=4).report())
+        >>> plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14).recommended.kwargs
     """
     if (model is None) == (scenario is None):
         raise ValueError("plan() needs exactly one of a model or scenario=")
+    if gpu_memory_GiB is not None and not gpu_memory_GiB > 0:
+        raise ValueError(f"gpu_memory_GiB must be a positive number of GiB, got {gpu_memory_GiB!r}")
+    capacity_bytes = None if gpu_memory_GiB is None else gpu_memory_GiB * 2**30
     if scenario is not None:
         loaded = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
         if platform is not None:
             loaded = dataclasses.replace(loaded, platform=_resolve_platform(platform, need=True))
+        if capacity_bytes is not None:
+            loaded = dataclasses.replace(loaded, capacity_GB=capacity_bytes / 1e9)
         return _plan_scenario(loaded)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -315,6 +329,7 @@ def plan(
         compute_dtype=compute_dtype,
         measure=measure,
         world_size=world_size,
+        capacity_bytes=capacity_bytes,
     )
 
 

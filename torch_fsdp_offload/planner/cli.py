@@ -6,6 +6,7 @@ Examples::
     python -m torch_fsdp_offload plan --scenario docs/examples/talk_gh200.json --json --plot plan.png
     python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4 --seq-len 2048 --platform h200-pcie
     python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4   # on a GPU: measured
+    python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4 --platform h200-pcie --gpu-memory-GiB 14
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1,2,4,8",
         help="comma-separated micro-batch multiples to time on the GPU (model only)",
     )
+    parser.add_argument(
+        "--gpu-memory-GiB",
+        type=float,
+        default=None,
+        help="GPU memory the peak must fit in (a budget, or a smaller GPU); default 90%% of the platform's",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of the report")
     parser.add_argument("--plot", metavar="FILE.png", help="write throughput against offloaded fraction (needs matplotlib)")
 
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.scenario:
-            result = plan(scenario=args.scenario, platform=args.platform)
+            result = plan(scenario=args.scenario, platform=args.platform, gpu_memory_GiB=args.gpu_memory_GiB)
         else:
             result = plan(
                 args.model,
@@ -64,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
                 seq_len=args.seq_len,
                 microbatch_factors=factors,
                 world_size=args.world_size,
+                gpu_memory_GiB=args.gpu_memory_GiB,
             )
     except (ScenarioError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

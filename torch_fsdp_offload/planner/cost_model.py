@@ -356,8 +356,9 @@ class TrainingConfig:
             kwargs.update(offload_params=False, offload_grads=False, offload_optimizer_state=False)
         else:
             kwargs["module_fraction"] = round(self.module_fraction, 4)
-            if self.optimizer != "host":
-                kwargs["optimizer"] = self.optimizer
+            # Explicit even for "host": CoherentOffload's default ("auto") streams half the groups
+            # on a discrete GPU, which is not what this setting predicted.
+            kwargs["optimizer"] = self.optimizer
         if self.prefetch_depth != 1:
             kwargs["prefetch_depth"] = self.prefetch_depth
         return kwargs
