@@ -62,6 +62,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from memory_snapshot import record_step  # noqa: E402
 from torch_fsdp_offload import CoherentOffload  # noqa: E402
 from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload  # noqa: E402
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, offload_activations  # noqa: E402
@@ -207,14 +208,17 @@ def run_row(
         for counter in ("d2h_bytes", "h2d_bytes", "reused_device_copies", "inflight_waits", "on_demand_copies"):
             row[counter] = (getattr(offload.stats, counter) - getattr(stats_before, counter)) // args.steps
         row["pinned_pool_bytes"] = offload.pinned_bytes
+        saved = (offload.stats.saved_bytes - stats_before.saved_bytes) // args.steps
+        row["offloaded_of_saved"] = row["d2h_bytes"] / max(1, saved)
     elif name == "save_on_cpu":
         row["d2h_bytes"] = row["h2d_bytes"] = save_on_cpu_bytes
     else:
         row["d2h_bytes"] = row["h2d_bytes"] = 0
+    if args.memory_snapshot:
+        # One more step, untimed, with the allocator's history recorded.
+        row["memory_at_peak"] = record_step(lambda: step([torch.cuda.Event(enable_timing=True) for _ in range(4)]))
     if profile_path is not None:
         row["profile"] = profile_steps(step, profile_path)
-    if offload is not None:
-        row["offloaded_of_saved"] = row["d2h_bytes"] / max(1, (offload.stats.saved_bytes - stats_before.saved_bytes) // args.steps)
     if offload is not None and not name.startswith("fsdp2"):
         offload.remove()
     if name == "checkpoint+offload":
@@ -464,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.5, help="fraction of blocks for the partial rows")
     parser.add_argument("--prefetch-blocks", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="profile offload(all) on the first config")
+    parser.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="after timing each row, run one more step with the allocator's history recorded and store what is "
+        "live at its peak, by allocation site (memory_at_peak)",
+    )
     args = parser.parse_args(argv)
     args.skip_rows = {name.strip() for name in args.skip_rows.split(",") if name.strip()}
     unknown = args.skip_rows - set(_PLAIN_ROWS + _FSDP_ROWS)

@@ -49,6 +49,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecision
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from memory_snapshot import record_step  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache, pinned_empty  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
@@ -171,7 +172,7 @@ def copy_compute_overlap(profiler, steps: int) -> dict:
     return summary
 
 
-def _shard(model: nn.Module, offload_policy, activation_checkpointing: bool) -> None:
+def _shard(model: nn.Module, offload_policy, activation_checkpointing: bool = False) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {"mp_policy": mp_policy}
     if offload_policy is not None:
@@ -185,7 +186,16 @@ def _shard(model: nn.Module, offload_policy, activation_checkpointing: bool) -> 
     fully_shard(model, **kwargs)
 
 
-def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, model_name: str, profile_dir=None):
+def run_row(
+    name: str,
+    batch_size: int,
+    seq_len: int,
+    steps: int,
+    warmup: int,
+    model_name: str,
+    profile_dir=None,
+    memory_snapshot: bool = False,
+):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
@@ -207,7 +217,7 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
     engine = get_transfer_engine("cuda")
     tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(0))
-    step_s, fwd_s, bwd_s, opt_s, host_s, stream_s, losses = [], [], [], [], [], [], []
+    step_s, fwd_s, bwd_s, opt_s, host_s, host_wait_s, stream_s, losses = [], [], [], [], [], [], [], []
     phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
     h2d = d2h = 0
     profiler = None
@@ -242,8 +252,18 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
             bwd_s.append(fwd_event.elapsed_time(bwd_event) / 1e3)
             opt_s.append((t1 - t0) - start_event.elapsed_time(bwd_event) / 1e3)
             host_s.append(getattr(optimizer, "last_host_step_seconds", 0.0))
+            host_wait_s.append(getattr(optimizer, "last_host_wait_seconds", 0.0))
             stream_s.append(getattr(optimizer, "last_stream_step_seconds", 0.0))
             losses.append(loss.item())
+    memory_at_peak = None
+    if memory_snapshot:
+        # One more step, untimed, with the allocator's history recorded.
+        def one_step():
+            causal_lm_loss(model(tokens), tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        memory_at_peak = record_step(one_step)
     overlap = None
     if profiler is not None:
         profiler.__exit__(None, None, None)
@@ -269,6 +289,7 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
         "bwd_s": statistics.median(bwd_s),
         "opt_s": statistics.median(opt_s),
         "host_optimizer_s": statistics.median(host_s),
+        "host_optimizer_wait_s": statistics.median(host_wait_s),
         "streamed_optimizer_s": statistics.median(stream_s),
         "peak_gpu_GiB": round(max(phase_peaks.values()) / GiB, 2),
         "peak_GiB_by_phase": {phase: round(peak / GiB, 2) for phase, peak in phase_peaks.items()},
@@ -287,6 +308,8 @@ def run_row(name: str, batch_size: int, seq_len: int, steps: int, warmup: int, m
         row["host_stepped_params"] = row["offloaded_params"]
     if overlap is not None:
         row["profile_overlap"] = overlap
+    if memory_at_peak is not None:
+        row["memory_at_peak"] = memory_at_peak
     del model, optimizer, loss
     gc.collect()
     torch.cuda.empty_cache()
@@ -420,6 +443,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default="benchmarks/results/fsdp_offload.json")
     parser.add_argument("--profile", default=None, help="directory for a chrome trace of each CoherentOffload row at the first batch size")
+    parser.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="after timing each row at the first batch size, run one more step with the allocator's history "
+        "recorded and store what is live at its peak, by allocation site (memory_at_peak)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/fsdp_offload.py needs a GPU", file=sys.stderr)
@@ -441,9 +470,13 @@ def main(argv=None) -> int:
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         for name in args.rows.split(","):
-            profile_dir = args.profile if (args.profile and name.startswith("coherent") and batch_size == int(args.batch_sizes.split(",")[0])) else None
+            first_batch_size = batch_size == int(args.batch_sizes.split(",")[0])
+            profile_dir = args.profile if (args.profile and name.startswith("coherent") and first_batch_size) else None
             try:
-                row = run_row(name, batch_size, args.seq_len, args.steps, args.warmup, args.model, profile_dir)
+                row = run_row(
+                    name, batch_size, args.seq_len, args.steps, args.warmup, args.model, profile_dir,
+                    memory_snapshot=args.memory_snapshot and first_batch_size,
+                )
             except torch.OutOfMemoryError as error:
                 row = {"name": name, "batch_size": batch_size, "error": f"OOM: {error}"[:200]}
                 gc.collect()

@@ -133,6 +133,10 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
             _loss(model, _batch(0, 0)).backward()
             optim.step()
             self.assertEqual(optim.stepped_numel, expected(model), msg=f"module_fraction={module_fraction}")
+            # The host time of the step includes its waits for gradient copies, reported apart.
+            self.assertGreater(optim.last_host_step_seconds, 0)
+            self.assertGreaterEqual(optim.last_host_wait_seconds, 0)
+            self.assertLessEqual(optim.last_host_wait_seconds, optim.last_host_step_seconds)
 
 
 class FSDP2OffloadParityTest(GlooMultiProcessTestCase):

@@ -208,6 +208,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._grad_versions: dict[OffloadedGroup, list[int]] = {}
         self._overlap_learned = False
         self._host_seconds = 0.0
+        self._host_wait_seconds = 0.0
         self._streamed: set[OffloadedGroup] = set()
         # Per streamed group: its optimizer state moved into flat pinned buffers (one per state
         # key, laid out like the master), and a same-class optimizer over device proxies.
@@ -221,6 +222,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         #: Host seconds spent stepping offloaded groups in the last ``step()`` (waits for
         #: gradient copies included), whether they ran during backward or in ``step()``.
         self.last_host_step_seconds = 0.0
+        #: The part of ``last_host_step_seconds`` spent waiting for gradient copies to land.
+        self.last_host_wait_seconds = 0.0
         #: Seconds spent in streamed (GPU) steps in the last ``step()``, copies included.
         self.last_stream_step_seconds = 0.0
 
@@ -284,11 +287,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         started = time.perf_counter()
         owner.wait_grads()
+        landed = time.perf_counter()
         with torch.profiler.record_function("torch_fsdp_offload::host_optimizer_step"):
             inner.step()
         owner.refresh_mirror()
         with self._seconds_lock:
             self._host_seconds += time.perf_counter() - started
+            self._host_wait_seconds += landed - started
 
     def _host_step_in_worker(self, owner: OffloadedGroup) -> None:
         torch.set_num_threads(self.host_threads)
@@ -657,6 +662,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._reset_cycle()
         with self._seconds_lock:
             self.last_host_step_seconds, self._host_seconds = self._host_seconds, 0.0
+            self.last_host_wait_seconds, self._host_wait_seconds = self._host_wait_seconds, 0.0
         for owner in self._inner:
             if owner is not None:
                 owner.prefetch_next_forward()

@@ -1,0 +1,72 @@
+"""The benchmarks' own arithmetic (row names, lower bounds, the memory-at-peak breakdown): CPU only.
+
+The benchmarks run on a GPU; what they compute from their measurements is checked here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import fsdp_offload  # noqa: E402
+from memory_snapshot import peak_breakdown  # noqa: E402
+
+
+def _event(action: str, addr: int, size: int, filename: str = "x.py", line: int = 1) -> dict:
+    return {"action": action, "addr": addr, "size": size, "frames": [{"filename": filename, "line": line, "name": "f"}]}
+
+
+class TestMemorySnapshot(TestCase):
+    def test_peak_breakdown_replays_the_trace(self):
+        ours = "/repo/torch_fsdp_offload/transfer.py"
+        trace = [
+            _event("alloc", 1, 100, ours, 10),
+            _event("alloc", 2, 300, "/site-packages/torch/autograd.py", 5),
+            _event("alloc", 3, 50, ours, 10),
+            _event("free_requested", 2, 300),  # the peak (450) was before this
+            _event("alloc", 4, 200, ours, 20),  # 350 now: below the peak
+        ]
+        result = peak_breakdown({"device_traces": [trace]})
+        self.assertEqual(result["peak_above_start_GiB"], round(450 / (1 << 30), 3))
+        self.assertEqual(
+            [(site["site"], site["count"]) for site in result["sites"]],
+            [("autograd.py:5:f", 1), ("transfer.py:10:f", 2)],
+        )
+
+    def test_empty_trace(self):
+        self.assertEqual(peak_breakdown({"device_traces": [[]]}), {"peak_above_start_GiB": 0.0, "sites": []})
+
+
+class TestFsdpOffloadBenchmark(TestCase):
+    def test_row_names(self):
+        self.assertTrue(fsdp_offload.checkpointed("resident;ac"))
+        self.assertTrue(fsdp_offload.checkpointed("coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"))
+        self.assertFalse(fsdp_offload.checkpointed("coherent(host;next-fwd;modules=0.625;act=0.5)"))
+        self.assertEqual(
+            fsdp_offload.optimizer_kwargs("coherent(host;next-fwd;threads=12)"),
+            {"lr": 1e-4, "fused": True, "overlap_next_forward": True, "host_threads": 12},
+        )
+        for name in fsdp_offload.COHERENT_ROWS:
+            self.assertTrue(name.startswith("coherent(") and name.endswith(")"), name)
+
+    def test_lower_bound_terms(self):
+        resident = {"fwd_s": 0.05, "bwd_s": 0.1}
+        bandwidth = {"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps": 100.0}
+        host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1}
+        row = {"name": "coherent(host;next-fwd)", "h2d_GB": 10.0, "d2h_GB": 5.0, "host_stepped_params": 2e9, "n_blocks": 8}
+        # next-fwd: the whole host work (0.6 s) may hide; it is the largest term.
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.6)
+        # Without next-fwd only the backward of all but one group hides host work.
+        row["name"] = "coherent(host)"
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.15 + 0.6 - 0.1 * 8 / 9)
+        # Nothing on the host: the link (10 GB at 50 GB/s) is the bound.
+        row["host_stepped_params"] = 0
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.2)
+
+
+if __name__ == "__main__":
+    run_tests()
