@@ -69,11 +69,16 @@ def peak_breakdown(snapshot: dict, top: int = 12) -> dict:
 
 def record_step(step: Callable[[], object], max_entries: int = 300_000) -> dict:
     """Run ``step`` once with the CUDA allocator's history recorded; return :func:`peak_breakdown`
-    plus ``allocated_at_start_GiB`` and ``max_allocated_GiB`` (both from the allocator's stats)."""
+    plus ``allocated_at_start_GiB`` and ``max_allocated_GiB`` (both from the allocator's stats).
+
+    Recording still costs host time per allocation: compare ``max_allocated_GiB`` with the peak of
+    the timed steps; where they differ, the recorded step did not reproduce that peak."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    # Python stacks only: C++ stack capture slows the host enough to change how far it runs ahead
+    # of the GPU, and with it what is live at the peak.
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
         step()
         torch.cuda.synchronize()
