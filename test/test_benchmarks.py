@@ -5,6 +5,8 @@ The benchmarks run on a GPU; what they compute from their measurements is checke
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 
@@ -52,6 +54,13 @@ class TestFsdpOffloadBenchmark(TestCase):
         )
         for name in fsdp_offload.COHERENT_ROWS:
             self.assertTrue(name.startswith("coherent(") and name.endswith(")"), name)
+        for name in fsdp_offload.DEFAULT_ROWS:
+            self.assertTrue(fsdp_offload.known_row(name), name)
+        self.assertFalse(fsdp_offload.known_row("coherent(host;typo)"))
+        # A misspelt row is refused before anything runs.
+        with self.assertRaises(SystemExit):
+            with contextlib.redirect_stderr(io.StringIO()):
+                fsdp_offload.main(["--rows", "resident,coherent(host;typo)"])
 
     def test_lower_bound_terms(self):
         resident = {"fwd_s": 0.05, "bwd_s": 0.1}
