@@ -78,13 +78,6 @@ _TARGET_OFFLOADED = 0.8
 _TARGET_LB_RATIO = 1.15
 
 
-def _forward_checkpointed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    h = model.tok_embeddings(tokens)
-    for block in model.blocks:
-        h = checkpoint(block, h, None, use_reentrant=False)
-    return model.output(model.norm(h))
-
-
 class _CheckpointedBlock(nn.Module):
     """A block run under ``torch.utils.checkpoint`` (non-reentrant): it saves only its input."""
 
@@ -153,18 +146,16 @@ def run_row(
 ) -> dict:
     offload = None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    forward: Callable[[torch.Tensor], torch.Tensor] = model
     if name == "save_on_cpu":
         context = functools.partial(save_on_cpu, pin_memory=True)
-    elif name == "checkpoint":
-        forward = functools.partial(_forward_checkpointed, model)
-    elif name == "checkpoint+offload":
-        # Each block checkpointed inside itself, so the checkpoint input is saved within the block
-        # the offload tracks (the model's blocks are put back after the row).
+    elif name.startswith("checkpoint"):
+        # Each block checkpointed inside itself (so with "+offload" the checkpoint input is saved
+        # within the block the offload tracks); the model's blocks are put back after the row.
         original_blocks = list(model.blocks)
         for index, block in enumerate(original_blocks):
             model.blocks[index] = _CheckpointedBlock(block)
-        offload = offload_activations(model, prefetch_blocks=args.prefetch_blocks)
+        if name == "checkpoint+offload":
+            offload = offload_activations(model, prefetch_blocks=args.prefetch_blocks)
     elif name.startswith("offload"):
         offload = offload_activations(
             model, fraction=args.fraction if "fraction" in name else 1.0, prefetch_blocks=args.prefetch_blocks
@@ -180,7 +171,7 @@ def run_row(
     def step(marks: list[torch.cuda.Event]) -> None:
         marks[0].record()
         with context():
-            loss = causal_lm_loss(forward(tokens), tokens)
+            loss = causal_lm_loss(model(tokens), tokens)
         marks[1].record()
         loss.backward()
         marks[2].record()
@@ -221,7 +212,7 @@ def run_row(
         row["profile"] = profile_steps(step, profile_path)
     if offload is not None and not name.startswith("fsdp2"):
         offload.remove()
-    if name == "checkpoint+offload":
+    if name.startswith("checkpoint"):
         for index, block in enumerate(original_blocks):
             model.blocks[index] = block
     return row

@@ -111,8 +111,7 @@ DEFAULT_ROWS = (
 
 def known_row(name: str) -> bool:
     """Whether ``run_row`` can run a row of this name."""
-    base = name[: -len(";ac")] if name.endswith(";ac") else name
-    return base in ("resident", "stock_cpu_offload+fused_cpu_adamw") or name in COHERENT_ROWS
+    return name.removesuffix(";ac") in ("resident", "stock_cpu_offload+fused_cpu_adamw") or name in COHERENT_ROWS
 
 
 def checkpointed(name: str) -> bool:
@@ -220,7 +219,7 @@ def run_row(
     model = build_model(model_name, device="cuda")
     params = sum(p.numel() for p in model.parameters())
     ac = checkpointed(name)
-    base = name[: -len(";ac")] if name.endswith(";ac") else name
+    base = name.removesuffix(";ac")
     if base == "resident":
         _shard(model, None, ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

@@ -275,91 +275,81 @@ class TestFSDP1Errors(TestCase):
         self.assertEqual(_plan(managed, None, torch.device("cpu")), (None, None))
 
 
+@unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
 class TestFSDP1GPU(TestCase):
-    @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
-    def test_gpu_parity_and_half_the_bytes(self) -> None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    def setUp(self) -> None:
+        super().setUp()
         dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            torch.manual_seed(0)
-            reference = _wrap(StockFSDP, device, mixed_precision=mixed_precision,
-                              cpu_offload=CPUOffload(offload_params=True))
-            ref_losses, _, _ = _train(reference, 3, 0, device=device)
-            engine = get_transfer_engine(device)
-            engine.stats.reset()
-            model = _wrap(FullyShardedDataParallel, device, mixed_precision=mixed_precision,
-                          offload_policy=CoherentOffload(platform="discrete"))
-            losses, _, _ = _train(model, 3, 0, device=device)
-            self.assertEqual(losses, ref_losses, atol=0, rtol=0)
-            states = StockFSDP.fsdp_modules(model)
-            self.assertTrue(all(state._handle.flat_param._local_shard.is_pinned() for state in states))
-            self.assertGreater(engine.stats.d2h_bytes, 0)
-            # Cast before copy: one forward moves 2 bytes (bf16) per shard element, not 4.
-            engine.stats.reset()
-            with torch.no_grad():
-                model(torch.zeros(1, 8, dtype=torch.long, device=device))
-            torch.cuda.synchronize()
-            numel = sum(state._handle.flat_param._local_shard.numel() for state in states)
-            self.assertEqual(engine.stats.h2d_bytes, 2 * numel)
-        finally:
-            dist.destroy_process_group()
+        self.device = torch.device("cuda", torch.cuda.current_device())
 
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+        super().tearDown()
 
-    @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
+    def test_gpu_parity_and_half_the_bytes(self) -> None:
+        mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        torch.manual_seed(0)
+        reference = _wrap(StockFSDP, self.device, mixed_precision=mixed_precision,
+                          cpu_offload=CPUOffload(offload_params=True))
+        ref_losses, _, _ = _train(reference, 3, 0, device=self.device)
+        engine = get_transfer_engine(self.device)
+        engine.stats.reset()
+        model = _wrap(FullyShardedDataParallel, self.device, mixed_precision=mixed_precision,
+                      offload_policy=CoherentOffload(platform="discrete"))
+        losses, _, _ = _train(model, 3, 0, device=self.device)
+        self.assertEqual(losses, ref_losses, atol=0, rtol=0)
+        states = StockFSDP.fsdp_modules(model)
+        self.assertTrue(all(state._handle.flat_param._local_shard.is_pinned() for state in states))
+        self.assertGreater(engine.stats.d2h_bytes, 0)
+        # Cast before copy: one forward moves 2 bytes (bf16) per shard element, not 4.
+        engine.stats.reset()
+        with torch.no_grad():
+            model(torch.zeros(1, 8, dtype=torch.long, device=self.device))
+        torch.cuda.synchronize()
+        numel = sum(state._handle.flat_param._local_shard.numel() for state in states)
+        self.assertEqual(engine.stats.h2d_bytes, 2 * numel)
+
     def test_gpu_use_orig_params_matches_stock(self) -> None:
         # The front door against stock FSDP1 in the same use_orig_params mode; both step with
         # the same CPU AdamW, so to 1e-6. (On the H200 the two modes themselves differ by up to
         # 7.5e-5 relative in loss by step 5 with bf16 compute, stock and front door alike.)
-        device = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            runs = {}
-            for name, fsdp_class, kwargs in (
-                ("stock_orig", StockFSDP, dict(cpu_offload=CPUOffload(True), use_orig_params=True)),
-                ("coherent_orig", FullyShardedDataParallel,
-                 dict(offload_policy=CoherentOffload(platform="discrete"), use_orig_params=True)),
-            ):
-                torch.manual_seed(0)
-                model = _wrap(fsdp_class, device, mixed_precision=mixed_precision, **kwargs)
-                runs[name] = _train(model, STEPS, 0, clip=0.5, device=device)[:2]
-            self.assertEqual(runs["coherent_orig"], runs["stock_orig"], atol=0, rtol=1e-6)
-            model.zero_grad(set_to_none=True)
-            model(torch.zeros(1, 8, dtype=torch.long, device=device))
-            self.assertTrue(all(param.grad is None for param in model.parameters()))
-        finally:
-            dist.destroy_process_group()
+        mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        runs = {}
+        for name, fsdp_class, kwargs in (
+            ("stock_orig", StockFSDP, dict(cpu_offload=CPUOffload(True), use_orig_params=True)),
+            ("coherent_orig", FullyShardedDataParallel,
+             dict(offload_policy=CoherentOffload(platform="discrete"), use_orig_params=True)),
+        ):
+            torch.manual_seed(0)
+            model = _wrap(fsdp_class, self.device, mixed_precision=mixed_precision, **kwargs)
+            runs[name] = _train(model, STEPS, 0, clip=0.5, device=self.device)[:2]
+        self.assertEqual(runs["coherent_orig"], runs["stock_orig"], atol=0, rtol=1e-6)
+        model.zero_grad(set_to_none=True)
+        model(torch.zeros(1, 8, dtype=torch.long, device=self.device))
+        self.assertTrue(all(param.grad is None for param in model.parameters()))
 
-
-    @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_gpu_accumulation_outside_no_sync(self) -> None:
         # Stock FSDP1 with CPU offload drops the first backward's gradient here (its TODO in
         # prepare_gradient_for_backward); the front door must match FSDP1 without offload. fp32
         # and world size 1 (FSDP1 runs NO_SHARD): the offloaded run steps on the host, so 1e-5.
-        device = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            runs = {}
-            for name, fsdp_class, kwargs in (
-                ("no_offload", StockFSDP, {}),
-                ("no_offload_orig", StockFSDP, dict(use_orig_params=True)),
-                ("coherent", FullyShardedDataParallel, dict(offload_policy=CoherentOffload(platform="discrete"))),
-                ("coherent_orig", FullyShardedDataParallel,
-                 dict(offload_policy=CoherentOffload(platform="discrete"), use_orig_params=True)),
-                ("stock_policy", FullyShardedDataParallel, dict(offload_policy=CPUOffloadPolicy())),
-            ):
-                torch.manual_seed(0)
-                model = _wrap(fsdp_class, device, **kwargs)
-                runs[name] = _accumulated_grads(model, device)
-            # Each against FSDP1 without offload in the same use_orig_params mode (flat parameters
-            # or the original ones: different gradient lists).
-            for name, reference in (
-                ("coherent", "no_offload"), ("coherent_orig", "no_offload_orig"), ("stock_policy", "no_offload")
-            ):
-                self.assertEqual(runs[name], runs[reference], atol=1e-5, rtol=1e-5, msg=name)
-        finally:
-            dist.destroy_process_group()
+        runs = {}
+        for name, fsdp_class, kwargs in (
+            ("no_offload", StockFSDP, {}),
+            ("no_offload_orig", StockFSDP, dict(use_orig_params=True)),
+            ("coherent", FullyShardedDataParallel, dict(offload_policy=CoherentOffload(platform="discrete"))),
+            ("coherent_orig", FullyShardedDataParallel,
+             dict(offload_policy=CoherentOffload(platform="discrete"), use_orig_params=True)),
+            ("stock_policy", FullyShardedDataParallel, dict(offload_policy=CPUOffloadPolicy())),
+        ):
+            torch.manual_seed(0)
+            model = _wrap(fsdp_class, self.device, **kwargs)
+            runs[name] = _accumulated_grads(model, self.device)
+        # Each against FSDP1 without offload in the same use_orig_params mode (flat parameters
+        # or the original ones: different gradient lists).
+        for name, reference in (
+            ("coherent", "no_offload"), ("coherent_orig", "no_offload_orig"), ("stock_policy", "no_offload")
+        ):
+            self.assertEqual(runs[name], runs[reference], atol=1e-5, rtol=1e-5, msg=name)
 
 
 class TestFSDP1MultiGPU(NcclMultiProcessTestCase):
