@@ -272,6 +272,8 @@ def run_row(
             host_wait_s.append(getattr(optimizer, "last_host_wait_seconds", 0.0))
             stream_s.append(getattr(optimizer, "last_stream_step_seconds", 0.0))
             losses.append(loss.item())
+    # Counted over the timed steps only (the snapshot and profiler steps below copy too).
+    h2d_copied, d2h_copied = engine.stats.h2d_bytes, engine.stats.d2h_bytes
     memory_at_peak = None
     if memory_snapshot:
         # One more step, untimed, with the allocator's history recorded.
@@ -289,8 +291,8 @@ def run_row(
         trace = os.path.join(profile_dir, f"{name.replace('=', '').replace(',', '_')}_bs{batch_size}.trace.json")
         profiler.export_chrome_trace(trace)
     if name.startswith("coherent"):
-        h2d = engine.stats.h2d_bytes / steps
-        d2h = engine.stats.d2h_bytes / steps
+        h2d = h2d_copied / steps
+        d2h = d2h_copied / steps
     elif name.startswith("stock"):
         # FSDP copies every fp32 shard in for forward and again for backward (the root group is
         # not resharded after forward), and every fp32 gradient out.
@@ -327,8 +329,16 @@ def run_row(
         row["profile_overlap"] = overlap
     if memory_at_peak is not None:
         row["memory_at_peak"] = memory_at_peak
+    if isinstance(optimizer, OffloadOptimizer):
+        # The last step's host steps may still run (overlap_next_forward); until they end they
+        # hold the optimizer, with the resident groups' parameters and state, past the
+        # collection below, and the next row would carry them in its peak (9 GiB measured).
+        optimizer.synchronize()
     del model, optimizer, loss
     gc.collect()
+    torch.cuda.synchronize()
+    # What this row leaves allocated is in the next row's peak: recorded, so that it shows.
+    row["allocated_after_teardown_GiB"] = round(torch.cuda.memory_allocated() / GiB, 2)
     torch.cuda.empty_cache()
     # The pinned pool keeps freed blocks for reuse; rows differ in sizes, so hand them back (29 GB
     # a fully offloaded row: a handful would exhaust a 128 GiB host).
@@ -554,4 +564,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Everything is written and the process group destroyed; skip interpreter teardown, which
+    # aborted once on the GPU machine (torch 2.11, NCCL, after --memory-snapshot: "terminate called
+    # without an active exception") and would turn a finished run into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

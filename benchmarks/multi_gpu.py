@@ -242,6 +242,8 @@ def run_row(name: str, args, device: torch.device, started: float, total_bytes: 
         _log(f"{name} bs{batch_size}: {json.dumps(result)}")
         last_step_s = result["step_s"]
         batch_size *= 2
+    if isinstance(optimizer, OffloadOptimizer):
+        optimizer.synchronize()  # host steps still running would keep it (and its state) past gc
     del model, optimizer
     if dist.get_rank() == 0:  # analytic, after the timed steps; also where the ladder stopped
         for result in results:

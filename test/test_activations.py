@@ -86,6 +86,29 @@ class TestActivationOffload(TestCase):
         knobs = {"min_offload_bytes": 0, "platform": "discrete", "device": "cpu", **knobs}
         return model, offload_activations(model, **knobs)
 
+    @parametrize("keep_last_blocks", [0, 1])
+    def test_forward_without_backward_frees_its_graph(self, keep_last_blocks: int) -> None:
+        # A forward whose loss is dropped (an evaluation with grad on, a skipped step) must free
+        # everything it saved: a saved output kept as is would hold its own grad_fn, a cycle
+        # through C++ that not even gc.collect() breaks.
+        model, offload = self.offloaded_model(keep_last_blocks=keep_last_blocks)
+        outputs: list[weakref.ref] = []
+
+        def remember(module: nn.Module, args: object, output: object) -> None:
+            if isinstance(output, torch.Tensor):
+                outputs.append(weakref.ref(output))
+
+        handles = [module.register_forward_hook(remember) for module in model.modules()]
+        loss = causal_lm_loss(model(self.tokens), self.tokens)
+        self.assertGreater(offload.stats.kept_tensors, 0)
+        self.assertGreater(offload.stats.d2h_copies, 0)
+        del loss
+        gc.collect()
+        for handle in handles:
+            handle.remove()
+        self.assertGreater(len(outputs), 10)
+        self.assertEqual(sum(ref() is not None for ref in outputs), 0)
+
     @parametrize(
         "prefetch_blocks, keep_last_blocks, fraction",
         [(1, 0, 1.0), (2, 0, 1.0), (3, 1, 1.0), (1, 0.5, 1.0), (1, 0, 0.5), (2, 1, 0.5)],

@@ -9,13 +9,17 @@ import contextlib
 import io
 import os
 import sys
+import weakref
 
+import torch
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+import activations  # noqa: E402
 import fsdp_offload  # noqa: E402
 from memory_snapshot import peak_breakdown  # noqa: E402
+from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig  # noqa: E402
 
 
 def _event(action: str, addr: int, size: int, filename: str = "x.py", line: int = 1) -> dict:
@@ -41,6 +45,37 @@ class TestMemorySnapshot(TestCase):
 
     def test_empty_trace(self):
         self.assertEqual(peak_breakdown({"device_traces": [[]]}), {"peak_above_start_GiB": 0.0, "sites": []})
+
+
+class TestActivationsBenchmark(TestCase):
+    def test_counting_saved_bytes_keeps_nothing_alive(self):
+        # The count runs a forward that is never backwarded; whatever it saved must be freed, or
+        # every row measured after it carries those bytes in its peak.
+        model = build_model(TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=16))
+        outputs: list[weakref.ref] = []
+        handles = [
+            module.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+            for module in model.modules()
+        ]
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        distinct, every_save = activations._count_saved_bytes(model, tokens)
+        for handle in handles:
+            handle.remove()
+        self.assertGreater(len(outputs), 5)
+        self.assertEqual(sum(ref() is not None for ref in outputs), 0)
+        # The same counts from a forward whose graph keeps its tensors (then backwarded to free them).
+        storages, saves = {}, []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saves.append(tensor.numel() * tensor.element_size())
+            if not isinstance(tensor, torch.nn.Parameter) and not isinstance(tensor._base, torch.nn.Parameter):
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = causal_lm_loss(model(tokens), tokens)
+        loss.backward()
+        self.assertEqual((distinct, every_save), (sum(storages.values()), sum(saves)))
 
 
 class TestFsdpOffloadBenchmark(TestCase):

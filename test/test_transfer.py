@@ -330,6 +330,18 @@ class TestTransferEngineOnGPU(TestCase):
         self.assertEqual(memory_stats()["pinned_count"], before["pinned_count"])
         self.assertTrue(bool((target == 5).all()))
 
+    def test_device_buffers_live_as_long_as_their_holder(self) -> None:
+        # The engine keeps host buffers until their copy ends, never the device destination: a
+        # copied-in buffer (a block's parameters, a reloaded activation) whose holder dropped it
+        # is freed at once, not when some later copy happens to be issued.
+        host = pinned_empty(16 * MiB, torch.uint8).fill_(3)
+        transfer = self.engine.h2d(host)
+        transfer.wait()
+        torch.cuda.current_stream().synchronize()
+        before = torch.cuda.memory_allocated()
+        del transfer
+        self.assertEqual(torch.cuda.memory_allocated(), before - 16 * MiB)
+
     def test_upload_waits_for_download_of_the_same_host_buffer(self) -> None:
         staging = pinned_empty(16 * MiB, torch.uint8).fill_(0)
         source = torch.full((16 * MiB,), 9, dtype=torch.uint8, device="cuda")

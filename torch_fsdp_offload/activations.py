@@ -625,7 +625,7 @@ class ActivationOffload:
         # Saves made while backward runs (reentrant checkpoint recomputation inside the context) are
         # consumed at once by that backward: copying them would only slow it down.
         if pass_ is None or _in_backward():
-            return tensor
+            return tensor.detach()
         self._poll()
         trigger = pass_.block
         if not self._is_activation(tensor, pass_):
@@ -673,9 +673,12 @@ class ActivationOffload:
 
     def _keep(self, tensor: torch.Tensor, pass_: _Pass, trigger: int) -> Any:
         self.stats.kept_tensors += 1
+        # Detached: a saved output that held on to itself would hold its own grad_fn, a cycle
+        # through C++ that gc cannot break, so a forward never backwarded would never be freed.
+        # Unpacking re-attaches the grad_fn, so nothing is lost.
         if trigger < 0 or not pass_.any_offloaded:
-            return tensor
-        return _Kept(tensor, pass_, trigger)
+            return tensor.detach()
+        return _Kept(tensor.detach(), pass_, trigger)
 
     def _offload(self, tensor: torch.Tensor, pass_: _Pass) -> _Stored:
         stored = _Stored(pass_, pass_.block, tensor, self._pool)

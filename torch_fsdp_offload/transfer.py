@@ -145,6 +145,46 @@ def _overlaps(ranges: Iterable[tuple[int, int]], others: Iterable[tuple[int, int
     return any(start < other_end and other_start < end for start, end in ranges for other_start, other_end in others)
 
 
+class _IssuedCopy:
+    """What the engine remembers of an issued copy until it finished: its event, the stream it
+    runs on, the byte ranges it reads and writes (to order later conflicting copies after it) and
+    the host tensors it uses (kept alive). Not the device tensor: the engine must not decide how
+    long device memory lives. It was allocated on the copy stream or record_stream()-ed there, so
+    the allocator cannot hand it out before the copy ends; an engine reference would instead keep
+    every copied-in buffer (a block's parameters, a reloaded activation) alive until a later copy
+    happened to prune it."""
+
+    __slots__ = ("event", "stream", "reads", "writes", "keep_alive")
+
+    def __init__(
+        self,
+        event: torch.cuda.Event,
+        stream: torch.cuda.Stream,
+        reads: Sequence[tuple[int, int]],
+        writes: Sequence[tuple[int, int]],
+        keep_alive: Sequence[torch.Tensor],
+    ) -> None:
+        self.event = event
+        self.stream = stream
+        self.reads = tuple(reads)
+        self.writes = tuple(writes)
+        # Dropped once the event completed.
+        self.keep_alive: list[torch.Tensor] | None = list(keep_alive)
+
+    def done(self) -> bool:
+        if self.keep_alive is None:
+            return True
+        if not self.event.query():
+            return False
+        self.keep_alive = None
+        return True
+
+    def synchronize(self) -> None:
+        if self.keep_alive is not None:
+            self.event.synchronize()
+            self.keep_alive = None
+
+
 class Transfer:
     """Handle on one copy issued by a :class:`TransferEngine`.
 
@@ -173,22 +213,13 @@ class Transfer:
         *,
         label: str,
         nbytes: int,
-        event: torch.cuda.Event | None = None,
-        keep_alive: Sequence[torch.Tensor] = (),
-        reads: Sequence[tuple[int, int]] = (),
-        writes: Sequence[tuple[int, int]] = (),
-        copy_stream: torch.cuda.Stream | None = None,
+        copy: _IssuedCopy | None = None,
     ) -> None:
         self.tensor = tensor
         self.views = tuple(views)
         self.label = label
         self.nbytes = nbytes
-        self._event = event
-        # Host tensors that must outlive the copy; dropped once its event completed.
-        self._keep_alive: list[torch.Tensor] | None = list(keep_alive) if event is not None else None
-        self._reads = tuple(reads)
-        self._writes = tuple(writes)
-        self._copy_stream = copy_stream
+        self._copy = copy
 
     def done(self) -> bool:
         """Whether the copy has finished, without blocking.
@@ -202,12 +233,7 @@ class Transfer:
             >>> while not transfer.done():
             ...     pass
         """
-        if self._keep_alive is None:
-            return True
-        if not self._event.query():
-            return False
-        self._keep_alive = None
-        return True
+        return self._copy is None or self._copy.done()
 
     def synchronize(self) -> None:
         """Block the calling thread until the copy has finished.
@@ -217,9 +243,8 @@ class Transfer:
             >>> get_transfer_engine("cuda").d2h(grad, host_grad).synchronize()
             >>> host_grad.sum()  # the host sees the gradient
         """
-        if self._keep_alive is not None:
-            self._event.synchronize()
-            self._keep_alive = None
+        if self._copy is not None:
+            self._copy.synchronize()
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor | None:
         """Make the consumer wait for the copy (not for the whole copy stream); return ``tensor``.
@@ -241,7 +266,7 @@ class Transfer:
             >>> weights = get_transfer_engine("cuda").h2d(host_weights).wait()
             >>> out = inputs @ weights  # ordered after the copy on the current stream
         """
-        if self._event is None:
+        if self._copy is None:
             return self.tensor
         destination_on_host = self.tensor is None or self.tensor.device.type == "cpu"
         if stream is None and destination_on_host:
@@ -249,8 +274,8 @@ class Transfer:
             return self.tensor
         if stream is None:
             stream = torch.cuda.current_stream(self.tensor.device)
-        stream.wait_event(self._event)
-        if not destination_on_host and stream != self._copy_stream:
+        stream.wait_event(self._copy.event)
+        if not destination_on_host and stream != self._copy.stream:
             self.tensor.record_stream(stream)
         return self.tensor
 
@@ -294,7 +319,7 @@ class TransferEngine:
             self.d2h_stream = torch.cuda.Stream(self.device, priority=_COPY_STREAM_PRIORITY)
         else:
             self.h2d_stream = self.d2h_stream = None
-        self._pending: collections.deque[Transfer] = collections.deque()
+        self._pending: collections.deque[_IssuedCopy] = collections.deque()
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------------------------------- API
@@ -441,8 +466,8 @@ class TransferEngine:
             >>> engine.synchronize()
         """
         with self._lock:
-            for transfer in self._pending:
-                transfer.synchronize()
+            for copy in self._pending:
+                copy.synchronize()
             self._pending.clear()
 
     # ------------------------------------------------------------------------------- internals
@@ -509,21 +534,9 @@ class TransferEngine:
                 return Transfer(destination, views, label=label, nbytes=nbytes)
             event = torch.cuda.Event()
             event.record(stream)
-            transfer = Transfer(
-                destination,
-                views,
-                label=label,
-                nbytes=nbytes,
-                event=event,
-                # Device memory needs no reference: it was allocated on the copy stream, or
-                # record_stream above keeps the allocator from reusing it before the copy ends.
-                keep_alive=host_tensors,
-                reads=reads,
-                writes=writes,
-                copy_stream=stream,
-            )
-            self._pending.append(transfer)
-            return transfer
+            copy = _IssuedCopy(event, stream, reads, writes, keep_alive=host_tensors)
+            self._pending.append(copy)
+            return Transfer(destination, views, label=label, nbytes=nbytes, copy=copy)
 
     def _order_before_copy(
         self,
@@ -547,10 +560,10 @@ class TransferEngine:
             if earlier.done():
                 continue
             still_running.append(earlier)
-            if earlier._copy_stream == stream:
+            if earlier.stream == stream:
                 continue  # same stream: already ordered
-            if _overlaps(writes, [*earlier._reads, *earlier._writes]) or _overlaps(reads, earlier._writes):
-                stream.wait_event(earlier._event)
+            if _overlaps(writes, [*earlier.reads, *earlier.writes]) or _overlaps(reads, earlier.writes):
+                stream.wait_event(earlier.event)
         self._pending = still_running
 
     def _count(self, to_device: bool, nbytes: int) -> None:

@@ -197,13 +197,15 @@ class _SavedTensorRecorder:
     def add_bytes(self, nbytes: int) -> None:
         self.bytes_by_owner[self.owner] = self.bytes_by_owner.get(self.owner, 0) + nbytes
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensor: torch.Tensor) -> None:
+        # Nothing is kept: the traced graph is never backwarded, and a saved output kept here
+        # would keep its own grad_fn (and the graph) alive through a cycle gc cannot break.
         base = tensor._base if tensor._base is not None else tensor
         if id(base) in self.state_ids or id(tensor) in self.state_ids or id(base) in self.seen:
-            return tensor
+            return None
         self.seen[id(base)] = base  # keeps the id valid for the whole trace
         self.add_bytes(base.untyped_storage().nbytes())
-        return tensor
+        return None
 
 
 def model_breakdown(
