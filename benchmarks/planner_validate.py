@@ -52,6 +52,29 @@ TARGET_ERROR = 0.15
 # (run-to-run noise of one step time is a few percent); the strict agreement is kept too.
 AGREEMENT_TOLERANCE = 0.05
 _OUTPUT_NAME = "planner_validate.json"
+# What a torn-down benchmark row may leave allocated before its measured peak is not its own.
+_LEFTOVER_GiB = 0.25
+
+
+def leftover_before(rows: list[dict], index: int, kind: str) -> str | None:
+    """Why row ``index``'s measured peak may include memory the row before it left allocated, or None.
+
+    benchmarks/fsdp_offload.py records ``allocated_after_teardown_GiB`` per row since the fourth
+    session. Before, a row whose OffloadOptimizer still ran host steps (``next-fwd``) when it was
+    torn down kept its GPU-resident groups (``modules=`` below 1) allocated into the next row: 9.07
+    GiB measured after ``coherent(host;next-fwd;modules=0.5)`` at bs 4; the row after it peaked
+    3.0 GiB higher than alone. Such rows are shown but not counted in the peak statistic.
+    """
+    if kind != "fsdp_offload" or index == 0:
+        return None
+    previous = rows[index - 1]
+    left = previous.get("allocated_after_teardown_GiB")
+    if left is not None:
+        return f"the row before left {left:.2f} GiB allocated" if left > _LEFTOVER_GiB else None
+    name = str(previous.get("name", ""))
+    if "next-fwd" in name and "modules=" in name and "error" not in previous:
+        return f"measured after {name}, whose teardown left its resident groups allocated"
+    return None
 
 
 def _value(row: dict, *keys, default=None):
@@ -267,6 +290,7 @@ def validate_file(path: str, args) -> dict | None:
     default_depth = 1 if kind == "activations" else 2
     results = []
     agreements = []
+    run_order = [id(row) for row in data.get("rows", [])]
     for label, batch_size, seq_len, group in sorted(_groups(data, seq_len), key=lambda g: (g[1], g[0])):
         resident = next(
             (r for r in group if _value(r, "name", "row") == "resident" and "error" not in r), None
@@ -308,6 +332,10 @@ def validate_file(path: str, args) -> dict | None:
                 calibration=row is resident,
                 moves_bytes=prediction.h2d_bytes + prediction.d2h_bytes > 0,
             )
+            if id(row) in run_order:
+                leftover = leftover_before(data["rows"], run_order.index(id(row)), kind)
+                if leftover is not None:
+                    entry["peak_not_counted"] = leftover
             results.append(entry)
             predicted.append(entry)
         capacity = args.gpu_memory_GiB * GiB
@@ -347,6 +375,7 @@ def validate_file(path: str, args) -> dict | None:
 def summarize(files: list[dict]) -> dict:
     counted = [r for f in files for r in f["rows"] if "predicted_step_s" in r and not r["calibration"]]
     agreements = [a for f in files for a in f["agreements"]]
+    peak_counted = [r for r in counted if "peak_not_counted" not in r]
 
     def share(values):
         return sum(values) / len(values) if values else None
@@ -357,9 +386,11 @@ def summarize(files: list[dict]) -> dict:
         # The same with the host step at the run's measured link-busy rate (not the default).
         "step_within_target_link_busy_host_rate": share(
             [abs(r["step_error_link_busy_host_rate"]) <= TARGET_ERROR for r in counted]),
-        "peak_within_target": share([abs(r["peak_error"]) <= TARGET_ERROR for r in counted]),
+        "peak_within_target": share([abs(r["peak_error"]) <= TARGET_ERROR for r in peak_counted]),
+        "peak_rows_not_counted": len(counted) - len(peak_counted),
+        "peak_within_target_every_row": share([abs(r["peak_error"]) <= TARGET_ERROR for r in counted]),
         "mean_abs_step_error": share([abs(r["step_error"]) for r in counted]),
-        "mean_abs_peak_error": share([abs(r["peak_error"]) for r in counted]),
+        "mean_abs_peak_error": share([abs(r["peak_error"]) for r in peak_counted]),
         "recommendation_agreement": share([a["agree"] for a in agreements]),
         "recommendation_agreement_within_tolerance": share([a["agree_within_tolerance"] for a in agreements]),
         "agreement_tolerance": AGREEMENT_TOLERANCE,
@@ -378,10 +409,11 @@ def print_table(files: list[dict], summary: dict) -> None:
                 print(f"| {r['file']} | {r['group']} | {r['name']} | skipped: {r['skipped']} | | | | | | |")
                 continue
             mark = " (calibration)" if r["calibration"] else ""
+            peak_mark = " (not counted: after a leftover)" if "peak_not_counted" in r else ""
             print(
                 f"| {r['file']} | {r['group']} | {r['name']}{mark} | {r['config']} | {r['predicted_step_s']:.3f} | "
                 f"{r['measured_step_s']:.3f} | {r['step_error']:+.0%} | {r['predicted_peak_GiB']:.1f} | "
-                f"{r['measured_peak_GiB']:.1f} | {r['peak_error']:+.0%} |"
+                f"{r['measured_peak_GiB']:.1f} | {r['peak_error']:+.0%}{peak_mark} |"
             )
     print()
     print("| file | group | scope | planner picks | measured best | agree | within 5% | pick's measured step / best |")

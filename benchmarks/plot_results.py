@@ -57,15 +57,17 @@ def plot_fsdp(results: str, out: str) -> str:
 
 
 def plot_fsdp_bs4(results: str, out: str) -> str:
-    """Step time against peak memory of the bs 4 rows measured with the current code (third
-    session), and the second session's rows it did not re-measure (hollow markers)."""
-    current = _rows(os.path.join(results, "fsdp_offload_bs4_rerun.json"))
-    current += [r for r in _rows(os.path.join(results, "fsdp_offload_bs4_ac.json")) if r["name"] not in {c["name"] for c in current}]
+    """Step time against peak memory of the bs 4 rows measured with the current code (fourth
+    session; the split row measured alone, its in-sequence peak carried the previous row's
+    leftover), the third session's rows it did not re-measure, and the second session's (hollow)."""
+    current: list[dict] = []
+    for source in ("fsdp_offload_bs4_best_alone.json", "fsdp_offload_bs4_session4.json",
+                   "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4_ac.json"):
+        current += [r for r in _rows(os.path.join(results, source)) if r["name"] not in {c["name"] for c in current}]
     earlier = [
         r for source in ("fsdp_offload_bs4.json", "fsdp_offload_bs4_combined.json")
         for r in _rows(os.path.join(results, source))
         if r["name"].startswith("coherent") and r["name"] not in {c["name"] for c in current}
-        and r["name"] != "coherent(stream)"  # measured before the streaming window: superseded
     ]
     resident = next(r for r in current if r["name"] == "resident")
     stock = next(r for r in current if r["name"] == "stock_cpu_offload+fused_cpu_adamw")
@@ -89,9 +91,8 @@ def plot_fsdp_bs4(results: str, out: str) -> str:
 
 def plot_activations(results: str, out: str) -> str:
     configs = []
-    for source in ("activations_bs4.json", "activations_bs8_long.json"):
-        with open(os.path.join(results, source)) as f:
-            configs += json.load(f)["configs"]
+    with open(os.path.join(results, "activations.json")) as f:
+        configs += json.load(f)["configs"]
     fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4))
     for ax, config in zip(axes, configs):
         for row in config["rows"]:

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import activations  # noqa: E402
 import fsdp_offload  # noqa: E402
+import planner_validate  # noqa: E402
 from memory_snapshot import peak_breakdown  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig  # noqa: E402
 
@@ -76,6 +77,23 @@ class TestActivationsBenchmark(TestCase):
             loss = causal_lm_loss(model(tokens), tokens)
         loss.backward()
         self.assertEqual((distinct, every_save), (sum(storages.values()), sum(saves)))
+
+
+class TestPlannerValidate(TestCase):
+    def test_rows_after_a_leftover_are_flagged(self):
+        # Recorded teardown leftovers decide where present; before they were, a next-fwd row with
+        # GPU-resident groups is taken to have left its state allocated.
+        recorded = [{"name": "resident", "allocated_after_teardown_GiB": 0.0},
+                    {"name": "coherent(host;next-fwd;modules=0.5)", "allocated_after_teardown_GiB": 9.07},
+                    {"name": "coherent(stream)", "allocated_after_teardown_GiB": 0.01},
+                    {"name": "coherent(host)"}]
+        flags = [planner_validate.leftover_before(recorded, i, "fsdp_offload") for i in range(4)]
+        self.assertEqual([flag is not None for flag in flags], [False, False, True, False])
+        older = [{"name": "coherent(host;next-fwd;modules=0.5)"}, {"name": "coherent(stream)"},
+                 {"name": "coherent(host;next-fwd)"}, {"name": "resident"}]
+        flags = [planner_validate.leftover_before(older, i, "fsdp_offload") for i in range(4)]
+        self.assertEqual([flag is not None for flag in flags], [False, True, False, False])
+        self.assertIsNone(planner_validate.leftover_before(older, 1, "activations"))
 
 
 class TestFsdpOffloadBenchmark(TestCase):

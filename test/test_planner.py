@@ -30,7 +30,6 @@ from torch_fsdp_offload.planner import (
     ScenarioError,
     TrainingConfig,
 )
-from torch_fsdp_offload.activations import _CPU_LEAD_BLOCKS
 from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.cost_model import host_step_bytes_per_param, phase_peaks
 from torch_fsdp_offload.planner.profile import model_breakdown, training_profile
@@ -370,12 +369,12 @@ class TestStepModel(TestCase):
 
     def test_activation_offload_peak_is_in_backward_with_gradients(self):
         # With every block's activations offloaded, the backward peak is not at its start: it
-        # comes where the reload window (current + prefetch + the CPU's lead) meets the gradients
-        # already accumulated.
+        # comes where the reload window (the block in use and the one prefetched) meets the
+        # gradients already accumulated.
         config = TrainingConfig(activations=1.0)
         peaks = phase_peaks(self.profile, config, offloaded_blocks=0, streamed_blocks=0, activation_blocks=8)
         per_block, grad = self.profile.block_activation_bytes, self.profile.block_params * self.profile.reduce_bytes
-        window = 1 + 1 + _CPU_LEAD_BLOCKS
+        window = 1 + 1
         resident = phase_peaks(self.profile, TrainingConfig(), offloaded_blocks=0, streamed_blocks=0, activation_blocks=0)
         # Block window-1 is the lowest with a full window: every later block's gradient is live.
         expected = window * per_block + (8 - window) * grad

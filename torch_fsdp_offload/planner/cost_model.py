@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from torch_fsdp_offload.activations import _CPU_LEAD_BLOCKS, DEFAULT_MAX_INFLIGHT_BYTES
+from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.scenario import Scenario
@@ -611,8 +611,9 @@ def phase_peaks(
       the host still in flight (at most ``DEFAULT_MAX_INFLIGHT_BYTES``), the unsharded groups.
     * backward: the largest of the moments just before each block's backward (last block
       first). Resident blocks' activations live until their block's backward; an offloaded block's
-      reload lives from when the CPU issues it, up to ``_CPU_LEAD_BLOCKS + prefetch`` blocks ahead of
-      the GPU, until its backward. Gradients of resident groups accumulate on the GPU; an
+      reload lives from when backward reaches the block ``prefetch`` blocks after it until its own
+      backward has unpacked it. (How far the CPU runs ahead of the GPU does not count: allocated
+      bytes are freed when the host drops them, and the copy stream keeps their memory until used.) Gradients of resident groups accumulate on the GPU; an
       offloaded group's gradient (host-stepped or streamed) goes down from FSDP's reduce output
       and is on its way down while the next block runs. A
       checkpointed block re-creates its full activations once. The backward peak is therefore not
@@ -660,7 +661,7 @@ def phase_peaks(
 
     # Blocks 0 .. offloaded_acts-1 have offloaded activations; blocks resident_blocks .. n-1 have
     # offloaded state; of those, the first streamed_blocks are stepped on the GPU.
-    reload_window = 1 + _ACTIVATION_PREFETCH_BLOCKS + _CPU_LEAD_BLOCKS
+    reload_window = 1 + _ACTIVATION_PREFETCH_BLOCKS
     backward = 0.0
     for block in range(n_blocks - 1, -1, -1):
         kept = sum(saved for j in range(offloaded_acts, block + 1))
