@@ -104,6 +104,35 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
             self.assertIsNone(optim_ref())
             empty_cache()
             self.assertEqual(memory_stats()["host_bytes"], 0)
+        # Dropped while a host step still runs (no synchronize()): the step holds the optimizer
+        # until it ends; then the optimizer goes by reference count and the model at the next
+        # collection.
+        class SlowHostAdamW(torch.optim.AdamW):
+            def step(self, closure=None):
+                if threading.current_thread() is not threading.main_thread():
+                    time.sleep(0.3)
+                return super().step(closure)
+
+        model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), None, MixedPrecisionPolicy())
+        optim = OffloadOptimizer(model, SlowHostAdamW, lr=1e-2, overlap_next_forward=True)
+        for step in range(3):
+            _loss(model, _batch(step, 0)).backward()
+            optim.step()
+            optim.zero_grad()
+        still_running = any(not future.done() for future in optim._finishing.values())
+        model_ref, optim_ref = weakref.ref(model), weakref.ref(optim)
+        del model, optim
+        gc.collect()
+        self.assertTrue(still_running)
+        self.assertIsNotNone(optim_ref())
+        deadline = time.monotonic() + 10
+        while optim_ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertIsNone(optim_ref())
+        gc.collect()
+        self.assertIsNone(model_ref())
+        empty_cache()
+        self.assertEqual(memory_stats()["host_bytes"], 0)
         for thread in threading.enumerate():
             if thread.ident not in threads_before:
                 thread.join(timeout=10)

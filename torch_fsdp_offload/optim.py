@@ -673,6 +673,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Wait until every step has finished (only host steps of ``overlap_next_forward`` can
         still run after ``step()`` returned); re-raise an error a host step raised.
 
+        Call it also before dropping the model and the optimizer: a host step still running holds
+        the optimizer, and through it the groups' memory, until it ends (and the model, whose FSDP
+        state holds reference cycles, then waits for the next garbage collection).
+
         Example::
 
             >>> optim.step()
