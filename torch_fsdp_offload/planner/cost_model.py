@@ -613,10 +613,10 @@ def phase_peaks(
       first). Resident blocks' activations live until their block's backward; an offloaded block's
       reload lives from when backward reaches the block ``prefetch`` blocks after it until its own
       backward has unpacked it. (How far the CPU runs ahead of the GPU does not count: allocated
-      bytes are freed when the host drops them, and the copy stream keeps their memory until used.) Gradients of resident groups accumulate on the GPU; an
-      offloaded group's gradient (host-stepped or streamed) goes down from FSDP's reduce output
-      and is on its way down while the next block runs. A
-      checkpointed block re-creates its full activations once. The backward peak is therefore not
+      bytes are freed when the host drops them, and the copy stream keeps their memory until
+      used.) Gradients of resident groups accumulate on the GPU; an offloaded group's gradient
+      (host-stepped or streamed) goes down from FSDP's reduce output and is on its way down while
+      the next block runs. A checkpointed block re-creates its full activations once. The backward peak is therefore not
       always at its start: with activations offloaded it comes when gradients have piled up
       beside the reloads.
     * optimizer: resident state and gradients, and at most ``_STREAM_RUNS_IN_FLIGHT`` runs of
