@@ -290,7 +290,7 @@ def validate_file(path: str, args) -> dict | None:
     default_depth = 1 if kind == "activations" else 2
     results = []
     agreements = []
-    run_order = [id(row) for row in data.get("rows", [])]
+    run_position = {id(row): position for position, row in enumerate(data.get("rows", []))}
     for label, batch_size, seq_len, group in sorted(_groups(data, seq_len), key=lambda g: (g[1], g[0])):
         resident = next(
             (r for r in group if _value(r, "name", "row") == "resident" and "error" not in r), None
@@ -332,8 +332,8 @@ def validate_file(path: str, args) -> dict | None:
                 calibration=row is resident,
                 moves_bytes=prediction.h2d_bytes + prediction.d2h_bytes > 0,
             )
-            if id(row) in run_order:
-                leftover = leftover_before(data["rows"], run_order.index(id(row)), kind)
+            if id(row) in run_position:
+                leftover = leftover_before(data["rows"], run_position[id(row)], kind)
                 if leftover is not None:
                     entry["peak_not_counted"] = leftover
             results.append(entry)
