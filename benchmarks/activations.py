@@ -37,6 +37,7 @@ checked the same way, its 80% counted of what checkpointing still saves.
 
 Usage (GPU machine, one process, about 2 minutes for the defaults):
     python benchmarks/activations.py --out benchmarks/results/activations.json [--profile]
+    python benchmarks/activations.py --repeats 3 ...   # rows measured in 3 rounds, alternate ones reversed
 """
 
 from __future__ import annotations
@@ -296,9 +297,10 @@ def _measure_rows(
     save_on_cpu_bytes: int,
     config_name: str,
 ) -> list[dict]:
-    """Measure ``rows`` in order; ``build(row)`` gives the model and optimizer each row runs."""
-    results = []
-    for row_name in rows:
+    """Measure ``rows`` in ``args.repeats`` rounds; ``build(row)`` gives the model and optimizer
+    each row runs. Returns one row dict per name, in the order of ``rows``."""
+
+    def measure(row_name: str) -> dict:
         model, optimizer = build(row_name)
         if row_name == "save_on_cpu":
             # Our pinned blocks (cached for the offload rows) go back before torch's host allocator pins.
@@ -313,11 +315,30 @@ def _measure_rows(
             row_name, model, optimizer, tokens, args=args, save_on_cpu_bytes=save_on_cpu_bytes, profile_path=profile_path
         )
         row["row"] = label
-        results.append(row)
         del model, optimizer  # a fresh FSDP2 model is built for the next row: drop this one first
         if row_name == "save_on_cpu":
             _release_host_memory()
-    return results
+        return row
+
+    rounds: list[dict[str, dict]] = []
+    for round_index in range(args.repeats):
+        # Every other round runs the rows in reverse order, so that a drift over the run (clocks,
+        # the allocator's cache, the optimizer's state) favours no row.
+        order = rows if round_index % 2 == 0 else rows[::-1]
+        rounds.append({row_name: measure(row_name) for row_name in order})
+    return [_median_of_rounds([measured[row_name] for measured in rounds]) for row_name in rows]
+
+
+def _median_of_rounds(rounds: list[dict]) -> dict:
+    """One row measured in several rounds: the median of its times, the highest of its peaks."""
+    row = dict(rounds[-1])
+    if len(rounds) > 1:
+        for key in ("step_s", "forward_s", "backward_s", "optimizer_s"):
+            row[key] = statistics.median(measured[key] for measured in rounds)
+        row["step_s_rounds"] = [measured["step_s"] for measured in rounds]
+        for key in ("peak_gib", "reserved_peak_gib"):
+            row[key] = max(measured[key] for measured in rounds)
+    return row
 
 
 def run_config(batch: int, seq_len: int, args: argparse.Namespace, bandwidth: dict) -> dict:
@@ -463,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=3, help="measured steps per row (median)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per row (the first sizes the pool)")
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="rounds of the row list (every other one reversed); times are the median over the rounds",
+    )
     parser.add_argument("--fraction", type=float, default=0.5, help="fraction of blocks for the partial rows")
     parser.add_argument("--prefetch-blocks", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="profile offload(all) on the first config")
@@ -477,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = args.skip_rows - set(_PLAIN_ROWS + _FSDP_ROWS)
     if unknown:
         parser.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(_PLAIN_ROWS + _FSDP_ROWS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1 (the first warm-up step sizes the pinned pool)")
     if not 0.0 < args.fraction < 1.0:
@@ -525,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth": bandwidth,
         "steps": args.steps,
         "warmup": args.warmup,
+        "repeats": args.repeats,
         "prefetch_blocks": args.prefetch_blocks,
         "max_inflight_bytes": DEFAULT_MAX_INFLIGHT_BYTES,
         "elapsed_s": elapsed,

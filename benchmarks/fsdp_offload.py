@@ -457,6 +457,29 @@ def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict) -> float
     return max(terms)
 
 
+def add_derived_columns(rows: list[dict], batch_size: int, bandwidth: dict, host: dict) -> None:
+    """Lower bounds, peak against resident and speedups against stock, for the rows of ``batch_size``
+    measured so far (against its ``resident``, ``resident;ac`` and stock rows, where measured)."""
+    measured = {r["name"]: r for r in rows if r["batch_size"] == batch_size and "error" not in r}
+    resident = measured.get("resident")
+    if resident is None:
+        return
+    stock = measured.get("stock_cpu_offload+fused_cpu_adamw")
+    stock_ac = measured.get("stock_cpu_offload+fused_cpu_adamw;ac")
+    for row in measured.values():
+        # A checkpointing row's GPU work includes the recompute: its LB uses resident;ac.
+        compute = measured.get("resident;ac", resident) if checkpointed(row["name"]) else resident
+        row["lower_bound_s"] = round(lower_bound(row, compute, bandwidth, host), 4)
+        row["step_over_lb"] = round(row["step_s"] / row["lower_bound_s"], 2)
+        row["lower_bound_link_busy_s"] = round(lower_bound(row, compute, bandwidth, host["link_busy"]), 4)
+        row["step_over_lb_link_busy"] = round(row["step_s"] / row["lower_bound_link_busy_s"], 2)
+        row["peak_vs_resident"] = round(row["peak_gpu_GiB"] / resident["peak_gpu_GiB"], 2)
+        if stock is not None:
+            row["speedup_vs_stock"] = round(stock["step_s"] / row["step_s"], 2)
+        if stock_ac is not None:
+            row["speedup_vs_stock_ac"] = round(stock_ac["step_s"] / row["step_s"], 2)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="anchor-1.6b")
@@ -499,7 +522,8 @@ def main(argv=None) -> int:
         f"({host['link_busy']['link_GBps_meanwhile']:.0f} GB/s both ways) {host['link_busy']['adamw_s_per_Gparam']:.3f} s "
         f"and {host['link_busy']['cast_s_per_Gparam']:.3f} s"
     )
-    rows = []
+    rows: list[dict] = []
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         for name in args.rows.split(","):
             first_batch_size = batch_size == int(args.batch_sizes.split(",")[0])
@@ -515,23 +539,25 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps(row), flush=True)
-        measured = {r["name"]: r for r in rows if r["batch_size"] == batch_size and "error" not in r}
-        resident = measured.get("resident")
-        stock = measured.get("stock_cpu_offload+fused_cpu_adamw")
-        for row in measured.values():
-            if resident is None:
-                continue
-            # A checkpointing row's GPU work includes the recompute: its LB uses resident;ac.
-            compute = measured.get("resident;ac", resident) if checkpointed(row["name"]) else resident
-            row["lower_bound_s"] = round(lower_bound(row, compute, bandwidth, host), 4)
-            row["step_over_lb"] = round(row["step_s"] / row["lower_bound_s"], 2)
-            row["lower_bound_link_busy_s"] = round(lower_bound(row, compute, bandwidth, host["link_busy"]), 4)
-            row["step_over_lb_link_busy"] = round(row["step_s"] / row["lower_bound_link_busy_s"], 2)
-            row["peak_vs_resident"] = round(row["peak_gpu_GiB"] / resident["peak_gpu_GiB"], 2)
-            if stock is not None:
-                row["speedup_vs_stock"] = round(stock["step_s"] / row["step_s"], 2)
-            if "stock_cpu_offload+fused_cpu_adamw;ac" in measured:
-                row["speedup_vs_stock_ac"] = round(measured["stock_cpu_offload+fused_cpu_adamw;ac"]["step_s"] / row["step_s"], 2)
+            add_derived_columns(rows, batch_size, bandwidth, host)
+            # Written after every row, so that a run stopped by a time limit keeps what it measured.
+            with open(args.out, "w") as f:
+                json.dump(
+                    {
+                        "benchmark": "fsdp_offload",
+                        "torch": torch.__version__,
+                        "gpu": torch.cuda.get_device_name(0),
+                        "link_GBps": bandwidth,
+                        "host_optimizer_measured": host,
+                        "model": args.model,
+                        "seq_len": args.seq_len,
+                        "steps": args.steps,
+                        "warmup": args.warmup,
+                        "rows": rows,
+                    },
+                    f,
+                    indent=1,
+                )
     header = f"{'row':42s} {'bs':>3s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'host opt':>8s} {'peak GiB':>8s} {'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'/LBc':>5s} {'vs stock':>8s}"
     print(header)
     for r in rows:
@@ -544,21 +570,6 @@ def main(argv=None) -> int:
             f"{r.get('lower_bound_s', float('nan')):6.3f} {r.get('step_over_lb', float('nan')):5.2f} "
             f"{r.get('step_over_lb_link_busy', float('nan')):5.2f} {r.get('speedup_vs_stock', float('nan')):8.2f}"
         )
-    result = {
-        "benchmark": "fsdp_offload",
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0),
-        "link_GBps": bandwidth,
-        "host_optimizer_measured": host,
-        "model": args.model,
-        "seq_len": args.seq_len,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
     dist.destroy_process_group()
     return 0
 

@@ -26,6 +26,11 @@ Usage::
 
     python benchmarks/planner_validate.py --out benchmarks/results/planner_validate.json
     python benchmarks/planner_validate.py benchmarks/results/fsdp_offload.json --model anchor-1.6b
+    python benchmarks/planner_validate.py --offline FILES... --plot docs/img/planner_validate.png
+
+Besides the strict check (the pick is the measured fastest), each pick is compared with the
+planner's decision rule applied to the measured steps (``decide``: a plan that moves bytes must
+beat the fastest plan that moves nothing by ``OFFLOAD_MARGIN``).
 """
 
 from __future__ import annotations
@@ -343,13 +348,11 @@ def validate_file(path: str, args) -> dict | None:
             pool_fit = [e for e in pool if e["predicted_peak_GiB"] * GiB <= capacity]
             if len(pool) < 2 or not pool_fit:
                 continue
-            # As search_training: offload must beat a fitting plan that moves nothing by OFFLOAD_MARGIN.
-            staying = [e["predicted_step_s"] for e in pool_fit if not e["moves_bytes"]]
-            if staying:
-                bar = min(staying) / (1 + OFFLOAD_MARGIN)
-                pool_fit = [e for e in pool_fit if not e["moves_bytes"] or e["predicted_step_s"] <= bar]
-            chosen = min(pool_fit, key=lambda e: e["predicted_step_s"])
+            chosen = decide(pool_fit, "predicted_step_s")
             best = min(pool, key=lambda e: e["measured_step_s"])
+            # The same decision taken on the measured steps: what a user reading the measured
+            # table would run under the planner's rule (every measured row ran, so all fit).
+            measured_choice = decide(pool, "measured_step_s")
             pairs = [(a, b) for i, a in enumerate(pool) for b in pool[i + 1 :]]
             same_order = sum(
                 (a["predicted_step_s"] < b["predicted_step_s"]) == (a["measured_step_s"] < b["measured_step_s"]) for a, b in pairs
@@ -363,6 +366,8 @@ def validate_file(path: str, args) -> dict | None:
                     "planner_pick": chosen["name"],
                     "measured_best": best["name"],
                     "agree": chosen["name"] == best["name"],
+                    "measured_choice": measured_choice["name"],
+                    "agree_same_rule": chosen["name"] == measured_choice["name"],
                     "pick_over_best": chosen["measured_step_s"] / best["measured_step_s"],
                     "agree_within_tolerance": chosen["measured_step_s"] <= best["measured_step_s"] * (1 + AGREEMENT_TOLERANCE),
                     "pairwise_order_agreement": same_order / len(pairs),
@@ -370,6 +375,17 @@ def validate_file(path: str, args) -> dict | None:
             )
     return {"file": path, "model": model, "seq_len": seq_len, "platform": dataclasses.asdict(platform),
             "rows": results, "agreements": agreements}
+
+
+def decide(entries: list[dict], step_key: str) -> dict:
+    """The planner's decision rule (``search_training``) over ``entries`` by ``step_key``: the
+    fastest, except that a row that moves bytes must beat the fastest row that moves nothing by
+    ``OFFLOAD_MARGIN`` (offload pays only when it buys something)."""
+    staying = [e[step_key] for e in entries if not e["moves_bytes"]]
+    if staying:
+        bar = min(staying) / (1 + OFFLOAD_MARGIN)
+        entries = [e for e in entries if not e["moves_bytes"] or e[step_key] <= bar]
+    return min(entries, key=lambda e: e[step_key])
 
 
 def summarize(files: list[dict]) -> dict:
@@ -393,6 +409,8 @@ def summarize(files: list[dict]) -> dict:
         "mean_abs_peak_error": share([abs(r["peak_error"]) for r in peak_counted]),
         "recommendation_agreement": share([a["agree"] for a in agreements]),
         "recommendation_agreement_within_tolerance": share([a["agree_within_tolerance"] for a in agreements]),
+        # The pick against the same rule applied to the measured steps (see decide()).
+        "recommendation_agreement_same_rule": share([a["agree_same_rule"] for a in agreements]),
         "agreement_tolerance": AGREEMENT_TOLERANCE,
         "target_error": TARGET_ERROR,
         "target_agreement": 0.9,
@@ -416,16 +434,53 @@ def print_table(files: list[dict], summary: dict) -> None:
                 f"{r['measured_peak_GiB']:.1f} | {r['peak_error']:+.0%}{peak_mark} |"
             )
     print()
-    print("| file | group | scope | planner picks | measured best | agree | within 5% | pick's measured step / best |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| file | group | scope | planner picks | measured best | agree | within 5% | pick's measured step / best "
+          "| same rule on measured | agree |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for f in files:
         for a in f["agreements"]:
             print(
                 f"| {a['file']} | {a['group']} | {a['scope']} | {a['planner_pick']} | {a['measured_best']} | "
-                f"{'yes' if a['agree'] else 'NO'} | {'yes' if a['agree_within_tolerance'] else 'NO'} | {a['pick_over_best']:.3f} |"
+                f"{'yes' if a['agree'] else 'NO'} | {'yes' if a['agree_within_tolerance'] else 'NO'} | {a['pick_over_best']:.3f} "
+                f"| {a['measured_choice']} | {'yes' if a['agree_same_rule'] else 'NO'} |"
             )
     print()
     print(json.dumps(summary, indent=1))
+
+
+def plot_validation(files: list[dict], path: str) -> str:
+    """Predicted against measured step time and peak memory of every counted row, with the +-15%
+    band of the target; calibration rows are left out (exact by construction)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counted = [r for f in files for r in f["rows"] if "predicted_step_s" in r and not r["calibration"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, (what, unit) in zip(axes, (("step", "s"), ("peak", "GiB"))):
+        key = "step_s" if what == "step" else "peak_GiB"
+        for source in sorted({r["file"] for r in counted}):
+            rows = [r for r in counted if r["file"] == source]
+            ax.scatter([r[f"measured_{key}"] for r in rows], [r[f"predicted_{key}"] for r in rows], s=30, label=source)
+        top = max(max(r[f"measured_{key}"], r[f"predicted_{key}"]) for r in counted) * 1.05
+        line = [0.0, top]
+        ax.plot(line, line, color="black", linewidth=1)
+        for factor in (1 - TARGET_ERROR, 1 + TARGET_ERROR):
+            ax.plot(line, [factor * x for x in line], color="grey", linestyle="--", linewidth=1)
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel(f"measured {what} ({unit})")
+        ax.set_ylabel(f"predicted {what} ({unit})")
+        ax.set_title(f"{what}: {sum(abs(r[what + '_error']) <= TARGET_ERROR for r in counted)} of {len(counted)} "
+                     f"within {TARGET_ERROR:.0%} (dashed)", fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Planner step model against measured rows (benchmarks/planner_validate.py)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:
@@ -443,7 +498,14 @@ def main(argv=None) -> int:
     parser.add_argument("--host-GBps", type=float, default=None,
                         help="host optimizer bandwidth, GB/s (default: the profile's; --measure-host measures it)")
     parser.add_argument("--measure-host", action="store_true", help="measure the host optimizer bandwidth on this machine")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw predicted against measured step time and peak memory (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'torch-fsdp-offload[plot]' (or matplotlib)")
     if args.measure_host and args.offline:
         parser.error("--measure-host measures this machine; --offline validates without measuring: pick one")
     measured_host = None
@@ -489,6 +551,8 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(output, handle, indent=1)
+    if args.plot:
+        print(plot_validation(files, args.plot))
     return 0
 
 

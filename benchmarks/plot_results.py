@@ -21,9 +21,9 @@ def _rows(path: str) -> list[dict]:
 
 
 def plot_fsdp(results: str, out: str) -> str:
-    """Tokens/s and peak memory per micro-batch of the rows of the bs 8/16 run; each bs 4 row from
-    the most recent run that has it."""
-    sources = ["fsdp_offload_bs8_16.json", "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4.json"]
+    """Tokens/s and peak memory per micro-batch of the rows of the fifth session's bs 8/16 run, the
+    bs 16 row that run did not finish from its own process, and the bs 4 run."""
+    sources = ["fsdp_offload_bs8_16_session5.json", "fsdp_offload_bs16_session5.json", "fsdp_offload_bs4_session5.json"]
     rows: list[dict] = []
     for source in sources:
         for row in _rows(os.path.join(results, source)):
@@ -57,18 +57,16 @@ def plot_fsdp(results: str, out: str) -> str:
 
 
 def plot_fsdp_bs4(results: str, out: str) -> str:
-    """Step time against peak memory of the bs 4 rows measured with the current code (fourth
-    session; the split row measured alone, its in-sequence peak carried the previous row's
-    leftover), the third session's rows it did not re-measure, and the second session's (hollow)."""
-    current: list[dict] = []
-    for source in ("fsdp_offload_bs4_best_alone.json", "fsdp_offload_bs4_session4.json",
-                   "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4_ac.json"):
-        current += [r for r in _rows(os.path.join(results, source)) if r["name"] not in {c["name"] for c in current}]
-    earlier = [
-        r for source in ("fsdp_offload_bs4.json", "fsdp_offload_bs4_combined.json")
-        for r in _rows(os.path.join(results, source))
-        if r["name"].startswith("coherent") and r["name"] not in {c["name"] for c in current}
-    ]
+    """Step time against peak memory of the bs 4 rows of the fifth session's run (all in one
+    process, current code) and, hollow, rows of earlier sessions it did not re-measure."""
+    current = _rows(os.path.join(results, "fsdp_offload_bs4_session5.json"))
+    earlier: list[dict] = []
+    for source in ("fsdp_offload_bs4_session4.json", "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4_ac.json",
+                   "fsdp_offload_bs4.json", "fsdp_offload_bs4_combined.json"):
+        earlier += [
+            r for r in _rows(os.path.join(results, source))
+            if r["name"].startswith("coherent") and r["name"] not in {c["name"] for c in current + earlier}
+        ]
     resident = next(r for r in current if r["name"] == "resident")
     stock = next(r for r in current if r["name"] == "stock_cpu_offload+fused_cpu_adamw")
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -91,7 +89,7 @@ def plot_fsdp_bs4(results: str, out: str) -> str:
 
 def plot_activations(results: str, out: str) -> str:
     configs = []
-    with open(os.path.join(results, "activations.json")) as f:
+    with open(os.path.join(results, "activations_session5.json")) as f:
         configs += json.load(f)["configs"]
     fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4))
     for ax, config in zip(axes, configs):

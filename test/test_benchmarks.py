@@ -5,11 +5,14 @@ The benchmarks run on a GPU; what they compute from their measurements is checke
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
 import sys
+import tempfile
 import weakref
+from unittest import mock
 
 import torch
 from torch.testing._internal.common_utils import run_tests, TestCase
@@ -78,6 +81,34 @@ class TestActivationsBenchmark(TestCase):
         loss.backward()
         self.assertEqual((distinct, every_save), (sum(storages.values()), sum(saves)))
 
+    def test_repeated_rows_report_median_times_and_highest_peak(self):
+        def measured(step_s: float, peak_gib: float) -> dict:
+            return {"row": "checkpoint", "step_s": step_s, "forward_s": step_s / 4, "backward_s": step_s / 2,
+                    "optimizer_s": 0.01, "peak_gib": peak_gib, "reserved_peak_gib": peak_gib + 1, "d2h_bytes": 7}
+
+        row = activations._median_of_rounds([measured(0.30, 9.0), measured(0.20, 9.5), measured(0.25, 9.2)])
+        self.assertEqual(row["step_s"], 0.25)
+        self.assertEqual(row["forward_s"], 0.0625)
+        self.assertEqual(row["step_s_rounds"], [0.30, 0.20, 0.25])
+        self.assertEqual((row["peak_gib"], row["reserved_peak_gib"], row["d2h_bytes"]), (9.5, 10.5, 7))
+        # One round: the row as measured, no rounds list.
+        self.assertEqual(activations._median_of_rounds([measured(0.3, 9.0)]), measured(0.3, 9.0))
+
+    def test_rounds_alternate_the_row_order(self):
+        order: list[str] = []
+
+        def run_row(name, model, optimizer, tokens, *, args, save_on_cpu_bytes, profile_path):
+            order.append(name)
+            return {"row": name, "step_s": float(len(order)), "forward_s": 0.0, "backward_s": 0.0,
+                    "optimizer_s": 0.0, "peak_gib": 1.0, "reserved_peak_gib": 1.0}
+
+        args = argparse.Namespace(repeats=3, profile=False, profiled=False, fraction=0.5, out="unused.json")
+        with mock.patch.object(activations, "run_row", run_row), contextlib.redirect_stdout(io.StringIO()):
+            rows = activations._measure_rows(["resident", "checkpoint"], lambda name: (None, None), None, args, 0, "c")
+        self.assertEqual(order, ["resident", "checkpoint", "checkpoint", "resident", "resident", "checkpoint"])
+        self.assertEqual([(row["row"], row["step_s_rounds"]) for row in rows],
+                         [("resident", [1.0, 4.0, 5.0]), ("checkpoint", [2.0, 3.0, 6.0])])
+
 
 class TestPlannerValidate(TestCase):
     def test_rows_after_a_leftover_are_flagged(self):
@@ -94,6 +125,37 @@ class TestPlannerValidate(TestCase):
         flags = [planner_validate.leftover_before(older, i, "fsdp_offload") for i in range(4)]
         self.assertEqual([flag is not None for flag in flags], [False, True, False, False])
         self.assertIsNone(planner_validate.leftover_before(older, 1, "activations"))
+
+    def test_decision_rule_makes_offload_pay(self):
+        # The rule the planner recommends by, applied to either predicted or measured steps: a row
+        # that moves bytes wins only if it beats the fastest row that moves nothing by the margin.
+        margin = planner_validate.OFFLOAD_MARGIN
+        checkpoint = {"name": "checkpoint", "moves_bytes": False, "step": 0.346}
+        offload = {"name": "checkpoint+offload", "moves_bytes": True, "step": 0.344}
+        self.assertIs(planner_validate.decide([checkpoint, offload], "step"), checkpoint)
+        offload["step"] = 0.346 / (1 + margin) - 1e-6
+        self.assertIs(planner_validate.decide([checkpoint, offload], "step"), offload)
+        # With nothing that stays, the fastest mover.
+        other = {"name": "offload(all)", "moves_bytes": True, "step": 0.6}
+        self.assertIs(planner_validate.decide([other, offload], "step"), offload)
+
+    def test_plot_of_the_committed_round(self):
+        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = [os.path.join(results, "fsdp_offload_bs4_session5.json"), "--offline",
+                    "--out", os.path.join(tmp, "v.json"), "--plot", os.path.join(tmp, "v.png")]
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+                    planner_validate.main(argv)
+                self.assertIn("pip install", err.getvalue())
+                self.assertFalse(os.path.exists(os.path.join(tmp, "v.json")))  # refused before anything ran
+            else:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    self.assertEqual(planner_validate.main(argv), 0)
+                with open(os.path.join(tmp, "v.png"), "rb") as handle:
+                    self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
 
 
 class TestFsdpOffloadBenchmark(TestCase):
@@ -128,6 +190,28 @@ class TestFsdpOffloadBenchmark(TestCase):
         # Nothing on the host: the link (10 GB at 50 GB/s) is the bound.
         row["host_stepped_params"] = 0
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.2)
+
+    def test_derived_columns_of_the_rows_measured_so_far(self):
+        # The results are written after every row: the columns must come out right whichever rows
+        # of a batch size have been measured when a run stops.
+        bandwidth = {"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps": 100.0}
+        host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1, "link_busy": {"adamw_s_per_Gparam": 0.4, "cast_s_per_Gparam": 0.2}}
+
+        def row(name: str, step_s: float, peak: float, batch_size: int = 4) -> dict:
+            return {"name": name, "batch_size": batch_size, "step_s": step_s, "fwd_s": 0.05, "bwd_s": 0.1,
+                    "peak_gpu_GiB": peak, "h2d_GB": 0.0, "d2h_GB": 0.0, "n_blocks": 8}
+
+        rows = [row("stock_cpu_offload+fused_cpu_adamw", 0.8, 9.0)]
+        fsdp_offload.add_derived_columns(rows, 4, bandwidth, host)
+        self.assertNotIn("step_over_lb", rows[0])  # no resident row yet: nothing to compare with
+        rows += [row("resident", 0.16, 27.0), row("resident", 0.3, 35.0, batch_size=8), {"name": "x", "batch_size": 4, "error": "OOM"}]
+        fsdp_offload.add_derived_columns(rows, 4, bandwidth, host)
+        self.assertEqual(rows[0]["speedup_vs_stock"], 1.0)
+        self.assertEqual(rows[0]["peak_vs_resident"], 0.33)
+        self.assertEqual(rows[1]["speedup_vs_stock"], 5.0)
+        self.assertEqual(rows[1]["step_over_lb"], round(0.16 / 0.15, 2))
+        self.assertNotIn("speedup_vs_stock", rows[2])  # another batch size
+        self.assertNotIn("step_over_lb", rows[3])
 
 
 if __name__ == "__main__":
