@@ -92,6 +92,7 @@ COHERENT_ROWS = {
     # copies and the launching thread compete with the step for cores and memory bandwidth.
     "coherent(host;next-fwd;threads=8)": {"optimizer": "host", "prefetch_depth": 2},
     "coherent(host;next-fwd;threads=12)": {"optimizer": "host", "prefetch_depth": 2},
+    "coherent(host;next-fwd;modules=0.5;threads=12)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
 }
 # The default run: the baselines (each also with ";ac", activation checkpointing of every block)
 # and one row per optimizer placement plus the measured best at <= 50% of resident memory, about
