@@ -524,10 +524,25 @@ def main(argv=None) -> int:
         f"and {host['link_busy']['cast_s_per_Gparam']:.3f} s"
     )
     rows: list[dict] = []
+    # The rows list is filled in place; the whole result is rewritten after every row, so that a
+    # run stopped by a time limit keeps what it measured.
+    result = {
+        "benchmark": "fsdp_offload",
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "link_GBps": bandwidth,
+        "host_optimizer_measured": host,
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for batch_size in batch_sizes:
         for name in args.rows.split(","):
-            first_batch_size = batch_size == int(args.batch_sizes.split(",")[0])
+            first_batch_size = batch_size == batch_sizes[0]
             profile_dir = args.profile if (args.profile and name.startswith("coherent") and first_batch_size) else None
             try:
                 row = run_row(
@@ -541,24 +556,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             add_derived_columns(rows, batch_size, bandwidth, host)
-            # Written after every row, so that a run stopped by a time limit keeps what it measured.
             with open(args.out, "w") as f:
-                json.dump(
-                    {
-                        "benchmark": "fsdp_offload",
-                        "torch": torch.__version__,
-                        "gpu": torch.cuda.get_device_name(0),
-                        "link_GBps": bandwidth,
-                        "host_optimizer_measured": host,
-                        "model": args.model,
-                        "seq_len": args.seq_len,
-                        "steps": args.steps,
-                        "warmup": args.warmup,
-                        "rows": rows,
-                    },
-                    f,
-                    indent=1,
-                )
+                json.dump(result, f, indent=1)
     header = f"{'row':42s} {'bs':>3s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'host opt':>8s} {'peak GiB':>8s} {'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'/LBc':>5s} {'vs stock':>8s}"
     print(header)
     for r in rows:

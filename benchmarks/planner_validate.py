@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 from torch_fsdp_offload.planner import get_profile, predict_per_gpu, predict_step, TrainingConfig  # noqa: E402
 from torch_fsdp_offload.planner.profile import model_breakdown, training_profile  # noqa: E402
-from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN  # noqa: E402
+from torch_fsdp_offload.planner.search import offload_that_pays  # noqa: E402
 
 GiB = 1 << 30
 TARGET_ERROR = 0.15
@@ -379,13 +379,10 @@ def validate_file(path: str, args) -> dict | None:
 
 def decide(entries: list[dict], step_key: str) -> dict:
     """The planner's decision rule (``search_training``) over ``entries`` by ``step_key``: the
-    fastest, except that a row that moves bytes must beat the fastest row that moves nothing by
-    ``OFFLOAD_MARGIN`` (offload pays only when it buys something)."""
-    staying = [e[step_key] for e in entries if not e["moves_bytes"]]
-    if staying:
-        bar = min(staying) / (1 + OFFLOAD_MARGIN)
-        entries = [e for e in entries if not e["moves_bytes"] or e[step_key] <= bar]
-    return min(entries, key=lambda e: e[step_key])
+    fastest of :func:`offload_that_pays` (a row that moves bytes must beat the fastest row that
+    moves nothing by ``OFFLOAD_MARGIN``)."""
+    paying = offload_that_pays(entries, throughput=lambda e: 1.0 / e[step_key], moves_bytes=lambda e: e["moves_bytes"])
+    return min(paying, key=lambda e: e[step_key])
 
 
 def summarize(files: list[dict]) -> dict:

@@ -129,7 +129,8 @@ class TestPlannerValidate(TestCase):
     def test_decision_rule_makes_offload_pay(self):
         # The rule the planner recommends by, applied to either predicted or measured steps: a row
         # that moves bytes wins only if it beats the fastest row that moves nothing by the margin.
-        margin = planner_validate.OFFLOAD_MARGIN
+        from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN as margin
+
         checkpoint = {"name": "checkpoint", "moves_bytes": False, "step": 0.346}
         offload = {"name": "checkpoint+offload", "moves_bytes": True, "step": 0.344}
         self.assertIs(planner_validate.decide([checkpoint, offload], "step"), checkpoint)

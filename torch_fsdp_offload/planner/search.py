@@ -15,8 +15,9 @@ are compared).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from torch_fsdp_offload.planner.cost_model import (
     Candidate,
@@ -38,6 +39,7 @@ __all__ = [
     "ScenarioSearch",
     "default_training_configs",
     "offload_blocked_reason",
+    "offload_that_pays",
     "search_scenario",
     "search_training",
     "throughput_curves",
@@ -52,6 +54,7 @@ _TIE = 0.02
 # the step model's own error (docs/planner.md, "Validation"); offload pays only when it buys
 # something.
 OFFLOAD_MARGIN = 0.10
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,34 @@ def default_training_configs(n_blocks: int, *, checkpointing: bool = True) -> li
     return configs
 
 
+def offload_that_pays(
+    candidates: Sequence[_T], *, throughput: Callable[[_T], float], moves_bytes: Callable[[_T], bool]
+) -> list[_T]:
+    """The candidates a recommendation may come from: every one that moves nothing, and those that
+    move bytes only if their throughput beats the best that moves nothing by
+    :data:`OFFLOAD_MARGIN`: offload pays only when it buys more than the step model's own error.
+
+    Args:
+        candidates: plans, predicted or measured.
+        throughput (Callable): a candidate's samples per second (or any higher-is-faster measure).
+        moves_bytes (Callable): whether a candidate moves bytes over the link.
+
+    Returns:
+        list: the candidates that remain, in their order (all of them if none moves nothing).
+
+    Example::
+
+        >>> offload_that_pays([(1, 0.35), (1, 0.34)], throughput=lambda c: c[0] / c[1],
+        ...                   moves_bytes=lambda c: c[1] < 0.345)
+        [(1, 0.35)]
+    """
+    staying = [throughput(c) for c in candidates if not moves_bytes(c)]
+    if not staying:
+        return list(candidates)
+    bar = max(staying) * (1 + OFFLOAD_MARGIN)
+    return [c for c in candidates if not moves_bytes(c) or throughput(c) >= bar]
+
+
 def search_training(
     profiles: Sequence[tuple[float, TrainingProfile]],
     platform: PlatformProfile,
@@ -240,12 +271,9 @@ def search_training(
     fitting = [(f, p) for f, p in predictions if p.peak_gpu_bytes <= capacity_bytes]
     if not fitting:
         return predictions, None
-    # Offload pays only when it buys something: against a fitting plan that moves nothing, a plan
-    # that offloads must be faster by more than the step model's own error.
-    staying = [f / p.step_s for f, p in fitting if p.h2d_bytes + p.d2h_bytes == 0]
-    if staying:
-        bar = max(staying) * (1 + OFFLOAD_MARGIN)
-        fitting = [(f, p) for f, p in fitting if p.h2d_bytes + p.d2h_bytes == 0 or f / p.step_s >= bar]
+    fitting = offload_that_pays(
+        fitting, throughput=lambda fp: fp[0] / fp[1].step_s, moves_bytes=lambda fp: fp[1].h2d_bytes + fp[1].d2h_bytes > 0
+    )
     top = max(f / p.step_s for f, p in fitting)
     close = [(f, p) for f, p in fitting if f / p.step_s >= top * (1 - _TIE)]
     best = min(close, key=lambda fp: (fp[1].h2d_bytes + fp[1].d2h_bytes, fp[1].config.checkpointing, -fp[0] / fp[1].step_s))
