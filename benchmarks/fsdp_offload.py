@@ -93,6 +93,12 @@ COHERENT_ROWS = {
     "coherent(host;next-fwd;threads=8)": {"optimizer": "host", "prefetch_depth": 2},
     "coherent(host;next-fwd;threads=12)": {"optimizer": "host", "prefetch_depth": 2},
     "coherent(host;next-fwd;modules=0.5;threads=12)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
+    # "last=F": the policy given per module to the last F of the blocks in forward order (the
+    # others and the root keep FSDP's default), instead of module_fraction's even spread. Their
+    # gradients land first in backward, so their host steps start early and can end before the
+    # next forward reaches them (the planner's step model assumes this placement).
+    "coherent(host;next-fwd;last=0.5)": {"optimizer": "host", "prefetch_depth": 2},
+    "coherent(split=0.25;next-fwd;last=0.625;ac;depth=1)": {"optimizer": 0.25, "prefetch_depth": 1},
 }
 # The default run: the baselines (each also with ";ac", activation checkpointing of every block)
 # and one row per optimizer placement plus the measured best at <= 50% of resident memory, about
@@ -190,18 +196,25 @@ def copy_compute_overlap(profiler, steps: int) -> dict:
     return summary
 
 
-def _shard(model: nn.Module, offload_policy, activation_checkpointing: bool = False) -> None:
+def last_blocks_fraction(name: str) -> float | None:
+    """The F of a row named ``last=F`` (the policy on the last F of the blocks only), else None."""
+    last = re.search(r"last=([0-9.]+)", name)
+    return float(last.group(1)) if last is not None else None
+
+
+def _shard(model: nn.Module, offload_policy, activation_checkpointing: bool = False, last_fraction: float | None = None) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mp_policy": mp_policy}
-    if offload_policy is not None:
-        kwargs["offload_policy"] = offload_policy
     if activation_checkpointing:
         # As torchtitan does: checkpoint each block, then shard the wrapper.
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    n_blocks = len(model.blocks)
+    first_offloaded = 0 if last_fraction is None else n_blocks - round(last_fraction * n_blocks)
+    for index, block in enumerate(model.blocks):
+        policy = offload_policy if index >= first_offloaded else None
+        fully_shard(block, mp_policy=mp_policy, **({"offload_policy": policy} if policy is not None else {}))
+    root_policy = offload_policy if last_fraction is None else None
+    fully_shard(model, mp_policy=mp_policy, **({"offload_policy": root_policy} if root_policy is not None else {}))
 
 
 def run_row(
@@ -228,7 +241,7 @@ def run_row(
         _shard(model, CPUOffloadPolicy(pin_memory=True), ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif name in COHERENT_ROWS:
-        _shard(model, CoherentOffload(**COHERENT_ROWS[name]), ac)
+        _shard(model, CoherentOffload(**COHERENT_ROWS[name]), ac, last_blocks_fraction(name))
         optimizer = OffloadOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(name))
     else:
         raise ValueError(name)

@@ -114,7 +114,9 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
             knobs["prefetch_depth"] = int(value)
         elif key == "fraction":
             knobs[fraction_knob] = float(value)
-        elif key == "modules":
+        elif key in ("modules", "last"):
+            # The step model places the offloaded blocks last in forward order, which is what
+            # "last=" rows do; "modules=" rows spread them evenly (module_fraction).
             knobs["module_fraction"] = float(value)
         elif key in ("host", "stream"):
             knobs["optimizer"] = key

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests
 
 from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
@@ -58,16 +59,21 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 
 
-def _shard(model: nn.Module, policy, mesh, mp_policy, activation_checkpointing: bool = False) -> nn.Module:
+def _shard(
+    model: nn.Module, policy, mesh, mp_policy, activation_checkpointing: bool = False, last_blocks: int | None = None
+) -> nn.Module:
+    """``policy`` on every block and the root, or (``last_blocks``) per module on the last blocks
+    only, the other blocks and the root with FSDP's default."""
     kwargs = {"mesh": mesh, "mp_policy": mp_policy}
-    if policy is not None:
-        kwargs["offload_policy"] = policy
     if activation_checkpointing:
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    first_offloaded = 0 if last_blocks is None else len(model.blocks) - last_blocks
+    for index, block in enumerate(model.blocks):
+        with_policy = policy is not None and index >= first_offloaded
+        fully_shard(block, **kwargs, **({"offload_policy": policy} if with_policy else {}))
+    with_policy = policy is not None and last_blocks is None
+    fully_shard(model, **kwargs, **({"offload_policy": policy} if with_policy else {}))
     return model
 
 
@@ -188,6 +194,8 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         overlap_next_forward: bool = False,
         lr_schedule: bool = False,
         activation_checkpointing: bool = False,
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        last_blocks: int | None = None,
     ) -> None:
         torch.manual_seed(0)
         reference = TiedBlocksModel()
@@ -199,11 +207,11 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             else MixedPrecisionPolicy()
         )
         _shard(reference, None, mesh, mp_policy, activation_checkpointing)
-        _shard(model, policy, mesh, mp_policy, activation_checkpointing)
+        _shard(model, policy, mesh, mp_policy, activation_checkpointing, last_blocks)
         reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
         optim = OffloadOptimizer(
             model,
-            torch.optim.AdamW,
+            optimizer_class,
             lr=1e-2,
             fused=True,
             max_grad_norm=max_grad_norm,
@@ -312,6 +320,40 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         ), mock.patch.object(OffloadOptimizer, "_step_run", recording_step):
             self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
         self.assertEqual(widest[0], optim_module._STREAM_RUNS_IN_FLIGHT)
+
+    def test_parity_policy_on_the_last_blocks_only(self):
+        # The per-module recipe for partial offload with host steps: the policy on the last blocks
+        # in forward order (their gradients land first in backward), the others and the root
+        # plain FSDP2 groups; their optimizer steps on the GPU path beside the host steps.
+        self.init_gloo()
+        self._run_parity(
+            policy=CoherentOffload(platform="discrete", optimizer="host"), last_blocks=2, overlap_next_forward=True
+        )
+        self._run_parity(policy=CoherentOffload(platform="discrete", optimizer=0.5), last_blocks=2, grad_accum=2)
+
+    def test_host_steps_run_on_plain_local_shards(self):
+        # DTensor's Python dispatch keeps the GIL through a whole op, so a host step over DTensors
+        # would stall the thread that launches the GPU work while it runs beside backward. After
+        # the first step (which creates the state, on the parameters themselves) host steps run
+        # the class over plain aliases of the local shards, bit-exact and with the same state.
+        self.init_gloo()
+        calls: list[set[type]] = []
+
+        class RecordingAdamW(torch.optim.AdamW):
+            def step(self, closure=None):
+                calls.append({type(p) for group in self.param_groups for p in group["params"] if p.grad is not None})
+                return super().step(closure)
+
+        for overlap_next_forward in (False, True):
+            calls.clear()
+            self._run_parity(
+                policy=CoherentOffload(platform="discrete", optimizer="host"),
+                optimizer_class=RecordingAdamW,
+                overlap_next_forward=overlap_next_forward,
+            )
+            groups = len(calls) // STEPS
+            self.assertGreater(groups, 1)
+            self.assertEqual(calls, [{DTensor}] * groups + [{nn.Parameter}] * groups * (STEPS - 1))
 
     def test_parity_activation_checkpointing(self):
         # Checkpointed blocks run their forward again inside backward, after FSDP's pre-backward

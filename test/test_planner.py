@@ -272,7 +272,14 @@ class TestRealModel(TestCase):
         budget = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14)
         self.assertEqual(budget.training.capacity_bytes, 14 * 2**30)
         self.assertIsNotNone(budget.recommended.kwargs)
-        self.assertGreater(budget.recommended.kwargs["module_fraction"], 0)
+        # Part of the blocks offloaded: the policy goes on the last ones (the placement the step
+        # model predicts), so it carries no module_fraction of its own.
+        offloaded, n_blocks = budget.recommended.last_blocks
+        self.assertEqual((offloaded / n_blocks, n_blocks), (budget.recommended.weights_offload_fraction, 8))
+        self.assertNotIn("module_fraction", budget.recommended.kwargs)
+        self.assertEqual(budget.recommended.policy.module_fraction, 1.0)
+        self.assertIn(f"on the last {offloaded} of the 8 blocks", budget.recommended.code())
+        self.assertIn(f"blocks[{8 - offloaded}:]", budget.recommended.code())
         self.assertLessEqual(budget.recommended.predicted_peak_gpu_GiB, 14)
         self.assertIn("GPU budget 14.0 GiB", budget.report())
         # The scenario path takes the budget as its capacity.

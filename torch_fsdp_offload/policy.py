@@ -130,6 +130,13 @@ class CoherentOffload(CPUOffloadPolicy):
             [0, 1]. Default 1.0. The offloaded groups are spread evenly over the order in which
             ``fully_shard`` is called with this policy object (0.5 offloads every second group);
             the others stay on the GPU like plain FSDP2 groups. Use one policy object per model.
+            With host optimizer steps, giving the policy (``module_fraction=1.0``) per module to
+            the *last* blocks instead, and no ``offload_policy`` to the others and the root, is
+            faster: their gradients land first in backward, so their host steps can end before
+            the next forward needs them (measured on our H200 with half of the 1.6B model's
+            blocks: bs 16 0.573 s, as fast as GPU-resident, against 0.645 s spread; bs 8 0.390
+            against 0.418 s). ``fully_shard`` decides where a group's shards live when it is
+            called, before the number of groups is known, so this placement is the caller's.
         activations (bool or float): offload what the ``fully_shard``-ed blocks save for
             backward to pinned host memory, and prefetch it back a block ahead in backward
             (:class:`~torch_fsdp_offload.activations.ActivationOffload`, one per model, on the
@@ -159,6 +166,13 @@ class CoherentOffload(CPUOffloadPolicy):
         >>> fully_shard(model, mp_policy=mp, offload_policy=policy)
         >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4)
         >>> policy.resolve().describe()
+        >>> # Partial offload with host steps: the policy on the last half of the blocks only.
+        >>> policy = CoherentOffload(optimizer="host")
+        >>> half = len(model.blocks) // 2
+        >>> for index, block in enumerate(model.blocks):
+        ...     fully_shard(block, mp_policy=mp, **({"offload_policy": policy} if index >= half else {}))
+        >>> fully_shard(model, mp_policy=mp)
+        >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
     """
 
     pin_memory: bool = False

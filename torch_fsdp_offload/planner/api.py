@@ -218,6 +218,15 @@ def _plan_model(
         gain = factor * resident.step_s / prediction.step_s - 1.0
         kwargs = config.coherent_offload_kwargs()
         what = "do not offload" if kwargs is None else f"use {config.label}"
+        n_blocks = profiles[0][1].n_blocks
+        offloaded_blocks = round(config.module_fraction * n_blocks)
+        last_blocks = None
+        if kwargs is not None and 0 < offloaded_blocks < n_blocks:
+            # CoherentOffload(module_fraction=...) spreads the offloaded groups evenly (fully_shard
+            # places shards before the number of groups is known); the step model, and the
+            # fastest placement for host steps, has them last: the policy goes on those blocks.
+            kwargs = {key: value for key, value in kwargs.items() if key != "module_fraction"}
+            last_blocks = (offloaded_blocks, n_blocks)
         recommendation = Recommendation(
             technique="fsdp2_step_model",
             microbatch_factor=factor,
@@ -233,6 +242,7 @@ def _plan_model(
             ),
             predicted_step_s=prediction.step_s,
             predicted_peak_gpu_GiB=prediction.peak_gpu_GiB,
+            last_blocks=last_blocks,
         )
     return PlanResult(scenario=scenario, search=search, recommended=recommendation, training=training, notes=notes)
 

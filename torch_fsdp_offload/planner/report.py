@@ -40,6 +40,11 @@ class Recommendation:
         reason (str): one sentence saying why.
         predicted_step_s (float | None), predicted_peak_gpu_GiB (float | None): from the FSDP2
             step model, when a real model was planned.
+        last_blocks (tuple | None): ``(k, n)`` when a real model's blocks are offloaded in part:
+            give :attr:`policy` to the last ``k`` of its ``n`` blocks in forward order and no
+            ``offload_policy`` to the other blocks and the root (their gradients land first in
+            backward, so their host steps end under it: the placement the step model predicts).
+            ``kwargs`` then hold no ``module_fraction`` (every group given the policy is offloaded).
     """
 
     technique: str
@@ -52,6 +57,7 @@ class Recommendation:
     reason: str
     predicted_step_s: float | None = None
     predicted_peak_gpu_GiB: float | None = None
+    last_blocks: tuple[int, int] | None = None
 
     @property
     def policy(self):
@@ -74,8 +80,18 @@ class Recommendation:
                 return "offload_policy: none (do not pass CoherentOffload); checkpoint each block instead"
             return "offload_policy: none (do not pass CoherentOffload)"
         arguments = ", ".join(f"{key}={value!r}" for key, value in self.kwargs.items())
-        code = f"CoherentOffload({arguments})" + self._activations_code()
-        return code + " with activation checkpointing per block" if self.checkpointing else code
+        code = f"CoherentOffload({arguments})"
+        if self.last_blocks is not None:
+            offloaded, n_blocks = self.last_blocks
+            code = (
+                f"policy = {code} on the last {offloaded} of the {n_blocks} blocks: fully_shard(block, "
+                f"offload_policy=policy) for block in blocks[{n_blocks - offloaded}:], no offload_policy for "
+                "the other blocks and the root"
+            )
+        code += self._activations_code()
+        if not self.checkpointing:
+            return code
+        return code + ("; activation checkpointing per block" if self.last_blocks else " with activation checkpointing per block")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
