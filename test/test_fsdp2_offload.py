@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, fully_shard, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests
 
@@ -27,6 +27,7 @@ from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload import optim as optim_module
 from torch_fsdp_offload.memory import empty_cache, memory_stats
+from torch_fsdp_offload.planner.report import Recommendation
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 STEPS = 10
@@ -172,6 +173,38 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
             self.assertGreater(optim.last_host_step_seconds, 0)
             self.assertGreaterEqual(optim.last_host_wait_seconds, 0)
             self.assertLessEqual(optim.last_host_wait_seconds, optim.last_host_step_seconds)
+
+
+class RecommendationApplyTest(GlooMultiProcessTestCase):
+    WORLD_SIZE = 1
+
+    def test_apply_places_the_policy_on_the_last_blocks(self):
+        # A real-model recommendation with part of the blocks offloaded puts the policy on the last
+        # blocks (the step model's placement); apply() shards that way, and refuses an
+        # offload_policy of the caller's or a model of another size before sharding anything.
+        self.init_gloo()
+        recommendation = Recommendation(
+            technique="fsdp2_step_model", microbatch_factor=1.0, weights_offload_fraction=2 / 3,
+            activations_offload_fraction=0.0, checkpointing=False, throughput_gain=0.0,
+            kwargs={"optimizer": "host", "platform": "discrete"}, reason="test", last_blocks=(2, 3),
+        )
+        for model, kwargs, message in (
+            (TiedBlocksModel(), {"offload_policy": CoherentOffload()}, "drop offload_policy"),
+            (TiedBlocksModel(n_blocks=4), {}, "plan is for a model of 3 blocks, this one has 4"),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                recommendation.apply(model, **kwargs)
+            self.assertFalse(any(isinstance(module, FSDPModule) for module in model.modules()))
+        model = recommendation.apply(TiedBlocksModel(), mp_policy=MixedPrecisionPolicy())
+        policies = [module._get_fsdp_state()._fsdp_param_group.offload_policy for module in (*model.blocks, model)]
+        self.assertEqual([isinstance(policy, CoherentOffload) for policy in policies], [False, True, True, False])
+        engine = get_transfer_engine("cpu")
+        engine.stats.reset()
+        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        _loss(model, _batch(0, 0)).backward()
+        optim.step()
+        self.assertGreater(engine.stats.d2h_copies, 0)
+        self.assertEqual(optim.stepped_numel["host"], sum(p.numel() for block in model.blocks[1:] for p in block.parameters()))
 
 
 class FSDP2OffloadParityTest(GlooMultiProcessTestCase):

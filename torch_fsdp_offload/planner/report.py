@@ -61,12 +61,68 @@ class Recommendation:
 
     @property
     def policy(self):
-        """The recommended :class:`~torch_fsdp_offload.policy.CoherentOffload`, or None (no offload)."""
+        """The recommended :class:`~torch_fsdp_offload.policy.CoherentOffload`, or None (no offload).
+        With :attr:`last_blocks` set it belongs on those blocks only: :meth:`apply` places it."""
         if self.kwargs is None:
             return None
         from torch_fsdp_offload.policy import CoherentOffload
 
         return CoherentOffload(**self.kwargs)
+
+    def apply(self, model: Any, *, blocks: Any = None, **fully_shard_kwargs: Any) -> Any:
+        """Shard ``model`` as recommended: ``fully_shard`` on each block in forward order, then on
+        the model, with :attr:`policy` where it belongs (every module, or the last blocks of
+        :attr:`last_blocks`), and ``offload_activations`` when activations are to be offloaded.
+        Activation checkpointing, when recommended, is the caller's: checkpoint the blocks first.
+
+        Args:
+            model (nn.Module): the model, not yet sharded.
+            blocks (Sequence[nn.Module] | None): the per-layer modules in forward order. Default:
+                the model's ``nn.ModuleList`` of blocks, found as ``offload_activations`` finds it.
+            **fully_shard_kwargs: passed to every ``fully_shard`` call (``mesh``, ``mp_policy``,
+                ...), never ``offload_policy``.
+
+        Returns:
+            nn.Module: ``model``, sharded.
+
+        Raises:
+            ValueError: ``offload_policy`` among ``fully_shard_kwargs``, or a model whose number of
+                blocks differs from the planned one; raised before anything is sharded.
+
+        Example::
+
+            >>> rec = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14).recommended
+            >>> rec.last_blocks
+            (4, 8)
+            >>> rec.apply(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
+        """
+        from torch.distributed.fsdp import fully_shard
+
+        from torch_fsdp_offload.activations import _find_blocks, offload_activations
+
+        if "offload_policy" in fully_shard_kwargs:
+            raise ValueError(
+                "Recommendation.apply() places the recommended offload_policy itself; drop offload_policy= "
+                "(or shard by hand with .policy)"
+            )
+        blocks = list(_find_blocks(model) if blocks is None else blocks)
+        if self.last_blocks is not None and self.last_blocks[1] != len(blocks):
+            raise ValueError(
+                f"the plan is for a model of {self.last_blocks[1]} blocks, this one has {len(blocks)}: "
+                "plan this model, or pass its blocks= in forward order"
+            )
+        policy = self.policy
+        first_offloaded = 0 if self.last_blocks is None else self.last_blocks[1] - self.last_blocks[0]
+        for index, block in enumerate(blocks):
+            with_policy = policy is not None and index >= first_offloaded
+            fully_shard(block, **fully_shard_kwargs, **({"offload_policy": policy} if with_policy else {}))
+        with_policy = policy is not None and self.last_blocks is None
+        fully_shard(model, **fully_shard_kwargs, **({"offload_policy": policy} if with_policy else {}))
+        if self.activations_offload_fraction > 0:
+            # Kept alive by the hooks it registers on the model.
+            offload_activations(model, blocks=blocks, fraction=self.activations_offload_fraction)
+        return model
 
     def _activations_code(self) -> str:
         if self.activations_offload_fraction <= 0:
