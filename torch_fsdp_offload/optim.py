@@ -352,10 +352,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``inner``'s class over plain parameters aliasing ``params``' local shards (made once per
         group, again if a shard moved)."""
         cached = self._plain_twins.get(owner)
-        if cached is not None and all(
+        if cached is not None and len(cached[1]) == len(params) and all(
             alias.data_ptr() == _local(param).data_ptr() and alias.shape == _local(param).shape
             for alias, param in zip(cached[1], params)
-        ) and len(cached[1]) == len(params):
+        ):
             return cached
         aliases = [nn.Parameter(_local(param).detach(), requires_grad=False) for param in params]
         by_param = dict(zip(params, aliases))

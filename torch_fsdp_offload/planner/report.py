@@ -145,9 +145,7 @@ class Recommendation:
                 "the other blocks and the root"
             )
         code += self._activations_code()
-        if not self.checkpointing:
-            return code
-        return code + ("; activation checkpointing per block" if self.last_blocks else " with activation checkpointing per block")
+        return code + "; activation checkpointing per block" if self.checkpointing else code
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
