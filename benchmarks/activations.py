@@ -12,7 +12,8 @@ Rows, all in this process after the link was measured in it:
 * ``resident``: activations stay on the GPU;
 * ``checkpoint``: ``torch.utils.checkpoint`` per block (``use_reentrant=False``);
 * ``checkpoint+offload``: the same, with :func:`offload_activations` moving what checkpointing still
-  saves (each block's input) to the host: its baseline is ``checkpoint``;
+  saves to the host: each block's input, and the final norm's and the head's inputs (the norm and
+  the head are given as units after the blocks); its baseline is ``checkpoint``;
 * ``offload(all)``: :func:`offload_activations` on every block;
 * ``offload(fraction=F)``: on the first F of the blocks;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
@@ -64,6 +65,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memory_snapshot import record_step  # noqa: E402
+from rounds import median_of_rounds, round_order  # noqa: E402
 from torch_fsdp_offload import CoherentOffload  # noqa: E402
 from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload  # noqa: E402
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, offload_activations  # noqa: E402
@@ -163,7 +165,11 @@ def run_row(
         for index, block in enumerate(original_blocks):
             model.blocks[index] = _CheckpointedBlock(block)
         if name == "checkpoint+offload":
-            offload = offload_activations(model, prefetch_blocks=args.prefetch_blocks)
+            # The final norm and the head are units too: what they save (their inputs, one
+            # block input's size each) is what checkpointing keeps outside the blocks.
+            offload = offload_activations(
+                model, blocks=[*model.blocks, model.norm, model.output], prefetch_blocks=args.prefetch_blocks
+            )
     elif name.startswith("offload"):
         offload = offload_activations(
             model, fraction=args.fraction if "fraction" in name else 1.0, prefetch_blocks=args.prefetch_blocks
@@ -320,25 +326,13 @@ def _measure_rows(
             _release_host_memory()
         return row
 
-    rounds: list[dict[str, dict]] = []
-    for round_index in range(args.repeats):
-        # Every other round runs the rows in reverse order, so that a drift over the run (clocks,
-        # the allocator's cache, the optimizer's state) favours no row.
-        order = rows if round_index % 2 == 0 else rows[::-1]
-        rounds.append({row_name: measure(row_name) for row_name in order})
+    rounds = [{row_name: measure(row_name) for row_name in round_order(rows, index)} for index in range(args.repeats)]
     return [_median_of_rounds([measured[row_name] for measured in rounds]) for row_name in rows]
 
 
 def _median_of_rounds(rounds: list[dict]) -> dict:
     """One row measured in several rounds: the median of its times, the highest of its peaks."""
-    row = dict(rounds[-1])
-    if len(rounds) > 1:
-        for key in ("step_s", "forward_s", "backward_s", "optimizer_s"):
-            row[key] = statistics.median(measured[key] for measured in rounds)
-        row["step_s_rounds"] = [measured["step_s"] for measured in rounds]
-        for key in ("peak_gib", "reserved_peak_gib"):
-            row[key] = max(measured[key] for measured in rounds)
-    return row
+    return median_of_rounds(rounds, ("step_s", "forward_s", "backward_s", "optimizer_s"), ("peak_gib", "reserved_peak_gib"))
 
 
 def run_config(batch: int, seq_len: int, args: argparse.Namespace, bandwidth: dict) -> dict:

@@ -26,6 +26,7 @@ writes a chrome trace and a summary of how much copy time ran under compute (``p
 
 Usage (GPU machine):
     python benchmarks/fsdp_offload.py --out benchmarks/results/fsdp_offload.json [--profile DIR]
+    python benchmarks/fsdp_offload.py --repeats 3 ...   # rows measured in 3 rounds, alternate ones reversed
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecision
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memory_snapshot import record_step  # noqa: E402
+from rounds import median_of_rounds, round_order  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache, pinned_empty  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
@@ -57,6 +59,8 @@ from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
 
 GiB = 1 << 30
+# Per-row times that --repeats reports as the median of the rounds.
+_ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "host_optimizer_wait_s", "streamed_optimizer_s")
 # Row name -> CoherentOffload knobs.
 COHERENT_ROWS = {
     "coherent(host)": {"optimizer": "host", "prefetch_depth": 2},
@@ -507,6 +511,13 @@ def main(argv=None) -> int:
         help="comma-separated rows: resident, stock_cpu_offload+fused_cpu_adamw (each optionally with ;ac) "
         "or any CoherentOffload row of COHERENT_ROWS",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure the rows of each batch size in N rounds, every other one in reverse order; each row "
+        "reports the median of its rounds and their step times (step_s_rounds)",
+    )
     parser.add_argument("--out", default="benchmarks/results/fsdp_offload.json")
     parser.add_argument("--profile", default=None, help="directory for a chrome trace of each CoherentOffload row at the first batch size")
     parser.add_argument(
@@ -516,6 +527,8 @@ def main(argv=None) -> int:
         "recorded and store what is live at its peak, by allocation site (memory_at_peak)",
     )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     unknown = [name for name in args.rows.split(",") if not known_row(name)]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose resident, stock_cpu_offload+fused_cpu_adamw (optionally ;ac) or one of {sorted(COHERENT_ROWS)}")
@@ -549,25 +562,45 @@ def main(argv=None) -> int:
         "seq_len": args.seq_len,
         "steps": args.steps,
         "warmup": args.warmup,
+        "repeats": args.repeats,
         "rows": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    names = args.rows.split(",")
     for batch_size in batch_sizes:
-        for name in args.rows.split(","):
-            first_batch_size = batch_size == batch_sizes[0]
-            profile_dir = args.profile if (args.profile and name.startswith("coherent") and first_batch_size) else None
-            try:
-                row = run_row(
-                    name, batch_size, args.seq_len, args.steps, args.warmup, args.model, profile_dir,
-                    memory_snapshot=args.memory_snapshot and first_batch_size,
-                )
-            except torch.OutOfMemoryError as error:
-                row = {"name": name, "batch_size": batch_size, "error": f"OOM: {error}"[:200]}
-                gc.collect()
-                torch.cuda.empty_cache()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        first_batch_size = batch_size == batch_sizes[0]
+        rounds: dict[str, list[dict]] = {name: [] for name in names}
+        for round_index in range(args.repeats):
+            for name in round_order(names, round_index):
+                # Traces and snapshots are taken in the first round only.
+                profiled = first_batch_size and round_index == 0
+                profile_dir = args.profile if (args.profile and name.startswith("coherent") and profiled) else None
+                try:
+                    row = run_row(
+                        name, batch_size, args.seq_len, args.steps, args.warmup, args.model, profile_dir,
+                        memory_snapshot=args.memory_snapshot and profiled,
+                    )
+                except torch.OutOfMemoryError as error:
+                    row = {"name": name, "batch_size": batch_size, "error": f"OOM: {error}"[:200]}
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                print(json.dumps(row), flush=True)
+                rounds[name].append(row)
+                if args.repeats == 1:
+                    rows.append(row)
+                    add_derived_columns(rows, batch_size, bandwidth, host)
+                    with open(args.out, "w") as f:
+                        json.dump(result, f, indent=1)
+        if args.repeats > 1:
+            for name in names:
+                failed = [row for row in rounds[name] if "error" in row]
+                if failed:
+                    rows.append(failed[0])
+                    continue
+                row = median_of_rounds(rounds[name], _ROUND_TIME_KEYS, ("peak_gpu_GiB",))
+                row["tokens_per_s"] = round(batch_size * args.seq_len / row["step_s"])
+                rows.append(row)
             add_derived_columns(rows, batch_size, bandwidth, host)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

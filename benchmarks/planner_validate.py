@@ -30,7 +30,9 @@ Usage::
 
 Besides the strict check (the pick is the measured fastest), each pick is compared with the
 planner's decision rule applied to the measured steps (``decide``: a plan that moves bytes must
-beat the fastest plan that moves nothing by ``OFFLOAD_MARGIN``).
+beat the fastest plan that moves nothing by ``OFFLOAD_MARGIN``), and, for rows measured in several
+rounds (``--repeats``: ``step_s_rounds``), the measurement's own spread: where the pick's fastest
+round is no slower than the best row's slowest (``measured_tie``), the runs cannot order the two.
 """
 
 from __future__ import annotations
@@ -338,6 +340,7 @@ def validate_file(path: str, args) -> dict | None:
                 peak_error=prediction.peak_gpu_GiB / measured_peak - 1.0,
                 calibration=row is resident,
                 moves_bytes=prediction.h2d_bytes + prediction.d2h_bytes > 0,
+                measured_step_s_rounds=row.get("step_s_rounds"),
             )
             if id(row) in run_position:
                 leftover = leftover_before(data["rows"], run_position[id(row)], kind)
@@ -368,6 +371,7 @@ def validate_file(path: str, args) -> dict | None:
                     "planner_pick": chosen["name"],
                     "measured_best": best["name"],
                     "agree": chosen["name"] == best["name"],
+                    "agree_or_measured_tie": chosen["name"] == best["name"] or measured_tie(chosen, best),
                     "measured_choice": measured_choice["name"],
                     "agree_same_rule": chosen["name"] == measured_choice["name"],
                     "pick_over_best": chosen["measured_step_s"] / best["measured_step_s"],
@@ -377,6 +381,15 @@ def validate_file(path: str, args) -> dict | None:
             )
     return {"file": path, "model": model, "seq_len": seq_len, "platform": dataclasses.asdict(platform),
             "rows": results, "agreements": agreements}
+
+
+def measured_tie(pick: dict, best: dict) -> bool:
+    """Whether the rounds of two rows measured with ``--repeats`` cannot order them: the pick's
+    fastest round was no slower than the best row's slowest. False without rounds for both."""
+    pick_rounds, best_rounds = pick.get("measured_step_s_rounds"), best.get("measured_step_s_rounds")
+    if not pick_rounds or not best_rounds:
+        return False
+    return min(pick_rounds) <= max(best_rounds)
 
 
 def decide(entries: list[dict], step_key: str) -> dict:
@@ -408,6 +421,8 @@ def summarize(files: list[dict]) -> dict:
         "mean_abs_peak_error": share([abs(r["peak_error"]) for r in peak_counted]),
         "recommendation_agreement": share([a["agree"] for a in agreements]),
         "recommendation_agreement_within_tolerance": share([a["agree_within_tolerance"] for a in agreements]),
+        # The pick is the measured fastest, or the rounds of both rows overlap (measured_tie).
+        "recommendation_agreement_or_measured_tie": share([a["agree_or_measured_tie"] for a in agreements]),
         # The pick against the same rule applied to the measured steps (see decide()).
         "recommendation_agreement_same_rule": share([a["agree_same_rule"] for a in agreements]),
         "agreement_tolerance": AGREEMENT_TOLERANCE,
@@ -433,14 +448,15 @@ def print_table(files: list[dict], summary: dict) -> None:
                 f"{r['measured_peak_GiB']:.1f} | {r['peak_error']:+.0%}{peak_mark} |"
             )
     print()
-    print("| file | group | scope | planner picks | measured best | agree | within 5% | pick's measured step / best "
-          "| same rule on measured | agree |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| file | group | scope | planner picks | measured best | agree | or rounds tie | within 5% "
+          "| pick's measured step / best | same rule on measured | agree |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for f in files:
         for a in f["agreements"]:
             print(
                 f"| {a['file']} | {a['group']} | {a['scope']} | {a['planner_pick']} | {a['measured_best']} | "
-                f"{'yes' if a['agree'] else 'NO'} | {'yes' if a['agree_within_tolerance'] else 'NO'} | {a['pick_over_best']:.3f} "
+                f"{'yes' if a['agree'] else 'NO'} | {'yes' if a['agree_or_measured_tie'] else 'NO'} | "
+                f"{'yes' if a['agree_within_tolerance'] else 'NO'} | {a['pick_over_best']:.3f} "
                 f"| {a['measured_choice']} | {'yes' if a['agree_same_rule'] else 'NO'} |"
             )
     print()

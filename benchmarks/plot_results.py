@@ -91,7 +91,7 @@ def plot_fsdp_bs4(results: str, out: str) -> str:
 
 def plot_activations(results: str, out: str) -> str:
     configs = []
-    with open(os.path.join(results, "activations_session5.json")) as f:
+    with open(os.path.join(results, "activations_session7.json")) as f:
         configs += json.load(f)["configs"]
     fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4))
     for ax, config in zip(axes, configs):

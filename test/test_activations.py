@@ -205,6 +205,25 @@ class TestActivationOffload(TestCase):
         self.assertEqual(offload.stats.h2d_copies, _N_BLOCKS)
         self.assert_grads_bitwise_equal(model)
 
+    def test_checkpoint_inputs_with_head_units(self) -> None:
+        # The final norm's and the head's inputs are saved outside any block; given as units after
+        # the blocks, they are offloaded too: then all that checkpointing keeps leaves the device.
+        model = build_model(_CONFIG)
+        for index in range(_N_BLOCKS):
+            model.blocks[index] = _Checkpointed(model.blocks[index], use_reentrant=False)
+        offload = offload_activations(
+            model, blocks=[*model.blocks, model.norm, model.output], min_offload_bytes=0, platform="discrete", device="cpu"
+        )
+        model.zero_grad()
+        loss = causal_lm_loss(model(self.tokens), self.tokens)
+        # Each block's input, and what the norm and the head save: all but the token ids the
+        # embedding saves before the first block.
+        self.assertGreaterEqual(offload.stats.d2h_copies, _N_BLOCKS + 2)
+        self.assertEqual(offload.stats.saved_bytes - offload.stats.d2h_bytes, self.tokens.nbytes)
+        loss.backward()
+        self.assertEqual(offload.stats.h2d_copies, offload.stats.d2h_copies)
+        self.assert_grads_bitwise_equal(model)
+
     def test_reentrant_checkpoint_backward_inside_context(self) -> None:
         model = build_model(_CONFIG)
         offload = ActivationOffload(min_offload_bytes=0, platform="discrete", device="cpu")

@@ -140,6 +140,13 @@ class TestPlannerValidate(TestCase):
         other = {"name": "offload(all)", "moves_bytes": True, "step": 0.6}
         self.assertIs(planner_validate.decide([other, offload], "step"), offload)
 
+    def test_rounds_that_overlap_are_a_tie(self):
+        best = {"measured_step_s_rounds": [0.342, 0.344, 0.345]}
+        self.assertTrue(planner_validate.measured_tie({"measured_step_s_rounds": [0.345, 0.346, 0.347]}, best))
+        self.assertFalse(planner_validate.measured_tie({"measured_step_s_rounds": [0.3451, 0.346, 0.347]}, best))
+        # One step time per row (no --repeats) orders the rows as measured.
+        self.assertFalse(planner_validate.measured_tie({"measured_step_s_rounds": None}, best))
+
     def test_plot_of_the_committed_round(self):
         results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
         with tempfile.TemporaryDirectory() as tmp:

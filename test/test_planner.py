@@ -233,6 +233,20 @@ class TestRealModel(TestCase):
         doubled = model_breakdown("tiny", batch_size=4, seq_len=64, compute_dtype=torch.float32)
         self.assertEqual(doubled.block_activation_bytes, 2 * breakdown.block_activation_bytes)
 
+    def test_checkpointing_recompute_is_counted_per_block(self):
+        # Non-reentrant checkpointing stops recomputing at the last tensor backward needs: the
+        # anchor block's MLP down projection (4 of its 13 forward FLOP units at 2048 tokens: 4 d^2
+        # of 12 d^2 per token, plus attention) is not rerun. The head of llama-1b (128k vocab) is
+        # forward work outside the blocks, which checkpointing the blocks never reruns.
+        anchor = model_breakdown("anchor-1.6b", batch_size=4, seq_len=2048)
+        self.assertAlmostEqual(anchor.block_recompute_fraction, 9 / 13, places=3)
+        self.assertGreater(anchor.block_forward_share, 0.999)
+        llama = model_breakdown("llama-1b", batch_size=1, seq_len=2048)
+        self.assertLess(llama.block_forward_share, 0.9)
+        self.assertGreater(llama.block_forward_share, 0.7)
+        profile = training_profile(llama, get_profile("h200-pcie"))
+        self.assertAlmostEqual(profile.recompute_fraction, llama.block_forward_share * llama.block_recompute_fraction)
+
     def test_attention_is_counted_as_a_fused_kernel_keeps_it(self):
         # Quadrupling the sequence grows a block's activations about 4-fold, not 16-fold as the
         # seq^2 score matrix of the math path traced on meta would.
@@ -313,6 +327,13 @@ class TestStepModel(TestCase):
 
     def predict(self, platform=None, **knobs):
         return predict_step(self.profile, TrainingConfig(**knobs), platform or self.platform)
+
+    def test_checkpointing_adds_the_recompute_to_backward(self):
+        plain, checkpointed = self.predict(), self.predict(checkpointing=True)
+        self.assertLess(self.profile.recompute_fraction, 1.0)
+        self.assertAlmostEqual(
+            checkpointed.backward_s - plain.backward_s, self.profile.forward_s * self.profile.recompute_fraction
+        )
 
     def test_offloading_more_needs_less_gpu_memory(self):
         peaks = [self.predict(module_fraction=f).peak_gpu_bytes for f in (0.0, 0.5, 1.0)]

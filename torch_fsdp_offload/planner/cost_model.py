@@ -264,6 +264,10 @@ class TrainingProfile:
             does during an offloaded step (``fsdp_offload.py``'s ``host_optimizer_measured
             ["link_busy"]``). When set it replaces the ``host_GBps`` model: the DMA's share of
             host DRAM and the copy thread's core are already in the measurement.
+        recompute_fraction (float): what activation checkpointing every block adds to the
+            backward, as a fraction of ``forward_s``: the blocks' share of the forward times the
+            share of a block's forward that non-reentrant checkpointing reruns (it stops at the
+            last tensor backward needs). 1.0, a whole forward, when unknown.
     """
 
     name: str
@@ -285,6 +289,7 @@ class TrainingProfile:
     fixed_bytes: int = 0
     source: str = "analytic"
     host_step_s_per_param: float | None = None
+    recompute_fraction: float = 1.0
 
     @property
     def total_params(self) -> int:
@@ -521,7 +526,7 @@ def predict_step(
             return compute + link + collectives, link > 0
         return max(compute, link, collectives), link > max(compute, collectives)
 
-    backward_compute = profile.backward_s + (profile.forward_s if config.checkpointing else 0.0)
+    backward_compute = profile.backward_s + (profile.forward_s * profile.recompute_fraction if config.checkpointing else 0.0)
     forward, forward_bound = phase(profile.forward_s, weight_bytes, act_forward, gather_s)
     if offloaded_blocks == n_blocks and copies and config.prefetch_depth > 0:
         # The first group's copy has nothing to hide behind.

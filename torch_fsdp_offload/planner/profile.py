@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from torch_fsdp_offload.planner.cost_model import TrainingProfile
 from torch_fsdp_offload.planner.profiles import PlatformProfile
@@ -58,6 +60,14 @@ class ModelBreakdown:
         other_activation_bytes (int): bytes saved outside the blocks (embedding, head, loss).
         compute_bytes (int): bytes per element of the compute dtype.
         dim (int): hidden size (block input's last dimension).
+        block_recompute_fraction (float): FLOPs the backward of a checkpointed block recomputes, as a
+            fraction of the block's forward FLOPs, counted on the ``meta`` device. Below 1 because
+            non-reentrant checkpointing stops recomputing at the last tensor backward needs: a
+            transformer block's last matmul (the MLP's down projection) is not rerun (anchor-1.6b:
+            0.69 at 2048 tokens, 0.75 at 8192, where attention weighs more).
+        block_forward_share (float): the blocks' share of the model's forward FLOPs (the rest:
+            embedding, final norm, head, loss); what checkpointing the blocks reruns is this share of
+            the forward times ``block_recompute_fraction``.
     """
 
     name: str
@@ -71,6 +81,8 @@ class ModelBreakdown:
     other_activation_bytes: int
     compute_bytes: int
     dim: int
+    block_recompute_fraction: float = 1.0
+    block_forward_share: float = 1.0
 
     @property
     def total_params(self) -> int:
@@ -247,18 +259,25 @@ def model_breakdown(
     total_params = sum(p.numel() for p in module.parameters())
     recorder = _SavedTensorRecorder([*module.parameters(), *module.buffers()])
     block_inputs: dict[int, int] = {}
+    block_calls: dict[int, tuple[tuple, dict]] = {}
     dims: list[int] = []
+
+    block_flops = [0]
+    counter = FlopCounterMode(display=False)
 
     def enter(index: int):
         def hook(_module, args, kwargs=None):
+            block_flops[0] -= counter.get_total_flops()
             recorder.owner = index
             hidden = args[0] if args else next(iter((kwargs or {}).values()))
             block_inputs[index] = hidden.untyped_storage().nbytes()
+            block_calls.setdefault(index, (args, dict(kwargs or {})))
             dims.append(hidden.shape[-1])
 
         return hook
 
     def leave(_module, _args, _output):
+        block_flops[0] += counter.get_total_flops()
         recorder.owner = -1
 
     handles = []
@@ -268,7 +287,11 @@ def model_breakdown(
     vocab = vocab_size or getattr(getattr(module, "config", None), "vocab_size", None) or 2
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     try:
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _FusedAttentionAccounting(recorder):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t),
+            _FusedAttentionAccounting(recorder),
+            counter,
+        ):
             output = module(tokens)
             logits = output.logits if hasattr(output, "logits") else output
             F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % vocab)
@@ -276,6 +299,12 @@ def model_breakdown(
         for handle in handles:
             handle.remove()
     block_bytes = [recorder.bytes_by_owner.get(i, 0) for i in range(len(blocks))]
+    largest = max(range(len(blocks)), key=lambda i: block_params[i])
+    recompute, block_forward = _checkpoint_flops(blocks[largest], *block_calls[largest])
+    # The trace counted no attention (SDPA is replaced above): what it counted outside the blocks
+    # is the rest of the forward; the blocks' own count, attention included, comes from the block.
+    other_forward = max(0, counter.get_total_flops() - block_flops[0])
+    share = len(blocks) * block_forward / (len(blocks) * block_forward + other_forward) if block_forward else 1.0
     return ModelBreakdown(
         name=name,
         n_blocks=len(blocks),
@@ -288,7 +317,47 @@ def model_breakdown(
         other_activation_bytes=recorder.bytes_by_owner.get(-1, 0),
         compute_bytes=torch.empty((), dtype=compute_dtype).element_size(),
         dim=dims[0] if dims else 0,
+        block_recompute_fraction=recompute,
+        block_forward_share=share,
     )
+
+
+def _checkpoint_flops(block: nn.Module, args: tuple, kwargs: dict) -> tuple[float, int]:
+    """(FLOPs a non-reentrant checkpoint of ``block`` recomputes in backward over its forward FLOPs,
+    the block's forward FLOPs), counted on the ``meta`` tensors the trace called it with (nothing
+    is computed). (1.0, 0) when the meta device cannot run the block's backward."""
+    detached_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    detached_kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    # The hidden state is the first positional argument, else the first keyword one.
+    hidden_key = None if args else next(iter(kwargs))
+    hidden = args[0] if args else kwargs[hidden_key]
+
+    def flops(checkpointed: bool) -> tuple[int, int]:
+        leaf = torch.empty_like(hidden, requires_grad=True)
+        if hidden_key is None:
+            call_args, call_kwargs = (leaf, *detached_args[1:]), detached_kwargs
+        else:
+            call_args, call_kwargs = (), {**detached_kwargs, hidden_key: leaf}
+        with FlopCounterMode(display=False) as counter:
+            if checkpointed:
+                output = checkpoint(block, *call_args, use_reentrant=False, preserve_rng_state=False, **call_kwargs)
+            else:
+                output = block(*call_args, **call_kwargs)
+            output = output[0] if isinstance(output, (tuple, list)) else output
+            forward = counter.get_total_flops()
+            output.backward(torch.empty_like(output))
+        return forward, counter.get_total_flops()
+
+    try:
+        forward, plain = flops(checkpointed=False)
+        _, checkpointed = flops(checkpointed=True)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        # A block the meta device cannot run backward through: charge a full forward, the most
+        # a checkpointed block can recompute.
+        return 1.0, 0
+    if forward <= 0:
+        return 1.0, 0
+    return min(1.0, max(0.0, (checkpointed - plain) / forward)), forward
 
 
 def _cuda_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -432,16 +501,25 @@ def training_profile(
     """Build the training-level model input from a breakdown and, if available, a block timing.
 
     Without a timing, forward and backward come from the FLOP count at
-    ``0.65 * platform.gpu_bf16_TFLOPS`` (forward one third). The GPU optimizer is bandwidth bound
+    ``0.65 * platform.gpu_bf16_TFLOPS`` (forward one third). Checkpointing's recompute is the
+    breakdown's FLOP count (``block_recompute_fraction``, times the blocks' share of the forward
+    when the forward includes the head). The GPU optimizer is bandwidth bound
     (28 bytes per parameter at 29% of the DRAM peak, as measured on our H200). ``host_GBps``
     (default: the platform's) sets the host optimizer's speed.
     """
+    # A checkpointed backward reruns each block's forward up to its last saved tensor, counted in
+    # FLOPs: one block timed alone with and without checkpointing gave 0.55-0.92 of its forward on
+    # our H200 (anchor-1.6b, bs 4-16), noisier than the count (0.69) against the whole model's
+    # measured 0.63-0.75 (benchmarks/results/recompute_probe.json, docs/planner.md).
+    recompute = breakdown.block_recompute_fraction
     if timing is not None:
+        # The timed forward is the blocks' alone.
         forward = timing.forward_s * breakdown.n_blocks
         backward = timing.backward_s * breakdown.n_blocks
         block_activation = timing.activation_bytes
         source = "measured block"
     else:
+        recompute *= breakdown.block_forward_share
         total = breakdown.training_flops() / (platform.gpu_bf16_TFLOPS * 1e12 * _ACHIEVED_FLOPS_FRACTION)
         forward, backward = total / 3, 2 * total / 3
         block_activation = breakdown.block_activation_bytes
@@ -462,4 +540,5 @@ def training_profile(
         host_GBps=host_GBps or platform.host_GBps,
         compute_bytes=breakdown.compute_bytes,
         source=source,
+        recompute_fraction=recompute,
     )
