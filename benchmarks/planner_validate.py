@@ -117,9 +117,10 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
         elif key == "fraction":
             knobs[fraction_knob] = float(value)
         elif key in ("modules", "last"):
-            # The step model places the offloaded blocks last in forward order, which is what
-            # "last=" rows do; "modules=" rows spread them evenly (module_fraction).
+            # "last=" rows give the policy per module to the last blocks; "modules=" rows give
+            # CoherentOffload(module_fraction=...) to every block, which spreads the offloaded ones.
             knobs["module_fraction"] = float(value)
+            knobs["placement"] = "last" if key == "last" else "spread"
         elif key in ("host", "stream"):
             knobs["optimizer"] = key
         elif key in ("optimizer", "split"):

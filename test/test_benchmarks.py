@@ -181,12 +181,15 @@ class TestFsdpOffloadBenchmark(TestCase):
             self.assertTrue(fsdp_offload.known_row(name), name)
         self.assertFalse(fsdp_offload.known_row("coherent(host;typo)"))
         # "last=F": the policy per module on the last F of the blocks; the step model reads it as
-        # module_fraction F (it places offloaded blocks last in forward order).
+        # module_fraction F placed last in forward order, and "modules=F" as F spread.
         self.assertEqual(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;last=0.5)"), 0.5)
         self.assertIsNone(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;modules=0.5)"))
         config = planner_validate.row_config({"name": "coherent(split=0.25;next-fwd;last=0.625;ac;depth=1)"}, "host")
         self.assertEqual((config.module_fraction, config.optimizer, config.checkpointing, config.prefetch_depth),
                          (0.625, 0.25, True, 1))
+        self.assertEqual(config.placement, "last")
+        spread = planner_validate.row_config({"name": "coherent(host;next-fwd;modules=0.625)"}, "host")
+        self.assertEqual(spread.offloaded_blocks(8), [1, 3, 4, 6, 7])
         # A misspelt row is refused before anything runs.
         with self.assertRaises(SystemExit):
             with contextlib.redirect_stderr(io.StringIO()):

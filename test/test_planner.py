@@ -328,6 +328,22 @@ class TestStepModel(TestCase):
     def predict(self, platform=None, **knobs):
         return predict_step(self.profile, TrainingConfig(**knobs), platform or self.platform)
 
+    def test_spread_placement_exposes_the_first_host_group(self):
+        # Spread (CoherentOffload(module_fraction=0.5) on every block) offloads blocks 1, 3, 5, 7:
+        # block 1's gradients land last and the next forward needs it almost at once, so more of
+        # the host step is exposed than with the same blocks' worth offloaded last.
+        spread = TrainingConfig(module_fraction=0.5, placement="spread")
+        last = TrainingConfig(module_fraction=0.5)
+        self.assertEqual(spread.offloaded_blocks(8), [1, 3, 5, 7])
+        self.assertEqual(last.offloaded_blocks(8), [4, 5, 6, 7])
+        slow_host = dataclasses.replace(self.profile, host_step_s_per_param=0.5e-9)
+        spread_step = predict_step(slow_host, spread, self.platform)
+        last_step = predict_step(slow_host, last, self.platform)
+        self.assertGreater(spread_step.optimizer_s, last_step.optimizer_s)
+        self.assertEqual((spread_step.h2d_bytes, spread_step.peak_gpu_bytes), (last_step.h2d_bytes, last_step.peak_gpu_bytes))
+        with self.assertRaisesRegex(ValueError, "placement must be 'last' or 'spread'"):
+            TrainingConfig(module_fraction=0.5, placement="middle")
+
     def test_checkpointing_adds_the_recompute_to_backward(self):
         plain, checkpointed = self.predict(), self.predict(checkpointing=True)
         self.assertLess(self.profile.recompute_fraction, 1.0)
@@ -538,7 +554,7 @@ class TestValidationScript(TestCase):
         ]
         self.assertEqual(
             validate.row_config(rows[4], "host", default_depth=2),
-            TrainingConfig(module_fraction=0.5, optimizer="host", prefetch_depth=2),
+            TrainingConfig(module_fraction=0.5, optimizer="host", prefetch_depth=2, placement="spread"),
         )
         self.assertEqual(
             validate.row_config({"name": "coherent(split=0.5)"}, "host", default_depth=2),
@@ -552,13 +568,13 @@ class TestValidationScript(TestCase):
         # fsdp_offload.py's ";ac" suffix: every block checkpointed.
         self.assertEqual(
             validate.row_config({"name": "coherent(split=0.25;next-fwd;modules=0.625;ac)"}, "host", default_depth=2),
-            TrainingConfig(module_fraction=0.625, optimizer=0.25, checkpointing=True, prefetch_depth=2),
+            TrainingConfig(module_fraction=0.625, optimizer=0.25, checkpointing=True, prefetch_depth=2, placement="spread"),
         )
         self.assertEqual(validate.row_config({"name": "resident;ac"}, "host"), TrainingConfig(checkpointing=True))
         # depth=1 overrides the file's default of 2, and the printed config shows it.
         shallow = validate.row_config({"name": "coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"}, "host",
                                       default_depth=2)
-        self.assertEqual((shallow.prefetch_depth, shallow.label), (1, "modules=0.62 opt=split0.25 ckpt"))
+        self.assertEqual((shallow.prefetch_depth, shallow.label), (1, "modules=0.62 opt=split0.25 ckpt spread"))
         self.assertEqual(TrainingConfig(module_fraction=0.625, prefetch_depth=2).label, "modules=0.62 opt=host depth=2")
         with tempfile.TemporaryDirectory() as tmp:
             results, out = os.path.join(tmp, "fsdp_offload.json"), os.path.join(tmp, "validate.json")

@@ -331,6 +331,13 @@ class CoherentOffload(CPUOffloadPolicy):
         return dataclasses.replace(self, **changes)
 
 
+def spread_group_offloaded(index: int, module_fraction: float) -> bool:
+    """Whether group ``index`` (from 0, in the order ``fully_shard`` builds the groups of one
+    policy) is offloaded under ``CoherentOffload(module_fraction=...)``: the offloaded groups are
+    spread evenly (0.5 offloads groups 1, 3, 5, ...; 0.625 of 8 offloads 1, 3, 4, 6, 7)."""
+    return math.floor((index + 1) * module_fraction + 1e-9) > math.floor(index * module_fraction + 1e-9)
+
+
 def _is_fraction(value) -> bool:
     return (
         not isinstance(value, bool)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import weakref
 from typing import Any
@@ -28,7 +27,7 @@ from torch_fsdp_offload import optim
 from torch_fsdp_offload._fsdp2 import activation_hooks
 from torch_fsdp_offload.memory import check_host_capacity, pinned_empty
 from torch_fsdp_offload.platform import PlatformKind
-from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan
+from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan, spread_group_offloaded
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
 
 logger = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ def _next_group_offloaded(policy: CoherentOffload, fraction: float) -> bool:
     """
     index = getattr(policy, "_groups_built", 0)
     object.__setattr__(policy, "_groups_built", index + 1)
-    return math.floor((index + 1) * fraction + 1e-9) > math.floor(index * fraction + 1e-9)
+    return spread_group_offloaded(index, fraction)
 
 
 class CoherentFSDPParam(FSDPParam):

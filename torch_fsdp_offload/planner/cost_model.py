@@ -21,6 +21,7 @@ from typing import Any
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.profiles import PlatformProfile
+from torch_fsdp_offload.policy import spread_group_offloaded
 from torch_fsdp_offload.planner.scenario import Scenario
 
 __all__ = [
@@ -305,12 +306,16 @@ class TrainingConfig:
 
     Attributes:
         module_fraction (float): fraction of the blocks whose params, grads and optimizer state are
-            offloaded (rounded to whole blocks; the last blocks in forward order are offloaded).
+            offloaded, placed as ``placement`` says.
         optimizer (str | float): ``"host"``, ``"stream"``, or the fraction of offloaded groups
             stepped on the GPU (``CoherentOffload.optimizer``).
         activations (float): fraction of the blocks whose saved activations are offloaded.
         checkpointing (bool): activation checkpointing per block.
         prefetch_depth (int): groups copied ahead (0 = each copy waits for its use).
+        placement (str): which blocks are offloaded. ``"last"``: the last
+            ``round(module_fraction * n)`` in forward order (the policy given per module to them,
+            as :meth:`Recommendation.apply` does); ``"spread"``: spread evenly, as
+            ``CoherentOffload(module_fraction=...)`` on every block places them.
     """
 
     module_fraction: float = 0.0
@@ -318,6 +323,7 @@ class TrainingConfig:
     activations: float = 0.0
     checkpointing: bool = False
     prefetch_depth: int = 1
+    placement: str = "last"
 
     def __post_init__(self) -> None:
         for name in ("module_fraction", "activations"):
@@ -333,6 +339,14 @@ class TrainingConfig:
             )
         if self.prefetch_depth < 0:
             raise ValueError(f"TrainingConfig.prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.placement not in ("last", "spread"):
+            raise ValueError(f"TrainingConfig.placement must be 'last' or 'spread', got {self.placement!r}")
+
+    def offloaded_blocks(self, n_blocks: int) -> list[int]:
+        """Indices (forward order) of the blocks this setting offloads, out of ``n_blocks``."""
+        if self.placement == "last":
+            return list(range(n_blocks - round(self.module_fraction * n_blocks), n_blocks))
+        return [i for i in range(n_blocks) if spread_group_offloaded(i, self.module_fraction)]
 
     @property
     def optimizer_gpu_fraction(self) -> float:
@@ -350,6 +364,8 @@ class TrainingConfig:
             parts.append("ckpt")
         if self.prefetch_depth != 1:
             parts.append(f"depth={self.prefetch_depth}")
+        if self.placement != "last" and 0 < self.module_fraction < 1:
+            parts.append(self.placement)
         return " ".join(parts)
 
     def coherent_offload_kwargs(self) -> dict[str, Any] | None:
@@ -497,11 +513,13 @@ def predict_step(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n_blocks = profile.n_blocks
-    offloaded_blocks = round(config.module_fraction * n_blocks)
+    offloaded = config.offloaded_blocks(n_blocks)
+    offloaded_blocks = len(offloaded)
     activation_blocks = round(config.activations * n_blocks)
     # OffloadOptimizer streams whole groups, the first round(fraction * offloaded) in forward order.
     streamed_blocks = round(config.optimizer_gpu_fraction * offloaded_blocks)
-    host_blocks = offloaded_blocks - streamed_blocks
+    host_indices = offloaded[streamed_blocks:]
+    host_blocks = len(host_indices)
     shard = profile.block_params / world_size
     per_block_saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
     # On one physical memory the offloaded state is read in place: nothing crosses a link.
@@ -574,11 +592,15 @@ def predict_step(
         host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
     host_tail = 0.0
     if host_blocks:
-        first_landing = backward / n_blocks + (
-            shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
-        )
-        host_cycle = first_landing + host_time + forward * host_blocks / n_blocks
-        host_tail = max(0.0, host_cycle - (backward + gpu_path_optimizer + forward))
+        # From the start of backward: block i's gradients land after the backward of the blocks
+        # behind it; one worker steps the host groups in landing order (the reverse of forward).
+        grad_copy = shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
+        done = 0.0
+        for index in reversed(host_indices):
+            done = max(done, backward * (n_blocks - index) / n_blocks + grad_copy) + host_time / host_blocks
+        # The next forward needs the first host group in forward order, whose step ends last.
+        needed = backward + gpu_path_optimizer + forward * host_indices[0] / n_blocks
+        host_tail = max(0.0, done - needed)
     optimizer = gpu_path_optimizer + host_tail
 
     peaks = phase_peaks(profile, config, offloaded_blocks=offloaded_blocks, streamed_blocks=streamed_blocks,
