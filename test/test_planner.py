@@ -4,6 +4,7 @@ DRAM-bound verdicts, the analytic breakdown of a real model, and the FSDP2 step 
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import io
 import json
 import os
@@ -246,6 +247,14 @@ class TestRealModel(TestCase):
         self.assertGreater(llama.block_forward_share, 0.7)
         profile = training_profile(llama, get_profile("h200-pcie"))
         self.assertAlmostEqual(profile.recompute_fraction, llama.block_forward_share * llama.block_recompute_fraction)
+
+    @unittest.skipIf(importlib.util.find_spec("transformers") is None, "needs transformers")
+    def test_checkpointing_recompute_of_a_transformers_block(self):
+        # A transformers decoder layer takes keyword arguments (position embeddings as a pair, a KV
+        # cache): the count runs it, instead of falling back to a whole forward.
+        breakdown = model_breakdown("llama-tiny", batch_size=1, seq_len=64)
+        self.assertLess(breakdown.block_recompute_fraction, 1.0)
+        self.assertLess(breakdown.block_forward_share, 1.0)
 
     def test_attention_is_counted_as_a_fused_kernel_keeps_it(self):
         # Quadrupling the sequence grows a block's activations about 4-fold, not 16-fold as the
@@ -540,8 +549,6 @@ class TestStepModel(TestCase):
 
 class TestValidationScript(TestCase):
     def test_reads_benchmark_rows_defensively(self):
-        import importlib.util
-
         spec = importlib.util.spec_from_file_location("planner_validate", os.path.join(REPO, "benchmarks", "planner_validate.py"))
         validate = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(validate)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -322,12 +323,21 @@ def model_breakdown(
     )
 
 
+def _plain_value(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain_value(item) for item in value)
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
+
+
 def _checkpoint_flops(block: nn.Module, args: tuple, kwargs: dict) -> tuple[float, int]:
     """(FLOPs a non-reentrant checkpoint of ``block`` recomputes in backward over its forward FLOPs,
     the block's forward FLOPs), counted on the ``meta`` tensors the trace called it with (nothing
     is computed). (1.0, 0) when the meta device cannot run the block's backward."""
-    detached_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    detached_kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    # Tensors detached, nested ones too (a (cos, sin) pair): the trace's graph is not this one.
+    # Keyword objects that are neither tensors nor plain values (a transformers KV cache the trace
+    # filled) are left out: the count must not append to them.
+    kept = {k: v for k, v in kwargs.items() if _plain_value(v)}
+    detached_args, detached_kwargs = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kept))
     # The hidden state is the first positional argument, else the first keyword one.
     hidden_key = None if args else next(iter(kwargs))
     hidden = args[0] if args else kwargs[hidden_key]
