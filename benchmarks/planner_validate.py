@@ -120,7 +120,7 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
             # "last=" rows give the policy per module to the last blocks; "modules=" rows give
             # CoherentOffload(module_fraction=...) to every block, which spreads the offloaded ones.
             knobs["module_fraction"] = float(value)
-            knobs["placement"] = "last" if key == "last" else "spread"
+            knobs["block_placement"] = "last" if key == "last" else "spread"
         elif key in ("host", "stream"):
             knobs["optimizer"] = key
         elif key in ("optimizer", "split"):

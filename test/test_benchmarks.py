@@ -187,7 +187,7 @@ class TestFsdpOffloadBenchmark(TestCase):
         config = planner_validate.row_config({"name": "coherent(split=0.25;next-fwd;last=0.625;ac;depth=1)"}, "host")
         self.assertEqual((config.module_fraction, config.optimizer, config.checkpointing, config.prefetch_depth),
                          (0.625, 0.25, True, 1))
-        self.assertEqual(config.placement, "last")
+        self.assertEqual(config.block_placement, "last")
         spread = planner_validate.row_config({"name": "coherent(host;next-fwd;modules=0.625)"}, "host")
         self.assertEqual(spread.offloaded_blocks(8), [1, 3, 4, 6, 7])
         # A misspelt row is refused before anything runs.

@@ -341,7 +341,7 @@ class TestStepModel(TestCase):
         # Spread (CoherentOffload(module_fraction=0.5) on every block) offloads blocks 1, 3, 5, 7:
         # block 1's gradients land last and the next forward needs it almost at once, so more of
         # the host step is exposed than with the same blocks' worth offloaded last.
-        spread = TrainingConfig(module_fraction=0.5, placement="spread")
+        spread = TrainingConfig(module_fraction=0.5, block_placement="spread")
         last = TrainingConfig(module_fraction=0.5)
         self.assertEqual(spread.offloaded_blocks(8), [1, 3, 5, 7])
         self.assertEqual(last.offloaded_blocks(8), [4, 5, 6, 7])
@@ -350,8 +350,8 @@ class TestStepModel(TestCase):
         last_step = predict_step(slow_host, last, self.platform)
         self.assertGreater(spread_step.optimizer_s, last_step.optimizer_s)
         self.assertEqual((spread_step.h2d_bytes, spread_step.peak_gpu_bytes), (last_step.h2d_bytes, last_step.peak_gpu_bytes))
-        with self.assertRaisesRegex(ValueError, "placement must be 'last' or 'spread'"):
-            TrainingConfig(module_fraction=0.5, placement="middle")
+        with self.assertRaisesRegex(ValueError, "block_placement must be 'last' or 'spread'"):
+            TrainingConfig(module_fraction=0.5, block_placement="middle")
 
     def test_checkpointing_adds_the_recompute_to_backward(self):
         plain, checkpointed = self.predict(), self.predict(checkpointing=True)
@@ -561,7 +561,7 @@ class TestValidationScript(TestCase):
         ]
         self.assertEqual(
             validate.row_config(rows[4], "host", default_depth=2),
-            TrainingConfig(module_fraction=0.5, optimizer="host", prefetch_depth=2, placement="spread"),
+            TrainingConfig(module_fraction=0.5, optimizer="host", prefetch_depth=2, block_placement="spread"),
         )
         self.assertEqual(
             validate.row_config({"name": "coherent(split=0.5)"}, "host", default_depth=2),
@@ -575,7 +575,7 @@ class TestValidationScript(TestCase):
         # fsdp_offload.py's ";ac" suffix: every block checkpointed.
         self.assertEqual(
             validate.row_config({"name": "coherent(split=0.25;next-fwd;modules=0.625;ac)"}, "host", default_depth=2),
-            TrainingConfig(module_fraction=0.625, optimizer=0.25, checkpointing=True, prefetch_depth=2, placement="spread"),
+            TrainingConfig(module_fraction=0.625, optimizer=0.25, checkpointing=True, prefetch_depth=2, block_placement="spread"),
         )
         self.assertEqual(validate.row_config({"name": "resident;ac"}, "host"), TrainingConfig(checkpointing=True))
         # depth=1 overrides the file's default of 2, and the printed config shows it.

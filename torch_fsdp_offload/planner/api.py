@@ -221,7 +221,7 @@ def _plan_model(
         n_blocks = profiles[0][1].n_blocks
         offloaded_blocks = round(config.module_fraction * n_blocks)
         last_blocks = None
-        if kwargs is not None and 0 < offloaded_blocks < n_blocks and config.placement == "last":
+        if kwargs is not None and 0 < offloaded_blocks < n_blocks and config.block_placement == "last":
             # CoherentOffload(module_fraction=...) spreads the offloaded groups evenly (fully_shard
             # places shards before the number of groups is known); the step model, and the
             # fastest placement for host steps, has them last: the policy goes on those blocks.

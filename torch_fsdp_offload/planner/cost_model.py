@@ -306,13 +306,13 @@ class TrainingConfig:
 
     Attributes:
         module_fraction (float): fraction of the blocks whose params, grads and optimizer state are
-            offloaded, placed as ``placement`` says.
+            offloaded, placed as ``block_placement`` says.
         optimizer (str | float): ``"host"``, ``"stream"``, or the fraction of offloaded groups
             stepped on the GPU (``CoherentOffload.optimizer``).
         activations (float): fraction of the blocks whose saved activations are offloaded.
         checkpointing (bool): activation checkpointing per block.
         prefetch_depth (int): groups copied ahead (0 = each copy waits for its use).
-        placement (str): which blocks are offloaded. ``"last"``: the last
+        block_placement (str): which blocks are offloaded. ``"last"``: the last
             ``round(module_fraction * n)`` in forward order (the policy given per module to them,
             as :meth:`Recommendation.apply` does); ``"spread"``: spread evenly, as
             ``CoherentOffload(module_fraction=...)`` on every block places them.
@@ -323,7 +323,7 @@ class TrainingConfig:
     activations: float = 0.0
     checkpointing: bool = False
     prefetch_depth: int = 1
-    placement: str = "last"
+    block_placement: str = "last"
 
     def __post_init__(self) -> None:
         for name in ("module_fraction", "activations"):
@@ -339,12 +339,12 @@ class TrainingConfig:
             )
         if self.prefetch_depth < 0:
             raise ValueError(f"TrainingConfig.prefetch_depth must be >= 0, got {self.prefetch_depth}")
-        if self.placement not in ("last", "spread"):
-            raise ValueError(f"TrainingConfig.placement must be 'last' or 'spread', got {self.placement!r}")
+        if self.block_placement not in ("last", "spread"):
+            raise ValueError(f"TrainingConfig.block_placement must be 'last' or 'spread', got {self.block_placement!r}")
 
     def offloaded_blocks(self, n_blocks: int) -> list[int]:
         """Indices (forward order) of the blocks this setting offloads, out of ``n_blocks``."""
-        if self.placement == "last":
+        if self.block_placement == "last":
             return list(range(n_blocks - round(self.module_fraction * n_blocks), n_blocks))
         return [i for i in range(n_blocks) if spread_group_offloaded(i, self.module_fraction)]
 
@@ -364,8 +364,8 @@ class TrainingConfig:
             parts.append("ckpt")
         if self.prefetch_depth != 1:
             parts.append(f"depth={self.prefetch_depth}")
-        if self.placement != "last" and 0 < self.module_fraction < 1:
-            parts.append(self.placement)
+        if self.block_placement != "last" and 0 < self.module_fraction < 1:
+            parts.append(self.block_placement)
         return " ".join(parts)
 
     def coherent_offload_kwargs(self) -> dict[str, Any] | None:
