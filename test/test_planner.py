@@ -277,6 +277,10 @@ class TestRealModel(TestCase):
         self.assertIn("FSDP2 step model", result.report())
         # A tiny model fits: offloading only costs time.
         self.assertIsNone(result.recommended.kwargs)
+        # Checkpointing is compared in the talk's table too: less memory for its recompute.
+        by_technique = {c.technique: c for c in result.search.candidates if c.microbatch_factor == 1}
+        self.assertLess(by_technique["checkpointing"].gpu_memory_GB, by_technique["none"].gpu_memory_GB)
+        self.assertLess(by_technique["checkpointing"].throughput_gain, 0.0)
 
     def test_model_that_does_not_fit_gets_a_plan_that_fits(self):
         # llama-1b at 12 x 2048: about 24 GB of state and 59 GB of activations, over 90% of 80 GB.

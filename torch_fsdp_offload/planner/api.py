@@ -19,7 +19,7 @@ from torch_fsdp_offload.planner.profile import (
 )
 from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
-from torch_fsdp_offload.planner.scenario import Scenario, load_scenario
+from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
 from torch_fsdp_offload.planner.search import search_scenario, search_training
 
 __all__ = ["plan", "predict_per_gpu"]
@@ -169,20 +169,22 @@ def _plan_model(
     base = profiles[0][1]
     params = base.total_params
     unsharded = 2 * base.block_params * base.compute_bytes + base.block_params * (base.compute_bytes + base.reduce_bytes)
+    iteration = base.forward_s + base.backward_s + base.gpu_optimizer_s
+    activations = base.n_blocks * base.block_activation_bytes + base.other_activation_bytes
+    # Checkpointing every block keeps the block inputs, and one block's activations while it is
+    # recomputed; it adds the recompute the breakdown counted.
+    checkpointed = base.n_blocks * base.block_checkpoint_bytes + base.block_activation_bytes + base.other_activation_bytes
     scenario = Scenario(
         name=f"{breakdown.name}, micro-batch {batch_size} x {seq_len}",
         weights_GB=params * base.param_bytes / 1e9,
         grads_GB=params * base.reduce_bytes / 1e9,
         optimizer_state_GB=params * base.optimizer_state_bytes / 1e9,
-        activations_GB=(base.n_blocks * base.block_activation_bytes + base.other_activation_bytes) / 1e9,
+        activations_GB=activations / 1e9,
         other_GB=unsharded / 1e9,
         capacity_GB=capacity_bytes / 1e9,
-        activations_to_dram_GB=(base.n_blocks * base.block_activation_bytes + base.other_activation_bytes) / 1e9,
-        iteration_time_s=base.forward_s + base.backward_s + base.gpu_optimizer_s,
-        microbatch_scaling=tuple(
-            (f, (p.forward_s + p.backward_s + base.gpu_optimizer_s) / (base.forward_s + base.backward_s + base.gpu_optimizer_s))
-            for f, p in profiles
-        ),
+        activations_to_dram_GB=activations / 1e9,
+        iteration_time_s=iteration,
+        microbatch_scaling=tuple((f, (p.forward_s + p.backward_s + base.gpu_optimizer_s) / iteration) for f, p in profiles),
         gpu_dram_GBps=platform.gpu_dram_GBps,
         link_GBps=platform.link_GBps,
         host_GBps=host_GBps or platform.host_GBps,
@@ -196,6 +198,10 @@ def _plan_model(
         },
         n_blocks=base.n_blocks,
         platform=platform,
+        checkpointing=Checkpointing(
+            recompute_time_fraction=min(1.0, base.forward_s * base.recompute_fraction / iteration),
+            activation_memory_fraction=min(1.0, checkpointed / activations),
+        ),
     )
     search = search_scenario(scenario)
     notes.extend(_talk_notes(scenario, search))
