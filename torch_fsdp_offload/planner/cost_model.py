@@ -21,8 +21,8 @@ from typing import Any
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.profiles import PlatformProfile
-from torch_fsdp_offload.policy import spread_group_offloaded
 from torch_fsdp_offload.planner.scenario import Scenario
+from torch_fsdp_offload.policy import spread_group_offloaded
 
 __all__ = [
     "Candidate",
