@@ -103,6 +103,10 @@ COHERENT_ROWS = {
     # next forward reaches them (the planner's step model assumes this placement).
     "coherent(host;next-fwd;last=0.5)": {"optimizer": "host", "prefetch_depth": 2},
     "coherent(split=0.25;next-fwd;last=0.625;ac;depth=1)": {"optimizer": 0.25, "prefetch_depth": 1},
+    # The planner's pick on our H200 for a GPU budget of half the bs 4 resident peak (13.7 GiB):
+    # "modules=0.75 opt=host ckpt at 4x the micro-batch", and its neighbour with one block more.
+    "coherent(host;next-fwd;last=0.75;ac;depth=1)": {"optimizer": "host", "prefetch_depth": 1},
+    "coherent(host;next-fwd;last=0.875;ac;depth=1)": {"optimizer": "host", "prefetch_depth": 1},
 }
 # The default run: the baselines (each also with ";ac", activation checkpointing of every block)
 # and one row per optimizer placement plus the measured best at <= 50% of resident memory, about

@@ -140,6 +140,17 @@ class TestPlannerValidate(TestCase):
         other = {"name": "offload(all)", "moves_bytes": True, "step": 0.6}
         self.assertIs(planner_validate.decide([other, offload], "step"), offload)
 
+    def test_budget_scope_ranks_by_tokens_per_second(self):
+        # Rows of several micro-batches compete by tokens per second, not step time.
+        def row(name, batch, predicted, measured):
+            return {"name": name, "batch_size": batch, "tokens": batch * 2048, "predicted_step_s": predicted,
+                    "measured_step_s": measured, "moves_bytes": True}
+
+        small, large = row("split", 4, 0.42, 0.384), row("host", 16, 0.69, 0.771)
+        result = planner_validate.agreement("f.json", "any micro-batch", None, "budget 13.7 GiB", [small, large], [small, large])
+        self.assertEqual((result["planner_pick"], result["measured_best"], result["agree"]), ("host (bs 16)", "host (bs 16)", True))
+        self.assertEqual(result["pick_over_best"], 1.0)
+
     def test_rounds_that_overlap_are_a_tie(self):
         best = {"measured_step_s_rounds": [0.342, 0.344, 0.345]}
         self.assertTrue(planner_validate.measured_tie({"measured_step_s_rounds": [0.345, 0.346, 0.347]}, best))
