@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import run_tests, TestCase
 
 from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
@@ -173,6 +173,36 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
             self.assertGreater(optim.last_host_step_seconds, 0)
             self.assertGreaterEqual(optim.last_host_wait_seconds, 0)
             self.assertLessEqual(optim.last_host_wait_seconds, optim.last_host_step_seconds)
+
+
+class HostStepWorkerOrderTest(TestCase):
+    def test_landed_steps_first_newest_of_them_else_the_oldest(self):
+        # In backward the host submits a group's step when it issues the gradient copy, ahead of
+        # the GPU: the worker must not wait on the newest (its gradients land last) while older
+        # groups' gradients have landed.
+        worker = optim_module._HostStepWorker()
+        gate, order = threading.Event(), []
+        landed = {"a": False, "b": False, "c": False}
+        worker.submit(gate.wait)  # holds the thread while the queue fills
+        futures = [worker.submit(order.append, name, landed=lambda name=name: landed[name]) for name in "abc"]
+        landed["b"] = landed["c"] = True
+        gate.set()
+        for future in futures:
+            future.result(timeout=10)
+        # c and b have landed: newest of them first; then a, the only one left.
+        self.assertEqual(order, ["c", "b", "a"])
+        order.clear()
+        gate.clear()
+        worker.submit(gate.wait)
+        futures = [worker.submit(order.append, name, landed=lambda: False) for name in "abc"]
+        gate.set()
+        for future in futures:
+            future.result(timeout=10)
+        # None landed: the oldest first, as gradients land in submission order.
+        self.assertEqual(order, ["a", "b", "c"])
+        worker.shutdown()
+        worker._thread.join(timeout=10)
+        self.assertFalse(worker._thread.is_alive())
 
 
 class RecommendationApplyTest(GlooMultiProcessTestCase):

@@ -41,6 +41,8 @@ class OffloadedGroup(Protocol):
 
     def wait_grads(self) -> None: ...
 
+    def grads_landed(self) -> bool: ...
+
     def refresh_mirror(self) -> None: ...
 
     def prefetch_next_forward(self) -> None: ...
@@ -118,8 +120,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host_threads (int or None): CPU threads for host steps. Default: torch's intra-op
             thread count minus one, leaving a core to the thread that launches GPU work.
         overlap_next_forward (bool): let ``step()`` return while host steps still run, each
-            group's step finishing before the next forward copies that group in (groups are
-            stepped newest-gradient first, which after backward is forward order). The host
+            group's step finishing before the next forward copies that group in (groups whose
+            gradients have landed are stepped newest first, which after backward is forward
+            order). The host
             work then overlaps the next forward as well as backward. Until a group's step
             finished its parameters hold the previous values: ``zero_grad()``, ``state_dict()``
             and ``load_state_dict()`` of this optimizer and of the model it was built from wait
@@ -202,7 +205,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             model.register_load_state_dict_pre_hook(synchronize_hook)
         # key: an offloaded group, or None for every other parameter (GPU-resident ones).
         self._inner: dict[OffloadedGroup | None, tuple[torch.optim.Optimizer, list]] | None = None
-        self._executor: _NewestFirstWorker | None = None
+        self._executor: _HostStepWorker | None = None
         self._pending: dict[OffloadedGroup, concurrent.futures.Future] = {}
         self._landings: dict[OffloadedGroup, int] = defaultdict(int)
         self._grad_versions: dict[OffloadedGroup, list[int]] = {}
@@ -398,11 +401,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         _copy_hyperparameters(self._inner[owner][1])
         with self._finish_lock:
             self._finished.discard(owner)
-        return self._worker().submit(self._host_step_in_worker, owner)
+        return self._worker().submit(self._host_step_in_worker, owner, landed=owner.grads_landed)
 
-    def _worker(self) -> "_NewestFirstWorker":
+    def _worker(self) -> "_HostStepWorker":
         if self._executor is None:
-            self._executor = _NewestFirstWorker()
+            self._executor = _HostStepWorker()
             # The thread ends with the optimizer (a process building several models must get
             # their pinned buffers back); the callback holds the worker, not the optimizer.
             weakref.finalize(self, self._executor.shutdown)
@@ -704,8 +707,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host_futures = dict(self._pending)
         if streamed_todo or self.overlap_next_forward:
             # Host cores step their groups (some may still be stepping since backward) while
-            # the link and the GPU step the streamed ones; the worker runs the newest
-            # submission first, so submit in reverse forward order.
+            # the link and the GPU step the streamed ones; of the groups whose gradients have
+            # landed the worker runs the newest submission first, so submit in reverse forward
+            # order.
             for owner in sorted(host_todo, key=lambda o: o.forward_index(), reverse=True):
                 host_futures[owner] = self._submit_host_step(owner)
         else:
@@ -814,11 +818,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return state
 
 
-class _NewestFirstWorker:
-    """One thread running submitted host steps, the most recently submitted first.
+class _HostStepWorker:
+    """One thread running submitted host steps: of those whose gradients have landed, the most
+    recently submitted first; when none has, the oldest, whose gradients land first.
 
-    Gradients land in reverse forward order, so after backward the newest group is the first
-    the next forward needs; running newest-first steps the backlog in forward order."""
+    In backward, the host submits a group's step when it issues the group's gradient copy, and the
+    CPU runs ahead of the GPU: the newest submission is then the group whose gradients land last,
+    so the worker takes the oldest and steps groups as they land. After backward every gradient
+    has landed and the newest group is the first the next forward needs: newest-first steps the
+    backlog in forward order."""
 
     def __init__(self) -> None:
         self._queue: collections.deque = collections.deque()
@@ -826,31 +834,43 @@ class _NewestFirstWorker:
         self._thread = threading.Thread(target=self._run, name="torch_fsdp_offload_host_step", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, landed: Callable[[], bool] | None = None) -> concurrent.futures.Future:
+        """Queue ``fn(*args)``; ``landed`` says whether its gradients have landed (default: yes)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._ready:
-            self._queue.append((future, fn, args))
+            self._queue.append((future, fn, args, landed))
             self._ready.notify()
         return future
 
     def shutdown(self) -> None:
         """End the thread once the steps already submitted have run."""
         with self._ready:
-            self._queue.appendleft(None)  # popped after every submitted step
+            self._queue.appendleft(None)  # taken only when no step is left
             self._ready.notify()
+
+    def _take(self) -> Any:
+        steps = [index for index, task in enumerate(self._queue) if task is not None]
+        if not steps:
+            return self._queue.pop()
+        landed = [index for index in steps if self._queue[index][3] is None or self._queue[index][3]()]
+        index = landed[-1] if landed else steps[0]
+        task = self._queue[index]
+        del self._queue[index]
+        return task
 
     def _run(self) -> None:
         while True:
             with self._ready:
                 while not self._queue:
                     self._ready.wait()
-                task = self._queue.pop()
+                task = self._take()
             if task is None:
                 return
-            future, fn, args = task
+            future, fn, args, landed = task
             # Nothing of a finished step stays referenced while the thread waits for the next:
-            # the step's bound method would keep its optimizer (and pinned buffers) alive.
-            del task
+            # the step's bound method would keep its optimizer (and pinned buffers) alive, the
+            # landed check its group.
+            del task, landed
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))

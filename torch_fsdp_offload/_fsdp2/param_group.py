@@ -319,6 +319,11 @@ class GroupOffload:
         offset, _ = self.offsets[fsdp_param]
         return flat[offset : offset + fsdp_param.sharded_size.numel()].view(fsdp_param.sharded_size)
 
+    def grads_landed(self) -> bool:
+        """Whether this group's gradient copy has landed (or none is in flight), without blocking."""
+        transfer = self.grad_transfer
+        return transfer is None or transfer.done()
+
     def wait_grads(self) -> None:
         """Block the host until this group's gradient copy has landed."""
         if self.grad_transfer is not None:
