@@ -225,7 +225,7 @@ def _plan_model(
         kwargs = config.coherent_offload_kwargs()
         what = "do not offload" if kwargs is None else f"use {config.label}"
         n_blocks = profiles[0][1].n_blocks
-        offloaded_blocks = round(config.module_fraction * n_blocks)
+        offloaded_blocks = len(config.offloaded_blocks(n_blocks))
         last_blocks = None
         if kwargs is not None and 0 < offloaded_blocks < n_blocks and config.block_placement == "last":
             # CoherentOffload(module_fraction=...) spreads the offloaded groups evenly (fully_shard

@@ -260,7 +260,9 @@ def model_breakdown(
     total_params = sum(p.numel() for p in module.parameters())
     recorder = _SavedTensorRecorder([*module.parameters(), *module.buffers()])
     block_inputs: dict[int, int] = {}
-    block_calls: dict[int, tuple[tuple, dict]] = {}
+    # The largest block's call, whose checkpoint recompute is counted after the trace.
+    largest = max(range(len(blocks)), key=lambda i: block_params[i])
+    largest_call: list[tuple[tuple, dict]] = []
     dims: list[int] = []
 
     block_flops = [0]
@@ -272,7 +274,8 @@ def model_breakdown(
             recorder.owner = index
             hidden = args[0] if args else next(iter((kwargs or {}).values()))
             block_inputs[index] = hidden.untyped_storage().nbytes()
-            block_calls.setdefault(index, (args, dict(kwargs or {})))
+            if index == largest and not largest_call:
+                largest_call.append((args, dict(kwargs or {})))
             dims.append(hidden.shape[-1])
 
         return hook
@@ -300,8 +303,7 @@ def model_breakdown(
         for handle in handles:
             handle.remove()
     block_bytes = [recorder.bytes_by_owner.get(i, 0) for i in range(len(blocks))]
-    largest = max(range(len(blocks)), key=lambda i: block_params[i])
-    recompute, block_forward = _checkpoint_flops(blocks[largest], *block_calls[largest])
+    recompute, block_forward = _checkpoint_flops(blocks[largest], *largest_call[0]) if largest_call else (1.0, 0)
     # The trace counted no attention (SDPA is replaced above): what it counted outside the blocks
     # is the rest of the forward; the blocks' own count, attention included, comes from the block.
     other_forward = max(0, counter.get_total_flops() - block_flops[0])
