@@ -39,7 +39,6 @@ import os
 import re
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -53,64 +52,68 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from memory_snapshot import record_step  # noqa: E402
 from rounds import median_of_rounds, round_order  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
-from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache, pinned_empty  # noqa: E402
+from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
+from torch_fsdp_offload.planner.profile import LinkBusy  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
 
 GiB = 1 << 30
 # Per-row times that --repeats reports as the median of the rounds.
 _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "host_optimizer_wait_s", "streamed_optimizer_s")
-# Row name -> CoherentOffload knobs.
-COHERENT_ROWS = {
-    "coherent(host)": {"optimizer": "host", "prefetch_depth": 2},
-    "coherent(host;next-fwd)": {"optimizer": "host", "prefetch_depth": 2},
-    "coherent(split=0.25;next-fwd)": {"optimizer": 0.25, "prefetch_depth": 2},
-    "coherent(split=0.5;next-fwd)": {"optimizer": 0.5, "prefetch_depth": 2},
-    "coherent(split=0.25)": {"optimizer": 0.25, "prefetch_depth": 2},
-    "coherent(split=0.5)": {"optimizer": 0.5, "prefetch_depth": 2},
-    "coherent(split=0.75)": {"optimizer": 0.75, "prefetch_depth": 2},
-    "coherent(stream)": {"optimizer": "stream", "prefetch_depth": 2},
-    "coherent(host;modules=0.5)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
-    "coherent(host;next-fwd;modules=0.5)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
-    "coherent(split=0.5;modules=0.75)": {"optimizer": 0.5, "prefetch_depth": 2, "module_fraction": 0.75},
-    # Parameters of some blocks and half the blocks' activations offloaded: the memory target
-    # (<= 50% of resident) with as much of the step kept on the GPU as that allows.
-    "coherent(host;next-fwd;modules=0.625;act=0.5)": {
-        "optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.625, "activations": 0.5,
-    },
-    "coherent(split=0.25;next-fwd;modules=0.75;act=0.5)": {
-        "optimizer": 0.25, "prefetch_depth": 2, "module_fraction": 0.75, "activations": 0.5,
-    },
-    # With activation checkpointing (";ac", compared with "resident;ac" and "stock;ac"): the
-    # activations that fill resident memory at bs 4 shrink to the block inputs, so more blocks
-    # can stay resident (less host optimizer work) within half of the resident peak.
-    "coherent(host;next-fwd;modules=0.5;ac)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
-    "coherent(host;next-fwd;modules=0.625;ac)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.625},
-    "coherent(split=0.25;next-fwd;modules=0.625;ac)": {"optimizer": 0.25, "prefetch_depth": 2, "module_fraction": 0.625},
-    "coherent(split=0.25;next-fwd;modules=0.75;ac)": {"optimizer": 0.25, "prefetch_depth": 2, "module_fraction": 0.75},
-    "coherent(split=0.5;next-fwd;ac)": {"optimizer": 0.5, "prefetch_depth": 2},
-    "coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)": {"optimizer": 0.25, "prefetch_depth": 1, "module_fraction": 0.625},
-    "coherent(split=0.375;next-fwd;modules=0.625;ac;depth=1)": {"optimizer": 0.375, "prefetch_depth": 1, "module_fraction": 0.625},
-    # Host step threads (OffloadOptimizer(host_threads=N)): fewer than all cores but one, when the
-    # copies and the launching thread compete with the step for cores and memory bandwidth.
-    "coherent(host;next-fwd;threads=8)": {"optimizer": "host", "prefetch_depth": 2},
-    "coherent(host;next-fwd;threads=12)": {"optimizer": "host", "prefetch_depth": 2},
-    "coherent(host;next-fwd;modules=0.5;threads=12)": {"optimizer": "host", "prefetch_depth": 2, "module_fraction": 0.5},
-    # "last=F": the policy given per module to the last F of the blocks in forward order (the
-    # others and the root keep FSDP's default), instead of module_fraction's even spread. Their
-    # gradients land first in backward, so their host steps start early and can end before the
-    # next forward reaches them (the planner's step model assumes this placement).
-    "coherent(host;next-fwd;last=0.5)": {"optimizer": "host", "prefetch_depth": 2},
-    "coherent(split=0.25;next-fwd;last=0.625;ac;depth=1)": {"optimizer": 0.25, "prefetch_depth": 1},
-    # The planner's pick on our H200 for a GPU budget of half the bs 4 resident peak (13.7 GiB):
-    # "modules=0.75 opt=host ckpt at 4x the micro-batch", and its neighbour with one block more.
-    "coherent(host;next-fwd;last=0.75;ac;depth=1)": {"optimizer": "host", "prefetch_depth": 1},
-    "coherent(host;next-fwd;last=0.875;ac;depth=1)": {"optimizer": "host", "prefetch_depth": 1},
-}
+# A CoherentOffload row is named by its knobs, "coherent(item;item;...)":
+#   host | stream | split=F   the optimizer placement (CoherentOffload(optimizer=...))
+#   depth=N                    prefetch_depth (default 2)
+#   modules=F                  CoherentOffload(module_fraction=F) on every block: spread evenly
+#   last=F                     the policy given per module to the last F of the blocks in forward
+#                              order only (the others and the root keep FSDP's default); their
+#                              gradients land first in backward, so their host steps start early
+#                              and can end before the next forward reaches them (the planner's
+#                              step model assumes this placement)
+#   act=F                      CoherentOffload(activations=F)
+#   ac                         activation checkpointing of every block (checkpoint_wrapper)
+#   next-fwd                   OffloadOptimizer(overlap_next_forward=True)
+#   threads=N                  OffloadOptimizer(host_threads=N)
+_ROW_ITEM = re.compile(r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads)=([0-9]+)")
+
+
+def coherent_row_config(name: str) -> dict:
+    """CoherentOffload knobs of a row named ``coherent(...)`` (the grammar above).
+
+    Raises:
+        ValueError: not a ``coherent(...)`` name, an unknown item, no or two optimizer placements,
+            or both ``modules=`` and ``last=``.
+    """
+    match = re.fullmatch(r"coherent\((.*)\)", name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a CoherentOffload row: name it coherent(item;...)")
+    knobs: dict = {"prefetch_depth": 2}
+    for item in match.group(1).split(";"):
+        parsed = _ROW_ITEM.fullmatch(item)
+        if parsed is None:
+            raise ValueError(f"unknown item {item!r} in row {name!r}: use host, stream, split=F, depth=N, "
+                             "modules=F, last=F, act=F, ac, next-fwd or threads=N")
+        flag, fraction_key, fraction, count_key, count = parsed.groups()
+        if flag in ("host", "stream") or fraction_key == "split":
+            if "optimizer" in knobs:
+                raise ValueError(f"row {name!r} names two optimizer placements: keep one of host, stream, split=F")
+            knobs["optimizer"] = flag or float(fraction)
+        elif fraction_key == "modules":
+            knobs["module_fraction"] = float(fraction)
+        elif fraction_key == "act":
+            knobs["activations"] = float(fraction)
+        elif count_key == "depth":
+            knobs["prefetch_depth"] = int(count)
+    if "optimizer" not in knobs:
+        raise ValueError(f"row {name!r} names no optimizer placement: add host, stream or split=F")
+    if "module_fraction" in knobs and last_blocks_fraction(name) is not None:
+        raise ValueError(f"row {name!r} has both modules= and last=: choose one")
+    return knobs
+
+
 # The default run: the baselines (each also with ";ac", activation checkpointing of every block)
 # and one row per optimizer placement plus the measured best at <= 50% of resident memory, about
-# 25 s a row on our H200; --rows picks any of COHERENT_ROWS.
+# 25 s a row on our H200; --rows takes any coherent(...) row of the grammar above.
 DEFAULT_ROWS = (
     "resident",
     "resident;ac",
@@ -126,7 +129,13 @@ DEFAULT_ROWS = (
 
 def known_row(name: str) -> bool:
     """Whether ``run_row`` can run a row of this name."""
-    return name.removesuffix(";ac") in ("resident", "stock_cpu_offload+fused_cpu_adamw") or name in COHERENT_ROWS
+    if name.removesuffix(";ac") in ("resident", "stock_cpu_offload+fused_cpu_adamw"):
+        return True
+    try:
+        coherent_row_config(name)
+    except ValueError:
+        return False
+    return True
 
 
 def checkpointed(name: str) -> bool:
@@ -248,8 +257,8 @@ def run_row(
     elif base == "stock_cpu_offload+fused_cpu_adamw":
         _shard(model, CPUOffloadPolicy(pin_memory=True), ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    elif name in COHERENT_ROWS:
-        _shard(model, CoherentOffload(**COHERENT_ROWS[name]), ac, last_blocks_fraction(name))
+    elif name.startswith("coherent("):
+        _shard(model, CoherentOffload(**coherent_row_config(name)), ac, last_blocks_fraction(name))
         optimizer = OffloadOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(name))
     else:
         raise ValueError(name)
@@ -343,7 +352,7 @@ def run_row(
             p.numel() for p in model.parameters() if getattr(p, "_local_tensor", p).device.type == "cpu"
         ),
     }
-    if name in COHERENT_ROWS:
+    if isinstance(optimizer, OffloadOptimizer):
         row["host_stepped_params"] = optimizer.stepped_numel["host"]
     elif name.startswith("stock"):
         row["host_stepped_params"] = row["offloaded_params"]
@@ -395,7 +404,7 @@ def measure_host_optimizer(numel: int = 1 << 26, repeats: int = 3) -> dict:
     try:
         # The same work while both link directions copy (as during an offloaded step): the DMA
         # reads and writes host DRAM too, which the AdamW step is bound by.
-        with _LinkBusy() as link:
+        with LinkBusy() as link:
             contended = [_timed_host_step(adamw, param, mirror) for _ in range(repeats)]
     finally:
         torch.set_num_threads(threads)
@@ -417,43 +426,6 @@ def _timed_host_step(adamw, param, mirror) -> tuple[float, float]:
     t1 = time.perf_counter()
     mirror.copy_(param.detach())
     return t1 - t0, time.perf_counter() - t1
-
-
-class _LinkBusy:
-    """Context: a thread copies 256 MiB pinned buffers host-to-device and device-to-host at once,
-    back to back, until exit; ``gbps`` is what it moved (both directions) per second."""
-
-    def __init__(self, nbytes: int = 256 << 20) -> None:
-        self.source = pinned_empty((nbytes,), torch.uint8)
-        self.destination = pinned_empty((nbytes,), torch.uint8)
-        self.device_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        self.device_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        self.stop = threading.Event()
-        self.moved = 0
-        self.gbps = 0.0
-
-    def _copy_until_stopped(self) -> None:
-        h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
-        while not self.stop.is_set():
-            with torch.cuda.stream(h2d):
-                self.device_in.copy_(self.source, non_blocking=True)
-            with torch.cuda.stream(d2h):
-                self.destination.copy_(self.device_out, non_blocking=True)
-            h2d.synchronize()
-            d2h.synchronize()
-            self.moved += 2 * self.source.numel()
-
-    def __enter__(self) -> "_LinkBusy":
-        self.thread = threading.Thread(target=self._copy_until_stopped)
-        self.started = time.perf_counter()
-        self.thread.start()
-        time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.gbps = self.moved / (time.perf_counter() - self.started) / 1e9
 
 
 def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict) -> float:
@@ -513,7 +485,7 @@ def main(argv=None) -> int:
         "--rows",
         default=",".join(DEFAULT_ROWS),
         help="comma-separated rows: resident, stock_cpu_offload+fused_cpu_adamw (each optionally with ;ac) "
-        "or any CoherentOffload row of COHERENT_ROWS",
+        "or coherent(item;...) (see coherent_row_config)",
     )
     parser.add_argument(
         "--repeats",
@@ -535,7 +507,7 @@ def main(argv=None) -> int:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     unknown = [name for name in args.rows.split(",") if not known_row(name)]
     if unknown:
-        parser.error(f"unknown rows {unknown}; choose resident, stock_cpu_offload+fused_cpu_adamw (optionally ;ac) or one of {sorted(COHERENT_ROWS)}")
+        parser.error(f"unknown rows {unknown}; choose resident, stock_cpu_offload+fused_cpu_adamw (optionally ;ac) or coherent(item;...) (see coherent_row_config)")
     if not torch.cuda.is_available():
         print("benchmarks/fsdp_offload.py needs a GPU", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ Rows (bf16 compute, fp32 reduce, AdamW lr 1e-4, sequences of ``--seq-len`` token
 * ``stock_cpu_offload+fused_cpu_adamw``: ``CPUOffloadPolicy(pin_memory=True)``, ``AdamW(fused=True)``
   on the host shards;
 * ``coherent(host)`` and ``coherent(host;modules=0.5)`` (or any row of
-  ``benchmarks/fsdp_offload.py``'s ``COHERENT_ROWS``): ``CoherentOffload`` with
+  ``coherent(...)`` row of ``benchmarks/fsdp_offload.py``, ``coherent_row_config``): ``CoherentOffload`` with
   ``OffloadOptimizer(model, AdamW, lr=1e-4, fused=True)``.
 
 Each row is built once on the meta device, ``fully_shard``-ed block by block, and each group's shards
@@ -45,7 +45,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fsdp_offload import COHERENT_ROWS, GiB, _shard, optimizer_kwargs  # noqa: E402
+from fsdp_offload import (  # noqa: E402
+    checkpointed, coherent_row_config, GiB, _shard, known_row, last_blocks_fraction, optimizer_kwargs,
+)
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import _rope_tables, build_model, causal_lm_loss  # noqa: E402
@@ -114,7 +116,7 @@ def build_row(name: str, model_name: str, device: torch.device):
     elif name == STOCK:
         _shard(model, CPUOffloadPolicy(pin_memory=True))
     else:
-        _shard(model, CoherentOffload(**COHERENT_ROWS[name]))
+        _shard(model, CoherentOffload(**coherent_row_config(name)))
     materialize(model, device)
     if name in (RESIDENT, STOCK):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
@@ -182,7 +184,7 @@ def planner_prediction(name: str, model_name: str, batch_size: int, seq_len: int
     if name == RESIDENT:
         offload = False
     else:
-        knobs = COHERENT_ROWS[name]
+        knobs = coherent_row_config(name)
         offload = TrainingConfig(module_fraction=knobs.get("module_fraction", 1.0), optimizer=knobs["optimizer"],
                                  prefetch_depth=knobs["prefetch_depth"])
     predicted = predict_per_gpu(model_name, world_size=dist.get_world_size(), batch_size=batch_size,
@@ -266,7 +268,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                         help=f"comma-separated: {RESIDENT}, {STOCK}, or a CoherentOffload row of "
-                        f"fsdp_offload.py ({', '.join(COHERENT_ROWS)})")
+                        "fsdp_offload.py (coherent(item;...), see its coherent_row_config)")
     parser.add_argument("--max-batch", type=int, default=16, help="largest micro-batch tried")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
@@ -277,9 +279,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/multi_gpu.json")
     args = parser.parse_args(argv)
     rows = args.rows.split(",")
-    unknown = [row for row in rows if row not in (RESIDENT, STOCK, *COHERENT_ROWS)]
+    # This script shards every block alike and checkpoints nothing: ac and last= rows are refused.
+    unknown = [row for row in rows if row not in (RESIDENT, STOCK)
+               and (not known_row(row) or checkpointed(row) or last_blocks_fraction(row) is not None)]
     if unknown:
-        parser.error(f"unknown rows {unknown}; choose from {RESIDENT}, {STOCK}, {', '.join(COHERENT_ROWS)}")
+        parser.error(f"unknown rows {unknown}; choose {RESIDENT}, {STOCK} or a coherent(item;...) row of "
+                     "fsdp_offload.py without ac or last=")
     if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
         print("benchmarks/multi_gpu.py needs GPUs and torchrun (torchrun --nproc_per_node N ...)", file=sys.stderr)
         return 2

@@ -50,8 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from torch_fsdp_offload.planner import get_profile, predict_per_gpu, predict_step, TrainingConfig  # noqa: E402
-from torch_fsdp_offload.planner.profile import model_breakdown, training_profile  # noqa: E402
-from torch_fsdp_offload.planner.search import offload_that_pays  # noqa: E402
+from torch_fsdp_offload.planner.profile import host_GBps_from_link_busy, model_breakdown, training_profile  # noqa: E402
+from torch_fsdp_offload.planner.search import choose  # noqa: E402
 
 GiB = 1 << 30
 TARGET_ERROR = 0.15
@@ -298,6 +298,12 @@ def validate_file(path: str, args) -> dict | None:
     default_optimizer = auto_optimizer(platform.kind)
     # benchmarks/fsdp_offload.py runs every CoherentOffload row at prefetch_depth=2.
     default_depth = 1 if kind == "activations" else 2
+    busy_rate = host_step_s_per_param(data)
+    # The host step's speed beside the link's DMA differs between machines and runs (0.44-0.62 ns
+    # per parameter on our H200s): like the GPU times from the resident row, the host bandwidth
+    # comes from the run's own measurement, as `plan` measures it (measure_host_GBps), unless
+    # --host-GBps fixes it.
+    host_GBps = args.host_GBps or (host_GBps_from_link_busy(busy_rate) if busy_rate else None)
     results = []
     agreements = []
     run_position = {id(row): position for position, row in enumerate(data.get("rows", []))}
@@ -309,9 +315,8 @@ def validate_file(path: str, args) -> dict | None:
             print(f"{path}: {label}: no resident row to calibrate from; skipped")
             continue
         profile = calibrated_profile(
-            model, batch_size, seq_len, resident, platform, host_GBps=args.host_GBps, plain_bf16=kind == "activations",
+            model, batch_size, seq_len, resident, platform, host_GBps=host_GBps, plain_bf16=kind == "activations",
         )
-        busy_rate = host_step_s_per_param(data)
         predicted = []
         for row in group:
             entry = {"file": os.path.basename(path), "group": label, "name": _value(row, "name", "row"), "batch_size": batch_size,
@@ -341,7 +346,8 @@ def validate_file(path: str, args) -> dict | None:
                 predicted_peak_GiB=prediction.peak_gpu_GiB,
                 peak_error=prediction.peak_gpu_GiB / measured_peak - 1.0,
                 calibration=row is resident,
-                moves_bytes=prediction.h2d_bytes + prediction.d2h_bytes > 0,
+                moved_bytes=prediction.h2d_bytes + prediction.d2h_bytes,
+                checkpointing=config.checkpointing,
                 measured_step_s_rounds=row.get("step_s_rounds"),
             )
             if id(row) in run_position:
@@ -369,7 +375,7 @@ def validate_file(path: str, args) -> dict | None:
                 agreement(os.path.basename(path), "any micro-batch", None, f"budget {budget:.1f} GiB", pool, pool_fit)
             )
     return {"file": path, "model": model, "seq_len": seq_len, "platform": dataclasses.asdict(platform),
-            "rows": results, "agreements": agreements}
+            "host_GBps": host_GBps or platform.host_GBps, "rows": results, "agreements": agreements}
 
 
 def agreement(file: str, group: str, batch_size: int | None, scope: str, pool: list[dict], pool_fit: list[dict]) -> dict:
@@ -420,11 +426,13 @@ def measured_tie(pick: dict, best: dict) -> bool:
 
 
 def decide(entries: list[dict], step_key: str) -> dict:
-    """The planner's decision rule (``search_training``) over ``entries`` by ``step_key``: the most
-    tokens per second among :func:`offload_that_pays` (a row that moves bytes must beat the
-    fastest row that moves nothing by ``OFFLOAD_MARGIN``)."""
-    paying = offload_that_pays(entries, throughput=lambda e: _rate(e, step_key), moves_bytes=lambda e: e["moves_bytes"])
-    return max(paying, key=lambda e: _rate(e, step_key))
+    """The planner's decision rule (:func:`~torch_fsdp_offload.planner.search.choose`, as
+    ``search_training`` applies it) over ``entries`` by ``step_key``: the most tokens per second
+    among the rows that pay (a row that moves bytes must beat the fastest row that moves nothing
+    by ``OFFLOAD_MARGIN``); within 2% of it, the row that moves the fewest bytes (as predicted),
+    then the one without checkpointing."""
+    return choose(entries, throughput=lambda e: _rate(e, step_key), bytes_moved=lambda e: e["moved_bytes"],
+                  checkpointing=lambda e: e.get("checkpointing", False))
 
 
 def summarize(files: list[dict]) -> dict:
@@ -486,6 +494,11 @@ def print_table(files: list[dict], summary: dict) -> None:
                 f"{'yes' if a['agree_within_tolerance'] else 'NO'} | {a['pick_over_best']:.3f} "
                 f"| {a['measured_choice']} | {'yes' if a['agree_same_rule'] else 'NO'} |"
             )
+    print()
+    print("| file | host GB/s of the step model |")
+    print("|---|---|")
+    for f in files:
+        print(f"| {os.path.basename(f['file'])} | {f['host_GBps']:.0f} |")
     print()
     print(json.dumps(summary, indent=1))
 

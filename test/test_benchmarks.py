@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import sys
 import tempfile
 import weakref
@@ -131,20 +132,24 @@ class TestPlannerValidate(TestCase):
         # that moves bytes wins only if it beats the fastest row that moves nothing by the margin.
         from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN as margin
 
-        checkpoint = {"name": "checkpoint", "moves_bytes": False, "step": 0.346}
-        offload = {"name": "checkpoint+offload", "moves_bytes": True, "step": 0.344}
+        checkpoint = {"name": "checkpoint", "moved_bytes": 0, "step": 0.346}
+        offload = {"name": "checkpoint+offload", "moved_bytes": 8e9, "step": 0.344}
         self.assertIs(planner_validate.decide([checkpoint, offload], "step"), checkpoint)
         offload["step"] = 0.346 / (1 + margin) - 1e-6
         self.assertIs(planner_validate.decide([checkpoint, offload], "step"), offload)
-        # With nothing that stays, the fastest mover.
-        other = {"name": "offload(all)", "moves_bytes": True, "step": 0.6}
+        # With nothing that stays, the fastest mover; within 2% of it, the one that moves fewer bytes.
+        other = {"name": "offload(all)", "moved_bytes": 16e9, "step": 0.6}
         self.assertIs(planner_validate.decide([other, offload], "step"), offload)
+        fewer = {"name": "last=0.5", "moved_bytes": 6e9, "step": offload["step"] * 1.015}
+        self.assertIs(planner_validate.decide([other, offload, fewer], "step"), fewer)
+        fewer["step"] = offload["step"] * 1.03
+        self.assertIs(planner_validate.decide([other, offload, fewer], "step"), offload)
 
     def test_budget_scope_ranks_by_tokens_per_second(self):
         # Rows of several micro-batches compete by tokens per second, not step time.
         def row(name, batch, predicted, measured):
             return {"name": name, "batch_size": batch, "tokens": batch * 2048, "predicted_step_s": predicted,
-                    "measured_step_s": measured, "moves_bytes": True}
+                    "measured_step_s": measured, "moved_bytes": 8e9}
 
         small, large = row("split", 4, 0.42, 0.384), row("host", 16, 0.69, 0.771)
         result = planner_validate.agreement("f.json", "any micro-batch", None, "budget 13.7 GiB", [small, large], [small, large])
@@ -186,11 +191,24 @@ class TestFsdpOffloadBenchmark(TestCase):
             fsdp_offload.optimizer_kwargs("coherent(host;next-fwd;threads=12)"),
             {"lr": 1e-4, "fused": True, "overlap_next_forward": True, "host_threads": 12},
         )
-        for name in fsdp_offload.COHERENT_ROWS:
-            self.assertTrue(name.startswith("coherent(") and name.endswith(")"), name)
         for name in fsdp_offload.DEFAULT_ROWS:
             self.assertTrue(fsdp_offload.known_row(name), name)
-        self.assertFalse(fsdp_offload.known_row("coherent(host;typo)"))
+        self.assertEqual(
+            fsdp_offload.coherent_row_config("coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"),
+            {"optimizer": 0.25, "prefetch_depth": 1, "module_fraction": 0.625},
+        )
+        self.assertEqual(fsdp_offload.coherent_row_config("coherent(host;next-fwd;last=0.5;act=0.5)"),
+                         {"optimizer": "host", "prefetch_depth": 2, "activations": 0.5})
+        for bad, reason in (
+            ("coherent(host;typo)", "unknown item 'typo'"),
+            ("coherent(next-fwd)", "no optimizer placement"),
+            ("coherent(host;split=0.5)", "two optimizer placements"),
+            ("coherent(host;modules=0.5;last=0.5)", "both modules= and last="),
+            ("resident(host)", "not a CoherentOffload row"),
+        ):
+            with self.assertRaisesRegex(ValueError, re.escape(reason)):
+                fsdp_offload.coherent_row_config(bad)
+            self.assertFalse(fsdp_offload.known_row(bad))
         # "last=F": the policy per module on the last F of the blocks; the step model reads it as
         # module_fraction F placed last in forward order, and "modules=F" as F spread.
         self.assertEqual(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;last=0.5)"), 0.5)

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import tempfile
+import time
 import unittest
 
 import torch
@@ -329,6 +330,31 @@ class TestRealModel(TestCase):
         result = plan("small", batch_size=2, seq_len=512, microbatch_factors=(1, 2))
         self.assertEqual(result.training.profiles[0][1].source, "measured block")
         self.assertEqual([f for f, _ in result.scenario.microbatch_scaling], [1.0, 2.0])
+
+    def test_host_bandwidth_from_the_step_with_the_link_busy(self):
+        from torch_fsdp_offload.planner.profile import (
+            HOST_BYTES_PER_LINK_BUSY_PARAM, host_GBps_from_link_busy, measure_host_GBps,
+        )
+
+        # Our H200 runs: 0.57 ns per parameter with the link busy is the profile's 113 GB/s.
+        self.assertAlmostEqual(host_GBps_from_link_busy(0.57e-9), HOST_BYTES_PER_LINK_BUSY_PARAM / 0.57)
+        self.assertAlmostEqual(host_GBps_from_link_busy(0.57e-9), get_profile("h200-pcie").host_GBps, delta=2)
+        with self.assertRaisesRegex(ValueError, "seconds_per_param must be positive"):
+            host_GBps_from_link_busy(0.0)
+        self.assertGreater(measure_host_GBps(1 << 16, threads=1, repeats=1, link_busy=False), 0)
+        if not torch.cuda.is_available():
+            with self.assertRaisesRegex(ValueError, "needs a CUDA device; pass link_busy=False"):
+                measure_host_GBps(1 << 16, link_busy=True)
+
+    @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
+    def test_host_bandwidth_measured_with_the_link_busy_on_gpu(self):
+        from torch_fsdp_offload.planner.profile import LinkBusy, measure_host_GBps
+
+        with LinkBusy(64 << 20) as link:
+            time.sleep(0.2)
+        self.assertGreater(link.gbps, 1.0)  # both directions copied meanwhile
+        busy = measure_host_GBps(1 << 24)  # link_busy is the default with a GPU
+        self.assertTrue(10 < busy < 1000, busy)
 
 
 class TestStepModel(TestCase):

@@ -147,7 +147,7 @@ def _plan_model(
             )
         factors = factors[: len(timings)]
         host_GBps = measure_host_GBps()
-        notes.append(f"host optimizer bandwidth measured here: {host_GBps:.0f} GB/s")
+        notes.append(f"host optimizer bandwidth measured here, with the link copying both ways: {host_GBps:.0f} GB/s")
     else:
         notes.append(
             f"times are estimated from FLOPs for {platform.name}, not measured, and micro-batch scaling "

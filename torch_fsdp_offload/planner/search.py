@@ -36,6 +36,7 @@ from torch_fsdp_offload.planner.scenario import Scenario
 __all__ = [
     "DRAM_BOUND_UTILIZATION",
     "OFFLOAD_MARGIN",
+    "choose",
     "ScenarioSearch",
     "default_training_configs",
     "offload_blocked_reason",
@@ -237,6 +238,43 @@ def offload_that_pays(
     return [c for c in candidates if not moves_bytes(c) or throughput(c) >= bar]
 
 
+def choose(
+    candidates: Sequence[_T],
+    *,
+    throughput: Callable[[_T], float],
+    bytes_moved: Callable[[_T], float],
+    checkpointing: Callable[[_T], bool],
+) -> _T:
+    """The planner's decision among candidates that fit: of :func:`offload_that_pays`, the most
+    throughput; within 2% of it, the one that moves the fewest bytes over the link, then the one
+    without activation checkpointing, then the faster.
+
+    Args:
+        candidates: plans, predicted or measured (at least one).
+        throughput (Callable): a candidate's samples per second.
+        bytes_moved (Callable): bytes a candidate moves over the link per step.
+        checkpointing (Callable): whether a candidate checkpoints activations.
+
+    Returns:
+        The chosen candidate.
+
+    Raises:
+        ValueError: no candidates.
+
+    Example::
+
+        >>> choose([(1.00, 0), (1.01, 9e9)], throughput=lambda c: c[0], bytes_moved=lambda c: c[1],
+        ...        checkpointing=lambda c: False)
+        (1.0, 0)
+    """
+    if not candidates:
+        raise ValueError("choose needs at least one candidate")
+    paying = offload_that_pays(candidates, throughput=throughput, moves_bytes=lambda c: bytes_moved(c) > 0)
+    top = max(throughput(c) for c in paying)
+    close = [c for c in paying if throughput(c) >= top * (1 - _TIE)]
+    return min(close, key=lambda c: (bytes_moved(c), checkpointing(c), -throughput(c)))
+
+
 def search_training(
     profiles: Sequence[tuple[float, TrainingProfile]],
     platform: PlatformProfile,
@@ -271,10 +309,10 @@ def search_training(
     fitting = [(f, p) for f, p in predictions if p.peak_gpu_bytes <= capacity_bytes]
     if not fitting:
         return predictions, None
-    fitting = offload_that_pays(
-        fitting, throughput=lambda fp: fp[0] / fp[1].step_s, moves_bytes=lambda fp: fp[1].h2d_bytes + fp[1].d2h_bytes > 0
+    best = choose(
+        fitting,
+        throughput=lambda fp: fp[0] / fp[1].step_s,
+        bytes_moved=lambda fp: fp[1].h2d_bytes + fp[1].d2h_bytes,
+        checkpointing=lambda fp: fp[1].config.checkpointing,
     )
-    top = max(f / p.step_s for f, p in fitting)
-    close = [(f, p) for f, p in fitting if f / p.step_s >= top * (1 - _TIE)]
-    best = min(close, key=lambda fp: (fp[1].h2d_bytes + fp[1].d2h_bytes, fp[1].config.checkpointing, -fp[0] / fp[1].step_s))
     return predictions, best
