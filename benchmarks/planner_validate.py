@@ -28,9 +28,12 @@ Usage::
     python benchmarks/planner_validate.py benchmarks/results/fsdp_offload.json --model anchor-1.6b
     python benchmarks/planner_validate.py --offline FILES... --plot docs/img/planner_validate.png
 
-Besides the strict check (the pick is the measured fastest), each pick is compared with the
-planner's decision rule applied to the measured steps (``decide``: a plan that moves bytes must
-beat the fastest plan that moves nothing by ``OFFLOAD_MARGIN``), and, for rows measured in several
+Each file's host bandwidth comes from its own run (the host step measured with the link busy,
+``host_GBps_from_link_busy``), as the GPU times come from its resident row. Besides the strict
+check (the pick is the measured fastest), each pick is compared with the planner's decision rule
+applied to the measured steps (``decide``, the planner's ``choose``: a plan that moves bytes must
+beat the fastest plan that moves nothing by ``OFFLOAD_MARGIN``; within 2%, fewer bytes moved
+wins), and, for rows measured in several
 rounds (``--repeats``: ``step_s_rounds``), the measurement's own spread: where the pick's fastest
 round is no slower than the best row's slowest (``measured_tie``), the runs cannot order the two.
 """

@@ -21,17 +21,15 @@ def _rows(path: str) -> list[dict]:
 
 
 def plot_fsdp(results: str, out: str) -> str:
-    """Tokens/s and peak memory per micro-batch of the sixth session's runs (current code): bs 8 and
-    16 each in its own process, the rows with the policy on the last blocks, and the bs 4 rows of the
-    same names."""
-    sources = ["fsdp_offload_bs8_session6.json", "fsdp_offload_bs16_session6.json",
-               "fsdp_offload_last_session6.json", "fsdp_offload_bs4_session6.json"]
+    """Tokens/s and peak memory per micro-batch of the eighth session's runs (current code): bs 8 and
+    16 each in its own process, and the bs 4 rows of the same names."""
+    sources = ["fsdp_offload_bs8_session8.json", "fsdp_offload_bs16_session8.json", "fsdp_offload_bs4_session8.json"]
     rows: list[dict] = []
     for source in sources:
         for row in _rows(os.path.join(results, source)):
             if not any(r["name"] == row["name"] and r["batch_size"] == row["batch_size"] for r in rows):
                 rows.append(row)
-    names = list(dict.fromkeys(r["name"] for source in sources[:3] for r in _rows(os.path.join(results, source))))
+    names = list(dict.fromkeys(r["name"] for source in sources[:2] for r in _rows(os.path.join(results, source))))
     batch_sizes = sorted({r["batch_size"] for r in rows})
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.8))
     width = 0.8 / len(names)
@@ -59,11 +57,11 @@ def plot_fsdp(results: str, out: str) -> str:
 
 
 def plot_fsdp_bs4(results: str, out: str) -> str:
-    """Step time against peak memory of the bs 4 rows of the sixth session's run (all in one
+    """Step time against peak memory of the bs 4 rows of the eighth session's first run (all in one
     process, current code) and, hollow, rows of earlier sessions it did not re-measure."""
-    current = _rows(os.path.join(results, "fsdp_offload_bs4_session6.json"))
+    current = _rows(os.path.join(results, "fsdp_offload_bs4_session8.json"))
     earlier: list[dict] = []
-    for source in ("fsdp_offload_bs4_session5.json", "fsdp_offload_bs4_session4.json", "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4_ac.json",
+    for source in ("fsdp_offload_bs4_session6.json", "fsdp_offload_bs4_session5.json", "fsdp_offload_bs4_session4.json", "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4_ac.json",
                    "fsdp_offload_bs4.json", "fsdp_offload_bs4_combined.json"):
         earlier += [
             r for r in _rows(os.path.join(results, source))
