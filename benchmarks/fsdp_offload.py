@@ -45,13 +45,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memory_snapshot import record_step  # noqa: E402
 from rounds import median_of_rounds, round_order  # noqa: E402
-from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
+from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
 from torch_fsdp_offload.planner.profile import LinkBusy  # noqa: E402
@@ -225,13 +225,8 @@ def _shard(model: nn.Module, offload_policy, activation_checkpointing: bool = Fa
         # As torchtitan does: checkpoint each block, then shard the wrapper.
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
-    n_blocks = len(model.blocks)
-    first_offloaded = 0 if last_fraction is None else n_blocks - round(last_fraction * n_blocks)
-    for index, block in enumerate(model.blocks):
-        policy = offload_policy if index >= first_offloaded else None
-        fully_shard(block, mp_policy=mp_policy, **({"offload_policy": policy} if policy is not None else {}))
-    root_policy = offload_policy if last_fraction is None else None
-    fully_shard(model, mp_policy=mp_policy, **({"offload_policy": root_policy} if root_policy is not None else {}))
+    last_blocks = None if last_fraction is None else round(last_fraction * len(model.blocks))
+    fully_shard_with_policy(model, model.blocks, offload_policy, last_blocks=last_blocks, mp_policy=mp_policy)
 
 
 def run_row(

@@ -19,12 +19,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
-from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload import optim as optim_module
 from torch_fsdp_offload.memory import empty_cache, memory_stats
 from torch_fsdp_offload.planner.report import Recommendation
@@ -65,17 +65,10 @@ def _shard(
 ) -> nn.Module:
     """``policy`` on every block and the root, or (``last_blocks``) per module on the last blocks
     only, the other blocks and the root with FSDP's default."""
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy}
     if activation_checkpointing:
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
-    first_offloaded = 0 if last_blocks is None else len(model.blocks) - last_blocks
-    for index, block in enumerate(model.blocks):
-        with_policy = policy is not None and index >= first_offloaded
-        fully_shard(block, **kwargs, **({"offload_policy": policy} if with_policy else {}))
-    with_policy = policy is not None and last_blocks is None
-    fully_shard(model, **kwargs, **({"offload_policy": policy} if with_policy else {}))
-    return model
+    return fully_shard_with_policy(model, model.blocks, policy, last_blocks=last_blocks, mesh=mesh, mp_policy=mp_policy)
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -235,6 +228,18 @@ class RecommendationApplyTest(GlooMultiProcessTestCase):
         optim.step()
         self.assertGreater(engine.stats.d2h_copies, 0)
         self.assertEqual(optim.stepped_numel["host"], sum(p.numel() for block in model.blocks[1:] for p in block.parameters()))
+
+    def test_fully_shard_with_policy_refuses_bad_input_before_sharding(self):
+        model = TiedBlocksModel()
+        for kwargs, message in (
+            ({"last_blocks": 4}, r"last_blocks must be an int in \[0, 3\]"),
+            ({"last_blocks": -1}, r"last_blocks must be an int in \[0, 3\]"),
+            ({"last_blocks": True}, r"last_blocks must be an int in \[0, 3\]"),
+            ({"offload_policy": CoherentOffload()}, "drop offload_policy"),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                fully_shard_with_policy(model, model.blocks, CoherentOffload(), **kwargs)
+            self.assertFalse(any(isinstance(module, FSDPModule) for module in model.modules()))
 
 
 class FSDP2OffloadParityTest(GlooMultiProcessTestCase):

@@ -15,7 +15,7 @@ from torch_fsdp_offload.platform import (
     platform_from_attributes,
     PlatformKind,
 )
-from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan
+from torch_fsdp_offload.policy import CoherentOffload, fully_shard_with_policy, ResolvedPlan
 from torch_fsdp_offload.transfer_tensor import TransferTensor
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     "detect_platform",
     "ENV_PLATFORM",
     "FullyShardedDataParallel",
+    "fully_shard_with_policy",
     "get_activation_offload",
     "measure_bandwidth",
     "offload_activations",

@@ -51,8 +51,8 @@ _GPU_ADAMW_BYTES_PER_PARAM = 28
 _GPU_ADAMW_DRAM_FRACTION = 0.29
 #: Host DRAM bytes per host-stepped parameter that, over the host step's time measured with the
 #: link busy both ways (:func:`host_GBps_from_link_busy`), give the step model's host bandwidth.
-#: Fitted on the eighth session's H200 runs (five processes on four machines, 0.44-0.62 ns per
-#: parameter with the link busy; docs/planner.md, "Round 7"): 64 reproduces their host-bound steps
+#: Fitted on six H200 runs of the seventh and eighth sessions (0.44-0.64 ns per parameter with
+#: the link busy; docs/planner.md, "Round 7"): 64 reproduces their host-bound steps
 #: best. It sits between the host step's own bytes (38) and those plus the DMA's while it is
 #: measured (~90): in a training step the link is busy for part of the host step only.
 HOST_BYTES_PER_LINK_BUSY_PARAM = 64.0

@@ -97,28 +97,19 @@ class Recommendation:
             >>> rec.apply(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
             >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
         """
-        from torch.distributed.fsdp import fully_shard
-
         from torch_fsdp_offload.activations import _find_blocks, offload_activations
+        from torch_fsdp_offload.policy import fully_shard_with_policy
 
-        if "offload_policy" in fully_shard_kwargs:
-            raise ValueError(
-                "Recommendation.apply() places the recommended offload_policy itself; drop offload_policy= "
-                "(or shard by hand with .policy)"
-            )
         blocks = list(_find_blocks(model) if blocks is None else blocks)
         if self.last_blocks is not None and self.last_blocks[1] != len(blocks):
             raise ValueError(
                 f"the plan is for a model of {self.last_blocks[1]} blocks, this one has {len(blocks)}: "
                 "plan this model, or pass its blocks= in forward order"
             )
-        policy = self.policy
-        first_offloaded = 0 if self.last_blocks is None else self.last_blocks[1] - self.last_blocks[0]
-        for index, block in enumerate(blocks):
-            with_policy = policy is not None and index >= first_offloaded
-            fully_shard(block, **fully_shard_kwargs, **({"offload_policy": policy} if with_policy else {}))
-        with_policy = policy is not None and self.last_blocks is None
-        fully_shard(model, **fully_shard_kwargs, **({"offload_policy": policy} if with_policy else {}))
+        fully_shard_with_policy(
+            model, blocks, self.policy, last_blocks=None if self.last_blocks is None else self.last_blocks[0],
+            **fully_shard_kwargs,
+        )
         if self.activations_offload_fraction > 0:
             # Kept alive by the hooks it registers on the model.
             offload_activations(model, blocks=blocks, fraction=self.activations_offload_fraction)
