@@ -17,11 +17,23 @@ under backward: a group's host step can start only when its gradients landed and
 forward needs the first group, whose gradients land last, so at best the host work of all but the
 backward of one group is hidden: T_host_unhidden = T_gpu + T_host - T_bwd * (N - 1) / N (rows
 named ``next-fwd`` let host steps finish under the next forward too: T_host_unhidden = T_host), with
-T_host the host work of the parameters the row steps on the host (fused CPU AdamW plus the bf16
-cast, per parameter, measured in this process by ``measure_host_optimizer``; 0 for rows that step
-nothing on the host). ``LBc`` (``lower_bound_link_busy_s``) is the same bound with the host work
-measured while both link directions copy: host DRAM serves the DMA and the optimizer at once, and
-the AdamW step is bound by it (on our H200 host it runs ~1.5x slower then). With ``--profile DIR`` each CoherentOffload row at the first batch size also
+T_host the host work of the parameters the row steps on the host (fused CPU AdamW plus, for
+CoherentOffload rows, the bf16 cast: stock offload casts on the GPU; per parameter, measured in
+this process by ``measure_host_optimizer``; 0 for rows that step nothing on the host). ``LBs`` (``lower_bound_shared_dram_s``) is the same bound with the host
+work slowed by the row's own link traffic: host DRAM serves the DMA and the optimizer at once, and
+the host step runs slower while the link copies (on our H200 hosts ~1.5x with both directions
+busy). With T_host and T_host_busy the host work timed alone and while both link directions copy
+at BW_busy (both measured in this process), and T_dma = (H2D + D2H) / BW_busy the time the row's
+bytes keep the link that busy, the host work can take no less than
+
+    T_host_shared = T_host + min(T_dma, T_host_busy) * (1 - T_host / T_host_busy)
+
+(every second the DMA runs beside the host step costs it 1 - T_host / T_host_busy seconds of
+work; DMA that runs while the host idles costs as much step time or more). It replaces T_host in
+the host term. (Earlier files' ``LBc``, ``lower_bound_link_busy_s``, charged T_host_busy for the
+whole host work, as if the link copied all the time: steps ran below it, so it bounded nothing.)
+``--rederive FILE...`` recomputes these columns for stored result files and prints their tables.
+With ``--profile DIR`` each CoherentOffload row at the first batch size also
 writes a chrome trace and a summary of how much copy time ran under compute (``profile_overlap``).
 
 Usage (GPU machine):
@@ -423,10 +435,30 @@ def _timed_host_step(adamw, param, mirror) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict) -> float:
+def host_work_s(host_params: float, link_GB: float, host: dict, *, cast: bool, shared_dram: bool) -> float:
+    """Host optimizer work (fused CPU AdamW, plus the bf16 cast with ``cast``) of ``host_params``
+    parameters at the rates of ``host`` (``measure_host_optimizer``); with ``shared_dram``, slowed by
+    ``link_GB`` crossing the link meanwhile (``T_host_shared`` of the module docstring)."""
+
+    def rate(measured: dict) -> float:
+        return measured["adamw_s_per_Gparam"] + (measured["cast_s_per_Gparam"] if cast else 0.0)
+
+    alone = host_params / 1e9 * rate(host)
+    busy_rates = host.get("link_busy")
+    if not shared_dram or not busy_rates:
+        return alone
+    busy = host_params / 1e9 * rate(busy_rates)
+    if busy <= alone:
+        return alone
+    dma = link_GB / busy_rates["link_GBps_meanwhile"]
+    return alone + min(dma, busy) * (1 - alone / busy)
+
+
+def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict, *, shared_dram: bool = False) -> float:
     """LB of one row from quantities measured in this run (see the module docstring); the host
     term is the measured host work per parameter times the parameters this row steps on the
-    host, not the row's own host time."""
+    host, not the row's own host time. ``shared_dram``: LBs, the host work slowed by the row's
+    link traffic."""
     t_gpu = resident["fwd_s"] + resident["bwd_s"]
     terms = [
         t_gpu,
@@ -436,7 +468,9 @@ def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict) -> float
     ]
     host_params = row.get("host_stepped_params", 0)
     if host_params:
-        t_host = host_params / 1e9 * (host["adamw_s_per_Gparam"] + host["cast_s_per_Gparam"])
+        # Stock offload casts on the GPU (it copies fp32 parameters in); CoherentOffload on the host.
+        cast = row["name"].startswith("coherent")
+        t_host = host_work_s(host_params, row["h2d_GB"] + row["d2h_GB"], host, cast=cast, shared_dram=shared_dram)
         if optimizer_kwargs(row["name"])["overlap_next_forward"]:
             # Host steps may run under the next forward as well as backward.
             terms.append(t_host)
@@ -460,13 +494,46 @@ def add_derived_columns(rows: list[dict], batch_size: int, bandwidth: dict, host
         compute = measured.get("resident;ac", resident) if checkpointed(row["name"]) else resident
         row["lower_bound_s"] = round(lower_bound(row, compute, bandwidth, host), 4)
         row["step_over_lb"] = round(row["step_s"] / row["lower_bound_s"], 2)
-        row["lower_bound_link_busy_s"] = round(lower_bound(row, compute, bandwidth, host["link_busy"]), 4)
-        row["step_over_lb_link_busy"] = round(row["step_s"] / row["lower_bound_link_busy_s"], 2)
+        row["lower_bound_shared_dram_s"] = round(lower_bound(row, compute, bandwidth, host, shared_dram=True), 4)
+        row["step_over_lb_shared_dram"] = round(row["step_s"] / row["lower_bound_shared_dram_s"], 2)
         row["peak_vs_resident"] = round(row["peak_gpu_GiB"] / resident["peak_gpu_GiB"], 2)
         if stock is not None:
             row["speedup_vs_stock"] = round(stock["step_s"] / row["step_s"], 2)
         if stock_ac is not None:
             row["speedup_vs_stock_ac"] = round(stock_ac["step_s"] / row["step_s"], 2)
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'row':42s} {'bs':>3s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'host opt':>8s} {'peak GiB':>8s} "
+              f"{'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'/LBs':>5s} {'vs stock':>8s}")
+    print(header)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:42s} {r['batch_size']:>3d} {r['error']}")
+            continue
+        print(
+            f"{r['name']:42s} {r['batch_size']:>3d} {r['step_s']:7.3f} {r['fwd_s']:6.3f} {r['bwd_s']:6.3f} {r['opt_s']:6.3f} "
+            f"{r['host_optimizer_s']:8.3f} {r['peak_gpu_GiB']:8.1f} {r['h2d_GB']:7.2f} {r['d2h_GB']:7.2f} "
+            f"{r.get('lower_bound_s', float('nan')):6.3f} {r.get('step_over_lb', float('nan')):5.2f} "
+            f"{r.get('step_over_lb_shared_dram', float('nan')):5.2f} {r.get('speedup_vs_stock', float('nan')):8.2f}"
+        )
+
+
+def rederive(paths: list[str]) -> int:
+    """Recompute the derived columns (LB, LBs, against resident and stock) of stored result files
+    from what they measured, and print their tables; the files are left as they are."""
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if data.get("benchmark") != "fsdp_offload":
+            print(f"{path}: not a benchmarks/fsdp_offload.py result", file=sys.stderr)
+            return 2
+        rows = data["rows"]
+        for batch_size in sorted({r["batch_size"] for r in rows}):
+            add_derived_columns(rows, batch_size, data["link_GBps"], data["host_optimizer_measured"])
+        print(f"== {path}")
+        print_table(rows)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -497,7 +564,15 @@ def main(argv=None) -> int:
         help="after timing each row at the first batch size, run one more step with the allocator's history "
         "recorded and store what is live at its peak, by allocation site (memory_at_peak)",
     )
+    parser.add_argument(
+        "--rederive",
+        nargs="+",
+        metavar="FILE",
+        help="recompute the derived columns (LB, LBs, x stock) of stored result files and print their tables; no GPU",
+    )
     args = parser.parse_args(argv)
+    if args.rederive:
+        return rederive(args.rederive)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     unknown = [name for name in args.rows.split(",") if not known_row(name)]
@@ -575,18 +650,7 @@ def main(argv=None) -> int:
             add_derived_columns(rows, batch_size, bandwidth, host)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-    header = f"{'row':42s} {'bs':>3s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'host opt':>8s} {'peak GiB':>8s} {'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'/LBc':>5s} {'vs stock':>8s}"
-    print(header)
-    for r in rows:
-        if "error" in r:
-            print(f"{r['name']:42s} {r['batch_size']:>3d} {r['error']}")
-            continue
-        print(
-            f"{r['name']:42s} {r['batch_size']:>3d} {r['step_s']:7.3f} {r['fwd_s']:6.3f} {r['bwd_s']:6.3f} {r['opt_s']:6.3f} "
-            f"{r['host_optimizer_s']:8.3f} {r['peak_gpu_GiB']:8.1f} {r['h2d_GB']:7.2f} {r['d2h_GB']:7.2f} "
-            f"{r.get('lower_bound_s', float('nan')):6.3f} {r.get('step_over_lb', float('nan')):5.2f} "
-            f"{r.get('step_over_lb_link_busy', float('nan')):5.2f} {r.get('speedup_vs_stock', float('nan')):8.2f}"
-        )
+    print_table(rows)
     dist.destroy_process_group()
     return 0
 

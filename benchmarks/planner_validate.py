@@ -28,8 +28,8 @@ Usage::
     python benchmarks/planner_validate.py benchmarks/results/fsdp_offload.json --model anchor-1.6b
     python benchmarks/planner_validate.py --offline FILES... --plot docs/img/planner_validate.png
 
-Each file's host bandwidth comes from its own run (the host step measured with the link busy,
-``host_GBps_from_link_busy``), as the GPU times come from its resident row. Besides the strict
+Each file's host step comes from its own run (timed alone and with the link busy, the step model's
+shared-DRAM inputs), as the GPU times come from its resident row. Besides the strict
 check (the pick is the measured fastest), each pick is compared with the planner's decision rule
 applied to the measured steps (``decide``, the planner's ``choose``: a plan that moves bytes must
 beat the fastest plan that moves nothing by ``OFFLOAD_MARGIN``; within 2%, fewer bytes moved
@@ -53,7 +53,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from torch_fsdp_offload.planner import get_profile, predict_per_gpu, predict_step, TrainingConfig  # noqa: E402
-from torch_fsdp_offload.planner.profile import host_GBps_from_link_busy, model_breakdown, training_profile  # noqa: E402
+from torch_fsdp_offload.planner.profile import (  # noqa: E402
+    host_GBps_from_link_busy,
+    HostStepRates,
+    model_breakdown,
+    training_profile,
+)
 from torch_fsdp_offload.planner.search import choose  # noqa: E402
 
 GiB = 1 << 30
@@ -197,13 +202,19 @@ def _long_enough(model: str, seq_len: int):
     return dataclasses.replace(config, max_seq_len=seq_len)
 
 
-def host_step_s_per_param(data: dict) -> float | None:
-    """Seconds per host-stepped parameter measured in the run while both link directions copied
-    (``host_optimizer_measured["link_busy"]``: fused AdamW plus the bf16 cast), or None."""
-    busy = (data.get("host_optimizer_measured") or {}).get("link_busy")
+def host_step_rates(data: dict) -> HostStepRates | None:
+    """The host step (fused AdamW plus the bf16 cast) per parameter as the run measured it, alone and
+    while both link directions copied (``host_optimizer_measured`` and its ``link_busy``), as
+    ``measure_host_step`` measures it for ``plan``; None when the run did not measure both."""
+    alone = data.get("host_optimizer_measured") or {}
+    busy = alone.get("link_busy")
     if not isinstance(busy, dict):
         return None
-    return (float(busy["adamw_s_per_Gparam"]) + float(busy["cast_s_per_Gparam"])) / 1e9
+    return HostStepRates(
+        alone_s_per_param=(float(alone["adamw_s_per_Gparam"]) + float(alone["cast_s_per_Gparam"])) / 1e9,
+        link_busy_s_per_param=(float(busy["adamw_s_per_Gparam"]) + float(busy["cast_s_per_Gparam"])) / 1e9,
+        link_GBps_meanwhile=float(busy["link_GBps_meanwhile"]),
+    )
 
 
 def in_situ_host_s_per_param(row: dict, config: TrainingConfig, profile) -> float | None:
@@ -219,7 +230,9 @@ def in_situ_host_s_per_param(row: dict, config: TrainingConfig, profile) -> floa
     return host_s / (host_blocks * profile.block_params)
 
 
-def calibrated_profile(model: str, batch_size: int, seq_len: int, resident: dict, platform, *, host_GBps, plain_bf16: bool):
+def calibrated_profile(
+    model: str, batch_size: int, seq_len: int, resident: dict, platform, *, host_GBps, plain_bf16: bool, host_rates=None
+):
     """The step model's input for one micro-batch, calibrated on the group's resident row.
 
     Sizes (parameters, activation bytes per block) come from the model's meta-device breakdown;
@@ -227,7 +240,7 @@ def calibrated_profile(model: str, batch_size: int, seq_len: int, resident: dict
     what its measured peak holds beyond the predicted one (workspaces, allocator state).
     """
     breakdown = model_breakdown(_long_enough(model, seq_len), batch_size=batch_size, seq_len=seq_len)
-    profile = training_profile(breakdown, platform, host_GBps=host_GBps)
+    profile = training_profile(breakdown, platform, host_GBps=host_GBps, host_rates=host_rates)
     # activations.py trains a plain (unsharded) module with bf16 weights, grads and AdamW state.
     state_bytes = {"param_bytes": 2, "reduce_bytes": 2, "optimizer_state_bytes": 4} if plain_bf16 else {}
     profile = dataclasses.replace(
@@ -301,11 +314,12 @@ def validate_file(path: str, args) -> dict | None:
     default_optimizer = auto_optimizer(platform.kind)
     # benchmarks/fsdp_offload.py runs every CoherentOffload row at prefetch_depth=2.
     default_depth = 1 if kind == "activations" else 2
-    busy_rate = host_step_s_per_param(data)
-    # The host step's speed beside the link's DMA differs between machines and runs (0.44-0.62 ns
-    # per parameter on our H200s): like the GPU times from the resident row, the host bandwidth
-    # comes from the run's own measurement, as `plan` measures it (measure_host_GBps), unless
-    # --host-GBps fixes it.
+    # The host step's speed alone and beside the link's DMA differs between machines and runs
+    # (0.29-0.44 and 0.44-0.70 ns per parameter on our H200s): like the GPU times from the
+    # resident row, it comes from the run's own measurement, as `plan` measures it
+    # (measure_host_step), unless --host-GBps fixes a bandwidth instead.
+    rates = None if args.host_GBps else host_step_rates(data)
+    busy_rate = None if rates is None else rates.link_busy_s_per_param
     host_GBps = args.host_GBps or (host_GBps_from_link_busy(busy_rate) if busy_rate else None)
     results = []
     agreements = []
@@ -319,6 +333,7 @@ def validate_file(path: str, args) -> dict | None:
             continue
         profile = calibrated_profile(
             model, batch_size, seq_len, resident, platform, host_GBps=host_GBps, plain_bf16=kind == "activations",
+            host_rates=rates,
         )
         predicted = []
         for row in group:
@@ -335,7 +350,11 @@ def validate_file(path: str, args) -> dict | None:
                 continue
             prediction = predict_step(profile, config, platform)
             in_situ = in_situ_host_s_per_param(row, config, profile)
-            link_busy = predict_step(dataclasses.replace(profile, host_step_s_per_param=busy_rate), config, platform)
+            # The whole host step at the link-busy rate, for comparison.
+            link_busy = (
+                predict_step(dataclasses.replace(profile, host_step_s_per_param=busy_rate, host_alone_s_per_param=None), config, platform)
+                if busy_rate else prediction
+            )
             measured_peak = float(_value(row, "peak_gpu_GiB", "peak_gib"))
             entry.update(
                 config=config.label,
@@ -378,7 +397,11 @@ def validate_file(path: str, args) -> dict | None:
                 agreement(os.path.basename(path), "any micro-batch", None, f"budget {budget:.1f} GiB", pool, pool_fit)
             )
     return {"file": path, "model": model, "seq_len": seq_len, "platform": dataclasses.asdict(platform),
-            "host_GBps": host_GBps or platform.host_GBps, "rows": results, "agreements": agreements}
+            "host_GBps": host_GBps or platform.host_GBps,
+            "host_step_ns_per_param": None if rates is None else {
+                "alone": rates.alone_s_per_param * 1e9, "link_busy": rates.link_busy_s_per_param * 1e9,
+                "link_GBps_meanwhile": rates.link_GBps_meanwhile},
+            "rows": results, "agreements": agreements}
 
 
 def agreement(file: str, group: str, batch_size: int | None, scope: str, pool: list[dict], pool_fit: list[dict]) -> dict:
@@ -498,10 +521,14 @@ def print_table(files: list[dict], summary: dict) -> None:
                 f"| {a['measured_choice']} | {'yes' if a['agree_same_rule'] else 'NO'} |"
             )
     print()
-    print("| file | host GB/s of the step model |")
-    print("|---|---|")
+    print("| file | host step ns/param alone | with the link busy | link GB/s meanwhile |")
+    print("|---|---|---|---|")
     for f in files:
-        print(f"| {os.path.basename(f['file'])} | {f['host_GBps']:.0f} |")
+        rates = f.get("host_step_ns_per_param")
+        if rates:
+            print(f"| {os.path.basename(f['file'])} | {rates['alone']:.3f} | {rates['link_busy']:.3f} | {rates['link_GBps_meanwhile']:.0f} |")
+        else:
+            print(f"| {os.path.basename(f['file'])} | host bandwidth {f['host_GBps']:.0f} GB/s | | |")
     print()
     print(json.dumps(summary, indent=1))
 

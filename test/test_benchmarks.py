@@ -238,11 +238,29 @@ class TestFsdpOffloadBenchmark(TestCase):
         row["host_stepped_params"] = 0
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.2)
 
+    def test_shared_dram_lower_bound(self):
+        # LBs: the host work (0.6 s alone, 1.2 s beside a link busy at 75 GB/s) pays half a second
+        # per second of the row's own DMA (15 GB: 0.2 s).
+        resident = {"fwd_s": 0.05, "bwd_s": 0.1}
+        bandwidth = {"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps": 100.0}
+        host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1,
+                "link_busy": {"adamw_s_per_Gparam": 0.4, "cast_s_per_Gparam": 0.2, "link_GBps_meanwhile": 75.0}}
+        row = {"name": "coherent(host;next-fwd)", "h2d_GB": 10.0, "d2h_GB": 5.0, "host_stepped_params": 2e9, "n_blocks": 8}
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.6)
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host, shared_dram=True), 0.6 + 0.2 * 0.5)
+        # Never more than the whole host work at the busy rate.
+        self.assertAlmostEqual(
+            fsdp_offload.host_work_s(2e9, 200.0, host, cast=True, shared_dram=True), 0.6 + 1.2 * 0.5
+        )
+        # Stock offload casts on the GPU: its host work is the AdamW step alone.
+        self.assertAlmostEqual(fsdp_offload.host_work_s(2e9, 0.0, host, cast=False, shared_dram=False), 0.4)
+
     def test_derived_columns_of_the_rows_measured_so_far(self):
         # The results are written after every row: the columns must come out right whichever rows
         # of a batch size have been measured when a run stops.
         bandwidth = {"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps": 100.0}
-        host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1, "link_busy": {"adamw_s_per_Gparam": 0.4, "cast_s_per_Gparam": 0.2}}
+        host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1,
+                "link_busy": {"adamw_s_per_Gparam": 0.4, "cast_s_per_Gparam": 0.2, "link_GBps_meanwhile": 90.0}}
 
         def row(name: str, step_s: float, peak: float, batch_size: int = 4) -> dict:
             return {"name": name, "batch_size": batch_size, "step_s": step_s, "fwd_s": 0.05, "bwd_s": 0.1,

@@ -15,26 +15,23 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.testing._internal.common_utils import run_tests, TestCase
 
-from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload import optim as optim_module
 from torch_fsdp_offload.memory import memory_stats
 from torch_fsdp_offload.models import build_model, causal_lm_loss
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 
-def _shard(model, policy, activation_checkpointing=False):
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mp_policy": mp, "offload_policy": policy}
+def _shard(model, policy, activation_checkpointing=False, last_blocks=None):
+    """``policy`` on every block and the root, or (``last_blocks``) on the last blocks only."""
     if activation_checkpointing:
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return fully_shard_with_policy(model, model.blocks, policy, last_blocks=last_blocks, mp_policy=mp_policy)
 
 
 @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
@@ -60,17 +57,19 @@ class CoherentOffloadGPUTest(TestCase):
         optimizer="host",
         overlap_next_forward=False,
         activation_checkpointing=False,
+        last_blocks=None,
     ):
         # The reference steps with the same fused CPU AdamW kernel (stock CPUOffloadPolicy): a
         # GPU-resident reference differs only by the optimizer kernel's rounding.
         torch.manual_seed(0)
         reference = build_model("small", device="cuda")
         model = copy.deepcopy(reference)
-        _shard(reference, reference_policy or CPUOffloadPolicy(pin_memory=True), activation_checkpointing)
+        _shard(reference, reference_policy or CPUOffloadPolicy(pin_memory=True), activation_checkpointing, last_blocks)
         _shard(
             model,
             CoherentOffload(prefetch_depth=prefetch_depth, module_fraction=module_fraction, optimizer=optimizer),
             activation_checkpointing,
+            last_blocks,
         )
         return (
             reference,
@@ -111,6 +110,20 @@ class CoherentOffloadGPUTest(TestCase):
         reference, reference_optim, model, optim = self._pair(
             2, overlap_next_forward=True, activation_checkpointing=True
         )
+        self._train_both(reference, reference_optim, model, optim, rtol=1e-6)
+        optim.synchronize()
+        self._assert_params_close(model, reference)
+
+    def test_parity_with_stock_offload_on_the_last_blocks(self):
+        # The policy on the last blocks only (the planner's placement), stock offload on the same
+        # blocks: offloaded groups step with the fused CPU AdamW kernel in both, the first blocks
+        # and the root with the CUDA one, so losses and parameters agree.
+        n_blocks = len(build_model("small", device="meta").blocks)
+        reference, reference_optim, model, optim = self._pair(
+            1, overlap_next_forward=True, activation_checkpointing=True, last_blocks=n_blocks // 2
+        )
+        offloaded = [p for p in model.parameters() if p.to_local().device.type == "cpu"]
+        self.assertTrue(0 < len(offloaded) < len(list(model.parameters())))
         self._train_both(reference, reference_optim, model, optim, rtol=1e-6)
         optim.synchronize()
         self._assert_params_close(model, reference)

@@ -346,6 +346,23 @@ class TestRealModel(TestCase):
             with self.assertRaisesRegex(ValueError, "needs a CUDA device; pass link_busy=False"):
                 measure_host_GBps(1 << 16, link_busy=True)
 
+    def test_host_step_rates_into_the_profile(self):
+        from torch_fsdp_offload.planner.profile import HostStepRates, measure_host_step
+
+        rates = measure_host_step(1 << 16, threads=1, repeats=1, link_busy=False)
+        self.assertGreater(rates.alone_s_per_param, 0)
+        self.assertIsNone(rates.link_busy_s_per_param)
+        breakdown = model_breakdown("anchor-1.6b", batch_size=4, seq_len=2048)
+        # Without the link-busy figure the profile keeps the bandwidth model.
+        self.assertIsNone(training_profile(breakdown, get_profile("h200-pcie"), host_rates=rates).host_alone_s_per_param)
+        measured = HostStepRates(0.3e-9, 0.6e-9, 90.0)
+        profile = training_profile(breakdown, get_profile("h200-pcie"), host_rates=measured)
+        self.assertEqual(
+            (profile.host_alone_s_per_param, profile.host_step_s_per_param, profile.host_busy_link_GBps), (0.3e-9, 0.6e-9, 90.0)
+        )
+        with self.assertRaisesRegex(ValueError, "must be >= 1"):
+            measure_host_step(0)
+
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_host_bandwidth_measured_with_the_link_busy_on_gpu(self):
         from torch_fsdp_offload.planner.profile import LinkBusy, measure_host_GBps
@@ -355,6 +372,11 @@ class TestRealModel(TestCase):
         self.assertGreater(link.gbps, 1.0)  # both directions copied meanwhile
         busy = measure_host_GBps(1 << 24)  # link_busy is the default with a GPU
         self.assertTrue(10 < busy < 1000, busy)
+        from torch_fsdp_offload.planner.profile import measure_host_step
+
+        rates = measure_host_step(1 << 24)
+        self.assertGreater(rates.link_busy_s_per_param, 0)
+        self.assertGreater(rates.link_GBps_meanwhile, 1.0)
 
 
 class TestStepModel(TestCase):
@@ -523,6 +545,28 @@ class TestStepModel(TestCase):
         slow_host = dataclasses.replace(profile, host_GBps=1.0)
         self.assertEqual(predict_step(slow_host, TrainingConfig(module_fraction=1.0), self.platform).host_optimizer_s,
                          full.host_optimizer_s)
+
+    def test_shared_dram_host_model(self):
+        # Timed alone and beside a busy link, the host step pays 1 - alone/busy seconds per second
+        # of the step's own DMA, never more than running all at the busy rate.
+        alone, busy, link = 0.3e-9, 0.6e-9, 90.0
+        profile = dataclasses.replace(
+            self.profile, host_alone_s_per_param=alone, host_step_s_per_param=busy, host_busy_link_GBps=link
+        )
+        config = TrainingConfig(module_fraction=0.625, optimizer=0.4, checkpointing=True)
+        prediction = predict_step(profile, config, self.platform)
+        params = 3 * self.profile.block_params  # 5 blocks offloaded, 2 of them streamed
+        dma = (prediction.h2d_bytes + prediction.d2h_bytes) / (link * 1e9)
+        self.assertAlmostEqual(prediction.host_optimizer_s, params * alone + min(dma, params * busy) * (1 - alone / busy))
+        self.assertLess(params * alone, prediction.host_optimizer_s)
+        self.assertLess(prediction.host_optimizer_s, params * busy)
+        # Streaming more groups moves host work to the link: less host time, though each streamed
+        # byte still slows the rest.
+        more_streamed = predict_step(profile, dataclasses.replace(config, optimizer=0.6), self.platform)
+        self.assertLess(more_streamed.host_optimizer_s, prediction.host_optimizer_s)
+        # A link that slows nothing leaves the alone rate.
+        unshared = dataclasses.replace(profile, host_step_s_per_param=alone)
+        self.assertAlmostEqual(predict_step(unshared, config, self.platform).host_optimizer_s, params * alone)
 
     def test_world_size_shards_state_and_adds_collectives(self):
         one = self.predict()

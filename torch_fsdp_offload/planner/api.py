@@ -11,9 +11,10 @@ import torch
 
 from torch_fsdp_offload.planner.cost_model import Candidate, predict_step, TrainingConfig
 from torch_fsdp_offload.planner.profile import (
-    ModelBreakdown,
+    host_GBps_from_link_busy,
     measure_block_timings,
-    measure_host_GBps,
+    measure_host_step,
+    ModelBreakdown,
     model_breakdown,
     training_profile,
 )
@@ -138,6 +139,7 @@ def _plan_model(
     factors = sorted({1, *microbatch_factors})
     timings = None
     host_GBps = None
+    host_rates = None
     if measure:
         timings = measure_block_timings(model, [batch_size * f for f in factors], seq_len, compute_dtype=compute_dtype)
         if not timings:
@@ -146,8 +148,14 @@ def _plan_model(
                 "plan a smaller micro-batch or pass platform= to predict analytically"
             )
         factors = factors[: len(timings)]
-        host_GBps = measure_host_GBps()
-        notes.append(f"host optimizer bandwidth measured here, with the link copying both ways: {host_GBps:.0f} GB/s")
+        # Timing blocks needs the GPU, so the link can be kept busy too.
+        host_rates = measure_host_step(link_busy=True)
+        host_GBps = host_GBps_from_link_busy(host_rates.link_busy_s_per_param)
+        notes.append(
+            f"host optimizer step measured here: {host_rates.alone_s_per_param * 1e9:.2f} ns per parameter alone, "
+            f"{host_rates.link_busy_s_per_param * 1e9:.2f} with the link copying both ways "
+            f"({host_rates.link_GBps_meanwhile:.0f} GB/s)"
+        )
     else:
         notes.append(
             f"times are estimated from FLOPs for {platform.name}, not measured, and micro-batch scaling "
@@ -162,6 +170,7 @@ def _plan_model(
                 platform,
                 timing=None if timings is None else timings[i],
                 host_GBps=host_GBps,
+                host_rates=host_rates,
             ),
         )
         for i, f in enumerate(factors)

@@ -269,6 +269,11 @@ class TrainingProfile:
             backward, as a fraction of ``forward_s``: the blocks' share of the forward times the
             share of a block's forward that non-reentrant checkpointing reruns (it stops at the
             last tensor backward needs). 1.0, a whole forward, when unknown.
+        host_alone_s_per_param (float | None): the same host step per parameter timed alone.
+        host_busy_link_GBps (float | None): what the link moved, both ways together, while
+            ``host_step_s_per_param`` was measured. With these two and ``host_step_s_per_param``
+            the host step follows the shared-DRAM model of :func:`predict_step`
+            (:func:`~torch_fsdp_offload.planner.profile.measure_host_step` measures all three).
     """
 
     name: str
@@ -291,6 +296,8 @@ class TrainingProfile:
     source: str = "analytic"
     host_step_s_per_param: float | None = None
     recompute_fraction: float = 1.0
+    host_alone_s_per_param: float | None = None
+    host_busy_link_GBps: float | None = None
 
     @property
     def total_params(self) -> int:
@@ -485,11 +492,18 @@ def predict_step(
     steps, and must end before the next forward reaches the host groups (with or without
     ``overlap_next_forward``). What outlasts the GPU work is exposed.
 
-    The host DRAM bandwidth ``profile.host_GBps`` is shared by the host step's bytes and the bytes
-    the link's DMA reads and writes in host memory in the same window (parameters copied in,
-    streamed state, activations), so link traffic slows the host step. When the profile has
-    ``host_step_s_per_param`` (the host step measured while the link copies both ways), that
-    measured rate replaces this bandwidth model.
+    Host DRAM serves the host step and the link's DMA at once (parameters copied in, gradients
+    down, streamed state, activations), so link traffic slows the host step. When the profile has
+    the host step timed alone and beside a busy link (``host_alone_s_per_param``,
+    ``host_step_s_per_param``, ``host_busy_link_GBps``), the host work of P parameters takes
+
+        P * alone + min(T_dma, P * busy) * (1 - alone / busy)
+
+    with T_dma the step's link bytes (of every GPU of the host) at ``host_busy_link_GBps``: every
+    second the DMA runs beside the host step costs it ``1 - alone / busy`` seconds of work, up to
+    the whole step running at the busy rate. With only ``host_step_s_per_param`` the whole host
+    work runs at that rate; with neither, the host step's and the DMA's bytes share
+    ``profile.host_GBps``.
 
     Peak GPU memory is the largest of the phase peaks of :func:`phase_peaks` (forward end, each
     block's backward, the optimizer phase) plus ``fixed_bytes``.
@@ -584,10 +598,19 @@ def predict_step(
     link_dram_bytes = (2 * weight_bytes + streamed_grads_down + stream_up + stream_down
                        + act_forward + act_in_flight + reloaded)
     host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + link_dram_bytes
+    h2d_bytes = 2 * weight_bytes + reloaded + stream_up
+    d2h_bytes = grad_down + act_forward + act_in_flight + stream_down
+    host_params = host_blocks * shard * world_size
     if not host_blocks:
         host_time = 0.0
+    elif profile.host_alone_s_per_param is not None and profile.host_step_s_per_param is not None and profile.host_busy_link_GBps:
+        # Shared host DRAM (see the docstring); one host DRAM serves the DMA of every GPU of the host.
+        alone = host_params * profile.host_alone_s_per_param
+        busy = max(alone, host_params * profile.host_step_s_per_param)
+        dma = (h2d_bytes + d2h_bytes) * world_size / (profile.host_busy_link_GBps * 1e9)
+        host_time = alone + min(dma, busy) * (1 - alone / busy)
     elif profile.host_step_s_per_param is not None:
-        host_time = host_blocks * shard * world_size * profile.host_step_s_per_param
+        host_time = host_params * profile.host_step_s_per_param
     else:
         host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
     host_tail = 0.0
@@ -614,8 +637,8 @@ def predict_step(
         optimizer_s=optimizer,
         peak_gpu_bytes=int(peak),
         peak_phase=max(peaks, key=peaks.__getitem__),
-        h2d_bytes=int(2 * weight_bytes + reloaded + stream_up),
-        d2h_bytes=int(grad_down + act_forward + act_in_flight + stream_down),
+        h2d_bytes=int(h2d_bytes),
+        d2h_bytes=int(d2h_bytes),
         host_optimizer_s=host_time,
         link_bound=forward_bound or backward_bound,
         host_bound=host_tail > 0,

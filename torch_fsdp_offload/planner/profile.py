@@ -551,30 +551,45 @@ def host_GBps_from_link_busy(seconds_per_param: float) -> float:
     return HOST_BYTES_PER_LINK_BUSY_PARAM / seconds_per_param / 1e9
 
 
-def measure_host_GBps(
-    numel: int = 1 << 25, *, threads: int | None = None, repeats: int = 3, link_busy: bool | None = None
-) -> float:
-    """Effective host DRAM bandwidth of the host optimizer step, measured on this machine.
+@dataclass(frozen=True)
+class HostStepRates:
+    """How fast the host optimizer step runs on this machine, per parameter (fused AdamW plus the
+    cast of the master into the compute-dtype mirror), alone and beside the link's DMA.
 
-    Times what CoherentOffload's host step does per parameter, on ``numel`` fp32 parameters
-    (512 MiB of parameter, gradient and moments by default): a fused AdamW step, then the cast of
-    the master into a bf16 mirror, the fastest of ``repeats``. With ``link_busy`` (the default
-    where CUDA is available) it runs while :class:`LinkBusy` copies both ways, as in an offloaded
-    step, and returns :func:`host_GBps_from_link_busy` of that time: how fast the host step runs
-    beside the link's DMA differs between hosts and even between runs on one host (0.44-0.62 ns
-    per parameter on our H200 machines for 0.29-0.36 alone), and the training step follows it.
-    Without, it returns the bytes the step moves (28 + 6 per parameter) over its time alone.
+    Attributes:
+        alone_s_per_param (float): seconds per parameter with nothing else running.
+        link_busy_s_per_param (float | None): the same while :class:`LinkBusy` copies both ways
+            (None where there is no CUDA device).
+        link_GBps_meanwhile (float | None): what the link moved meanwhile, both ways together.
+    """
+
+    alone_s_per_param: float
+    link_busy_s_per_param: float | None = None
+    link_GBps_meanwhile: float | None = None
+
+
+def measure_host_step(
+    numel: int = 1 << 25, *, threads: int | None = None, repeats: int = 3, link_busy: bool | None = None
+) -> HostStepRates:
+    """Time CoherentOffload's host step on this machine, alone and (``link_busy``) beside the DMA.
+
+    Steps ``numel`` fp32 parameters (512 MiB of parameter, gradient and moments by default) with
+    fused AdamW, then casts the master into a bf16 mirror; the fastest of ``repeats``. With
+    ``link_busy`` (the default where CUDA is available) it times the same again while
+    :class:`LinkBusy` copies both ways: host DRAM serves the DMA and the step at once, and how much
+    the DMA slows the step differs between hosts and even between runs on one host (0.44-0.70 ns
+    per parameter on our H200 machines for 0.29-0.44 alone).
 
     Args:
         numel (int): parameters to step; large enough that they do not fit in the CPU caches.
         threads (int | None): intra-op threads during the measurement (default: torch's count minus
             one when a GPU is present, as ``OffloadOptimizer`` leaves a core to the GPU's thread).
         repeats (int): timed steps after one warm-up step.
-        link_busy (bool | None): measure with the link copying both ways (default: where CUDA is
-            available).
+        link_busy (bool | None): also time it with the link copying both ways (default: where CUDA
+            is available).
 
     Returns:
-        float: GB/s (1e9 bytes per second).
+        HostStepRates: seconds per parameter alone and with the link busy, and the link's rate then.
 
     Raises:
         ValueError: ``numel``, ``threads`` or ``repeats`` below 1, or ``link_busy=True`` without a
@@ -582,7 +597,7 @@ def measure_host_GBps(
 
     Example::
 
-        >>> measure_host_GBps()  # about 100-150 on our 16-core H200 hosts
+        >>> measure_host_step()  # HostStepRates(alone_s_per_param=3.2e-10, link_busy_s_per_param=5.5e-10, ...)
     """
     if numel < 1 or repeats < 1 or (threads is not None and threads < 1):
         raise ValueError(f"numel, repeats and threads must be >= 1, got {numel}, {repeats}, {threads}")
@@ -600,22 +615,54 @@ def measure_host_GBps(
         mirror = torch.empty(numel, dtype=torch.bfloat16)
         optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
 
-        def timed_step() -> float:
-            start = time.perf_counter()
-            optimizer.step()
-            with torch.no_grad():
-                mirror.copy_(param)
-            return time.perf_counter() - start
+        def fastest_step() -> float:
+            fastest = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                optimizer.step()
+                with torch.no_grad():
+                    mirror.copy_(param)
+                fastest = min(fastest, time.perf_counter() - start)
+            return fastest / numel
 
-        timed_step()  # the first step allocates the moments
-        with LinkBusy() if link_busy else contextlib.nullcontext():
-            fastest = min(timed_step() for _ in range(repeats))
+        optimizer.step()  # the first step allocates the moments
+        alone = fastest_step()
+        if not link_busy:
+            return HostStepRates(alone)
+        with LinkBusy() as link:
+            busy = fastest_step()
     finally:
         torch.set_num_threads(previous)
-    if link_busy:
-        return host_GBps_from_link_busy(fastest / numel)
+    return HostStepRates(alone, busy, link.gbps)
+
+
+def measure_host_GBps(
+    numel: int = 1 << 25, *, threads: int | None = None, repeats: int = 3, link_busy: bool | None = None
+) -> float:
+    """Effective host DRAM bandwidth of the host optimizer step, measured on this machine
+    (:func:`measure_host_step`): with ``link_busy`` (the default where CUDA is available)
+    :func:`host_GBps_from_link_busy` of the step's time beside the DMA; without, the bytes the step
+    moves (28 + 6 per parameter) over its time alone.
+
+    Args:
+        numel (int), threads (int | None), repeats (int), link_busy (bool | None): as for
+            :func:`measure_host_step`.
+
+    Returns:
+        float: GB/s (1e9 bytes per second).
+
+    Raises:
+        ValueError: as :func:`measure_host_step`.
+
+    Example::
+
+        >>> measure_host_GBps()  # about 100-150 on our 16-core H200 hosts
+    """
+    rates = measure_host_step(numel, threads=threads, repeats=repeats, link_busy=link_busy)
+    if rates.link_busy_s_per_param is not None:
+        return host_GBps_from_link_busy(rates.link_busy_s_per_param)
     bytes_per_param = 28 + 6  # AdamW: read p, g, m, v and write p, m, v; mirror: read 4, write 2
-    return numel * bytes_per_param / fastest / 1e9
+    return bytes_per_param / rates.alone_s_per_param / 1e9
 
 
 def training_profile(
@@ -624,6 +671,7 @@ def training_profile(
     *,
     timing: BlockTiming | None = None,
     host_GBps: float | None = None,
+    host_rates: HostStepRates | None = None,
 ) -> TrainingProfile:
     """Build the training-level model input from a breakdown and, if available, a block timing.
 
@@ -632,7 +680,9 @@ def training_profile(
     breakdown's FLOP count (``block_recompute_fraction``, times the blocks' share of the forward
     when the forward includes the head). The GPU optimizer is bandwidth bound
     (28 bytes per parameter at 29% of the DRAM peak, as measured on our H200). ``host_GBps``
-    (default: the platform's) sets the host optimizer's speed.
+    (default: the platform's) sets the host optimizer's speed; ``host_rates`` measured with the
+    link busy (:func:`measure_host_step`) replace it with the shared-DRAM model of
+    :func:`~torch_fsdp_offload.planner.cost_model.predict_step`.
     """
     # A checkpointed backward reruns each block's forward up to its last saved tensor, counted in
     # FLOPs: one block timed alone with and without checkpointing gave 0.55-0.92 of its forward on
@@ -668,4 +718,13 @@ def training_profile(
         compute_bytes=breakdown.compute_bytes,
         source=source,
         recompute_fraction=recompute,
+        **(
+            {
+                "host_alone_s_per_param": host_rates.alone_s_per_param,
+                "host_step_s_per_param": host_rates.link_busy_s_per_param,
+                "host_busy_link_GBps": host_rates.link_GBps_meanwhile,
+            }
+            if host_rates is not None and host_rates.link_busy_s_per_param is not None
+            else {}
+        ),
     )
