@@ -173,7 +173,7 @@ class HostStepWorkerOrderTest(TestCase):
         # In backward the host submits a group's step when it issues the gradient copy, ahead of
         # the GPU: the worker must not wait on the newest (its gradients land last) while older
         # groups' gradients have landed.
-        worker = optim_module._HostStepWorker()
+        worker = optim_module._StepWorker("test_worker")
         gate, order = threading.Event(), []
         landed = {"a": False, "b": False, "c": False}
         worker.submit(gate.wait)  # holds the thread while the queue fills
@@ -354,8 +354,23 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         with mock.patch.object(OffloadOptimizer, "_step_inner", slow_step_inner):
             # The scheduler changes lr while earlier steps still run: each used its own lr.
             self._run_parity(policy=CoherentOffload(platform="discrete"), overlap_next_forward=True, lr_schedule=True)
-        # One parameter per pipelined run: uploads of the next run overlap this run's step.
+        # Slow streamed steps: their pipeline still runs in its own thread when step() returns,
+        # zero_grad(), the scheduler and the next forward come; each group's copy-in waits.
         step_run = OffloadOptimizer._step_run
+
+        def slow_step_run(optimizer, owner, run, upload):
+            time.sleep(0.02)
+            return step_run(optimizer, owner, run, upload)
+
+        with mock.patch.object(OffloadOptimizer, "_step_run", slow_step_run), mock.patch.object(
+            OffloadOptimizer, "_submit_stream_steps", autospec=True, side_effect=OffloadOptimizer._submit_stream_steps
+        ) as submitted:
+            self._run_parity(
+                policy=CoherentOffload(platform="discrete", optimizer="stream"), overlap_next_forward=True, lr_schedule=True
+            )
+        # Every step after the first (which creates the state) handed the pipeline to its thread.
+        self.assertEqual(submitted.call_count, STEPS - 1)
+        # One parameter per pipelined run: uploads of the next run overlap this run's step.
         with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", 1), mock.patch.object(
             OffloadOptimizer, "_step_run", autospec=True, side_effect=step_run
         ) as runs:

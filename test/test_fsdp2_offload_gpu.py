@@ -149,26 +149,30 @@ class CoherentOffloadGPUTest(TestCase):
         self._train_both(*self._pair(1, 0.5, reference_policy=OffloadPolicy(), optimizer=0.5), rtol=1e-3)
 
     def test_memory_flat_over_300_steps(self):
-        # Half the groups streamed, half stepped on the host, both at once.
-        _, _, model, optim = self._pair(optimizer=0.5)
-        engine = get_transfer_engine("cuda")
-        readings = []
-        for step in range(300):
-            tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-            causal_lm_loss(model(tokens), tokens).backward()
-            optim.step()
-            optim.zero_grad()
-            if step in (10, 299):
-                # Earlier tests of this process may leave garbage holding pinned memory (an
-                # activation pool in a reference cycle): collect it so that only this model counts.
-                gc.collect()
-                torch.cuda.synchronize()
-                readings.append((torch.cuda.memory_allocated(), memory_stats()["pinned_bytes"]))
-        # Pinned memory is allocated once; GPU memory may vary by blocks the caching allocator
-        # has not yet taken back from a copy stream, never grow.
-        self.assertEqual(readings[0][1], readings[1][1])
-        self.assertLess(abs(readings[1][0] - readings[0][0]), 1 << 20)
-        self.assertGreater(engine.stats.h2d_copies, 0)
+        # Half the groups streamed, half stepped on the host, both at once; with
+        # overlap_next_forward both also run on into the next forward.
+        for overlap_next_forward in (False, True):
+            _, _, model, optim = self._pair(optimizer=0.5, overlap_next_forward=overlap_next_forward)
+            engine = get_transfer_engine("cuda")
+            readings = []
+            for step in range(300):
+                tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+                causal_lm_loss(model(tokens), tokens).backward()
+                optim.step()
+                optim.zero_grad()
+                if step in (10, 299):
+                    optim.synchronize()
+                    # Earlier tests of this process may leave garbage holding pinned memory (an
+                    # activation pool in a reference cycle): collect it so that only this model counts.
+                    gc.collect()
+                    torch.cuda.synchronize()
+                    readings.append((torch.cuda.memory_allocated(), memory_stats()["pinned_bytes"]))
+            # Pinned memory is allocated once; GPU memory may vary by blocks the caching
+            # allocator has not yet taken back from a copy stream, never grow.
+            self.assertEqual(readings[0][1], readings[1][1])
+            self.assertLess(abs(readings[1][0] - readings[0][0]), 1 << 20)
+            self.assertGreater(engine.stats.h2d_copies, 0)
+            del model, optim
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -119,11 +120,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             stepping (disables overlap). Default None.
         host_threads (int or None): CPU threads for host steps. Default: torch's intra-op
             thread count minus one, leaving a core to the thread that launches GPU work.
-        overlap_next_forward (bool): let ``step()`` return while host steps still run, each
+        overlap_next_forward (bool): let ``step()`` return while host steps, and the streamed
+            groups' pipeline (in a thread and on a CUDA stream of its own), still run, each
             group's step finishing before the next forward copies that group in (groups whose
             gradients have landed are stepped newest first, which after backward is forward
-            order). The host
-            work then overlaps the next forward as well as backward. Until a group's step
+            order). The host and streamed work then overlaps the next forward as well as
+            backward. Until a group's step
             finished its parameters hold the previous values: ``zero_grad()``, ``state_dict()``
             and ``load_state_dict()`` of this optimizer and of the model it was built from wait
             as needed; other reads of the parameters between ``step()`` and the next forward
@@ -205,7 +207,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             model.register_load_state_dict_pre_hook(synchronize_hook)
         # key: an offloaded group, or None for every other parameter (GPU-resident ones).
         self._inner: dict[OffloadedGroup | None, tuple[torch.optim.Optimizer, list]] | None = None
-        self._executor: _HostStepWorker | None = None
+        self._executor: _StepWorker | None = None
+        # Streamed steps that outlive step() (overlap_next_forward) run in a thread of their own,
+        # on a stream of their own per device.
+        self._stream_executor: _StepWorker | None = None
+        self._optimizer_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._stream_task: concurrent.futures.Future | None = None
         self._pending: dict[OffloadedGroup, concurrent.futures.Future] = {}
         self._landings: dict[OffloadedGroup, int] = defaultdict(int)
         self._grad_versions: dict[OffloadedGroup, list[int]] = {}
@@ -230,7 +237,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.last_host_step_seconds = 0.0
         #: The part of ``last_host_step_seconds`` spent waiting for gradient copies to land.
         self.last_host_wait_seconds = 0.0
-        #: Seconds spent in streamed (GPU) steps in the last ``step()``, copies included.
+        #: Seconds spent in streamed (GPU) steps in the last ``step()``, copies included (with
+        #: ``overlap_next_forward``, set by the pipeline's thread when it ends).
         self.last_stream_step_seconds = 0.0
 
     @property
@@ -371,11 +379,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         torch.set_num_threads(self.host_threads)
         # The hyperparameters were taken when the step was submitted (see _submit_host_step).
         self._step_inner(owner, copy_hyperparameters=False)
+        self._finish_group(owner)
+
+    def _finish_group(self, owner: OffloadedGroup) -> None:
+        """A group's step that may have outlived ``step()`` (overlap_next_forward) has finished."""
         with self._finish_lock:
             set_to_none = self._zero_after.pop(owner, None)
             self._finished.add(owner)
         if set_to_none is not None:
-            # zero_grad() came while this group was stepping (overlap_next_forward).
+            # zero_grad() came while this group was stepping.
             _zero_grads(owner.params, set_to_none)
 
     # -- overlap ------------------------------------------------------------------------
@@ -403,13 +415,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._finished.discard(owner)
         return self._worker().submit(self._host_step_in_worker, owner, landed=owner.grads_landed)
 
-    def _worker(self) -> "_HostStepWorker":
+    def _worker(self) -> "_StepWorker":
         if self._executor is None:
-            self._executor = _HostStepWorker()
-            # The thread ends with the optimizer (a process building several models must get
-            # their pinned buffers back); the callback holds the worker, not the optimizer.
-            weakref.finalize(self, self._executor.shutdown)
+            self._executor = self._new_worker("torch_fsdp_offload_host_step")
         return self._executor
+
+    def _stream_worker(self) -> "_StepWorker":
+        if self._stream_executor is None:
+            self._stream_executor = self._new_worker("torch_fsdp_offload_streamed_step")
+        return self._stream_executor
+
+    def _new_worker(self, name: str) -> "_StepWorker":
+        worker = _StepWorker(name)
+        # The thread ends with the optimizer (a process building several models must get their
+        # pinned buffers back); the callback holds the worker, not the optimizer.
+        weakref.finalize(self, worker.shutdown)
+        return worker
 
     # -- steps streamed through the GPU -------------------------------------------------
     def _adopt_state(self, owner: OffloadedGroup) -> dict[str, torch.Tensor] | None:
@@ -550,38 +571,89 @@ class OffloadOptimizer(torch.optim.Optimizer):
         A group's first streamed step (which creates its state) goes through
         :meth:`_stream_step`; so does a group with a parameter that has a gradient but no
         state yet."""
+        self._run_stream_pipeline(self._prepare_stream_runs(owners), self._scalars_to_host)
+
+    def _prepare_stream_runs(self, owners: list[OffloadedGroup]) -> list[tuple[OffloadedGroup, tuple[int, int, int, int]]]:
+        """The pipeline's runs, in forward order of their groups, on the caller's thread: the
+        hyperparameters are taken here (a scheduler may change them once ``step()`` returned) and
+        the gradients waited for. Groups not ready for the pipeline step here, one at a time."""
         runs = []
         for owner in owners:
             if self._pipeline_ready(owner):
                 runs.extend((owner, run) for run in _param_runs(owner, self._flat_state[owner]))
             else:
                 self._stream_step(owner)
-        if not runs:
-            return
         for owner in dict.fromkeys(owner for owner, _ in runs):
             inner, pairs = self._inner[owner]
             _copy_hyperparameters(pairs)
             owner.wait_grads()
             device_optimizer, _ = self._device_optimizer(owner)
             _copy_hyperparameters(list(zip(device_optimizer.param_groups, inner.param_groups)))
+        return runs
+
+    def _run_stream_pipeline(
+        self, runs: list[tuple[OffloadedGroup, tuple[int, int, int, int]]], group_done: Callable[[OffloadedGroup], None]
+    ) -> None:
+        """Run the pipeline over ``runs``; ``group_done(owner)`` once every run of ``owner`` is
+        back in host memory."""
+        if not runs:
+            return
         with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
             # Downloads of each stepped run, oldest first. The host issues copies far faster than
             # the link moves them: without this window it would queue every run's upload at
             # once and hold the whole optimizer state on the device.
-            in_flight: collections.deque[list[Transfer]] = collections.deque()
+            in_flight: collections.deque[tuple[OffloadedGroup, bool, list[Transfer]]] = collections.deque()
             upload = self._upload_run(*runs[0])
             for position, (owner, run) in enumerate(runs):
                 while len(in_flight) > _STREAM_RUNS_IN_FLIGHT - 2:
-                    for download in in_flight.popleft():
-                        download.synchronize()
+                    _drain_run(*in_flight.popleft(), group_done)
                 next_upload = self._upload_run(*runs[position + 1]) if position + 1 < len(runs) else None
-                in_flight.append(self._step_run(owner, run, upload))
+                last_of_group = position + 1 == len(runs) or runs[position + 1][0] is not owner
+                in_flight.append((owner, last_of_group, self._step_run(owner, run, upload)))
                 upload = next_upload
             while in_flight:
-                for download in in_flight.popleft():
-                    download.synchronize()
-        for owner in dict.fromkeys(owner for owner, _ in runs):
+                _drain_run(*in_flight.popleft(), group_done)
+
+    def _submit_stream_steps(self, owners: list[OffloadedGroup]) -> dict[OffloadedGroup, concurrent.futures.Future]:
+        """Run the streamed groups' pipeline in its own thread (``overlap_next_forward``): the
+        next forward starts meanwhile, and each group's next copy-in waits for its own future,
+        set once the group's parameters, state and compute-dtype mirror are back in host memory.
+        Every group must be ready for the pipeline (:meth:`_pipeline_ready`)."""
+        runs = self._prepare_stream_runs(owners)
+        futures = {owner: concurrent.futures.Future() for owner in dict.fromkeys(owner for owner, _ in runs)}
+        with self._finish_lock:
+            self._finished.difference_update(futures)
+        device = runs[0][0].device
+        if device.type == "cuda" and device not in self._optimizer_streams:
+            self._optimizer_streams[device] = torch.cuda.Stream(device)
+        self._stream_task = self._stream_worker().submit(
+            self._stream_steps_in_worker, runs, futures, self._optimizer_streams.get(device)
+        )
+        return futures
+
+    def _stream_steps_in_worker(
+        self,
+        runs: list[tuple[OffloadedGroup, tuple[int, int, int, int]]],
+        futures: dict[OffloadedGroup, concurrent.futures.Future],
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        def group_done(owner: OffloadedGroup) -> None:
             self._scalars_to_host(owner)
+            self._finish_group(owner)
+            futures[owner].set_result(None)
+
+        started = time.perf_counter()
+        try:
+            # Its own stream: on the device's default stream the steps would queue among the next
+            # forward's kernels, which would then wait for the uploads.
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._run_stream_pipeline(runs, group_done)
+        except BaseException as error:  # handed to whoever waits on a group's future
+            for future in futures.values():
+                if not future.done():
+                    future.set_exception(error)
+            return
+        self.last_stream_step_seconds = time.perf_counter() - started
 
     def _pipeline_ready(self, owner: OffloadedGroup) -> bool:
         if owner.master is None or owner.grads is None or owner not in self._flat_state:
@@ -718,9 +790,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             host_futures = {}
             for owner in host_todo:
                 self._step_inner(owner)
-        started = time.perf_counter()
-        self._stream_steps(streamed_todo)
-        self.last_stream_step_seconds = time.perf_counter() - started
+        if self.overlap_next_forward and streamed_todo and all(self._pipeline_ready(o) for o in streamed_todo):
+            # The streamed groups' pipeline also runs on while the next forward starts (the
+            # groups before them in forward order need none of it); like a host step, each
+            # group's next copy-in waits for its own.
+            host_futures.update(self._submit_stream_steps(streamed_todo))
+        else:
+            started = time.perf_counter()
+            self._stream_steps(streamed_todo)
+            self.last_stream_step_seconds = time.perf_counter() - started
         if self.overlap_next_forward:
             # Each group's next copy-in waits for its own step; nothing else waits here.
             for owner, future in host_futures.items():
@@ -743,11 +821,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def synchronize(self) -> None:
-        """Wait until every step has finished (only host steps of ``overlap_next_forward`` can
-        still run after ``step()`` returned); re-raise an error a host step raised.
+        """Wait until every step has finished (only host steps and the streamed groups' pipeline
+        of ``overlap_next_forward`` can still run after ``step()`` returned); re-raise an error a
+        step raised.
 
-        Call it also before dropping the model and the optimizer: a host step still running holds
-        the optimizer, and through it the groups' memory, until it ends (and the model, whose FSDP
+        Call it also before dropping the model and the optimizer: a step still running holds the
+        optimizer, and through it the groups' memory, until it ends (and the model, whose FSDP
         state holds reference cycles, then waits for the next garbage collection).
 
         Example::
@@ -760,6 +839,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for owner, future in finishing.items():
             future.result()
             owner.update_pending = None
+        # The pipeline's thread sets a group's future before it returns: wait for the return too.
+        task, self._stream_task = self._stream_task, None
+        if task is not None:
+            task.result()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         deferred = set()
@@ -818,9 +901,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return state
 
 
-class _HostStepWorker:
-    """One thread running submitted host steps: of those whose gradients have landed, the most
-    recently submitted first; when none has, the oldest, whose gradients land first.
+class _StepWorker:
+    """One thread running submitted steps: of those whose gradients have landed, the most
+    recently submitted first; when none has, the oldest, whose gradients land first. One worker
+    runs the host steps; another the streamed groups' pipeline, one task per ``step()``.
 
     In backward, the host submits a group's step when it issues the group's gradient copy, and the
     CPU runs ahead of the GPU: the newest submission is then the group whose gradients land last,
@@ -828,10 +912,10 @@ class _HostStepWorker:
     has landed and the newest group is the first the next forward needs: newest-first steps the
     backlog in forward order."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         self._queue: collections.deque = collections.deque()
         self._ready = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="torch_fsdp_offload_host_step", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any, landed: Callable[[], bool] | None = None) -> concurrent.futures.Future:
@@ -872,11 +956,29 @@ class _HostStepWorker:
             # landed check its group.
             del task, landed
             if future.set_running_or_notify_cancel():
+                # The step's references go before its future is set: whoever waits on it may drop
+                # the optimizer right away.
                 try:
-                    future.set_result(fn(*args))
+                    result = fn(*args)
                 except BaseException as error:  # handed to whoever waits on the future
+                    del fn, args
                     future.set_exception(error)
-            del future, fn, args
+                else:
+                    del fn, args
+                    future.set_result(result)
+                    del result
+            else:
+                del fn, args
+            del future
+
+
+def _drain_run(
+    owner: OffloadedGroup, last_of_group: bool, downloads: list[Transfer], group_done: Callable[[OffloadedGroup], None]
+) -> None:
+    for download in downloads:
+        download.synchronize()
+    if last_of_group:
+        group_done(owner)
 
 
 def _zero_grads(params: Iterable[nn.Parameter], set_to_none: bool) -> None:

@@ -669,8 +669,11 @@ def phase_peaks(
       the next block runs. A checkpointed block re-creates its full activations once. The backward peak is therefore not
       always at its start: with activations offloaded it comes when gradients have piled up
       beside the reloads.
-    * optimizer: resident state and gradients, and at most ``_STREAM_RUNS_IN_FLIGHT`` runs of
-      ``_STREAM_RUN_BYTES`` in transit (each run uploads parameters, gradients and state).
+    * optimizer: resident state and gradients, and the streamed runs on the device: of the
+      ``_STREAM_RUNS_IN_FLIGHT`` runs of ``_STREAM_RUN_BYTES`` in transit (each run uploads
+      parameters, gradients and state), the one being stepped and the next one's upload; the run
+      still copying down was freed by the host, and the allocator keeps its memory (reserved)
+      without counting it as allocated, which is what peaks are measured in.
 
     Every offloaded group's compute-dtype shard is copied into a staging buffer before its
     all-gather: ``prefetch_depth`` of them live beside the unsharded groups.
@@ -731,7 +734,7 @@ def phase_peaks(
         # Streamed gradients went down in backward like the host groups'; each run uploads its
         # parameters, gradients and optimizer state.
         run_bytes = shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes)
-        optimizer += min(streamed_blocks * run_bytes, _STREAM_RUNS_IN_FLIGHT * _STREAM_RUN_BYTES)
+        optimizer += min(streamed_blocks * run_bytes, (_STREAM_RUNS_IN_FLIGHT - 1) * _STREAM_RUN_BYTES)
     elif streamed_blocks:
         optimizer += streamed_blocks * grad_shard
     return {"forward": forward, "backward": backward, "optimizer": optimizer}
