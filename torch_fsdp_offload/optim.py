@@ -125,11 +125,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             group's step finishing before the next forward copies that group in (groups whose
             gradients have landed are stepped newest first, which after backward is forward
             order). The host and streamed work then overlaps the next forward as well as
-            backward. Until a group's step
-            finished its parameters hold the previous values: ``zero_grad()``, ``state_dict()``
-            and ``load_state_dict()`` of this optimizer and of the model it was built from wait
-            as needed; other reads of the parameters between ``step()`` and the next forward
-            must call :meth:`synchronize` first. Default False.
+            backward. Until a group's step finished its parameters hold the previous values:
+            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` of this optimizer and of
+            the model it was built from wait as needed; other reads of the parameters between
+            ``step()`` and the next forward must call :meth:`synchronize` first. Default False.
         **optimizer_kwargs: passed to ``optimizer_class``.
 
     Raises:
