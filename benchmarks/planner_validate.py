@@ -317,8 +317,11 @@ def validate_file(path: str, args) -> dict | None:
     # The host step's speed alone and beside the link's DMA differs between machines and runs
     # (0.29-0.44 and 0.44-0.70 ns per parameter on our H200s): like the GPU times from the
     # resident row, it comes from the run's own measurement, as `plan` measures it
-    # (measure_host_step), unless --host-GBps fixes a bandwidth instead.
-    rates = None if args.host_GBps else host_step_rates(data)
+    # (measure_host_step), unless --measure-host measured this machine's for every file or
+    # --host-GBps fixes a bandwidth instead.
+    rates = None if args.host_GBps else (args.host_rates or host_step_rates(data))
+    if rates is not None and rates.link_busy_s_per_param is None:
+        rates = None  # measured here without a link to keep busy: the bandwidth model
     busy_rate = None if rates is None else rates.link_busy_s_per_param
     host_GBps = args.host_GBps or (host_GBps_from_link_busy(busy_rate) if busy_rate else None)
     results = []
@@ -581,8 +584,11 @@ def main(argv=None) -> int:
     parser.add_argument("--platform", default="h200-pcie", help="profile for what the run did not measure")
     parser.add_argument("--gpu-memory-GiB", type=float, default=139.8, help="GPU memory the picks must fit in")
     parser.add_argument("--host-GBps", type=float, default=None,
-                        help="host optimizer bandwidth, GB/s (default: the profile's; --measure-host measures it)")
-    parser.add_argument("--measure-host", action="store_true", help="measure the host optimizer bandwidth on this machine")
+                        help="host optimizer bandwidth, GB/s, for every file (the bandwidth model instead of each "
+                        "file's measured host step)")
+    parser.add_argument("--measure-host", action="store_true",
+                        help="time the host optimizer step on this machine, alone and with the link busy, as plan "
+                        "does, and use it for every file")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="also draw predicted against measured step time and peak memory (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -593,12 +599,14 @@ def main(argv=None) -> int:
             parser.error("--plot needs matplotlib: pip install 'torch-fsdp-offload[plot]' (or matplotlib)")
     if args.measure_host and args.offline:
         parser.error("--measure-host measures this machine; --offline validates without measuring: pick one")
-    measured_host = None
+    if args.measure_host and args.host_GBps:
+        parser.error("--measure-host measures the host step; --host-GBps fixes a bandwidth instead: pick one")
+    args.host_rates = None
     if args.measure_host:
-        from torch_fsdp_offload.planner.profile import measure_host_GBps
+        from torch_fsdp_offload.planner.profile import measure_host_step
 
-        measured_host = args.host_GBps = measure_host_GBps()
-        print(f"host optimizer bandwidth measured here: {measured_host:.1f} GB/s")
+        args.host_rates = measure_host_step()
+        print(f"host optimizer step measured here: {args.host_rates}")
     paths = [*args.results, *args.from_json] or sorted(
         p for p in glob.glob(os.path.join("benchmarks", "results", "*.json")) if os.path.basename(p) != _OUTPUT_NAME
     )
@@ -628,7 +636,7 @@ def main(argv=None) -> int:
         "gpu": None if args.offline or not torch.cuda.is_available() else torch.cuda.get_device_name(0),
         "platform_profile": args.platform,
         "host_GBps": args.host_GBps or get_profile(args.platform).host_GBps,
-        "host_GBps_measured_here": measured_host,
+        "host_step_measured_here": None if args.host_rates is None else dataclasses.asdict(args.host_rates),
         "files": files,
         "multi_gpu": multi_gpu,
         "summary": summary,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
 import sys
@@ -162,6 +163,25 @@ class TestPlannerValidate(TestCase):
         self.assertFalse(planner_validate.measured_tie({"measured_step_s_rounds": [0.3451, 0.346, 0.347]}, best))
         # One step time per row (no --repeats) orders the rows as measured.
         self.assertFalse(planner_validate.measured_tie({"measured_step_s_rounds": None}, best))
+
+    def test_host_step_measured_here_for_every_file(self):
+        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+        path = os.path.join(results, "fsdp_offload_bs4_session8.json")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "v.json")
+            with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+                planner_validate.main([path, "--measure-host", "--host-GBps", "100", "--out", out])
+            self.assertIn("pick one", err.getvalue())
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.assertEqual(planner_validate.main([path, "--measure-host", "--out", out]), 0)
+            with open(out, encoding="utf-8") as handle:
+                validated = json.load(handle)
+        measured = validated["host_step_measured_here"]
+        self.assertGreater(measured["alone_s_per_param"], 0)
+        if not torch.cuda.is_available():
+            # No link to keep busy: the files fall back to the bandwidth model, not to their own rates.
+            self.assertIsNone(measured["link_busy_s_per_param"])
+            self.assertIsNone(validated["files"][0]["host_step_ns_per_param"])
 
     def test_plot_of_the_committed_round(self):
         results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
