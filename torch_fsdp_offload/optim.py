@@ -619,6 +619,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         set once the group's parameters, state and compute-dtype mirror are back in host memory.
         Every group must be ready for the pipeline (:meth:`_pipeline_ready`)."""
         runs = self._prepare_stream_runs(owners)
+        if not runs:
+            return {}
         futures = {owner: concurrent.futures.Future() for owner in dict.fromkeys(owner for owner, _ in runs)}
         with self._finish_lock:
             self._finished.difference_update(futures)
