@@ -333,7 +333,7 @@ class TestRealModel(TestCase):
 
     def test_host_bandwidth_from_the_step_with_the_link_busy(self):
         from torch_fsdp_offload.planner.profile import (
-            HOST_BYTES_PER_LINK_BUSY_PARAM, host_GBps_from_link_busy, measure_host_GBps,
+            HOST_BYTES_PER_LINK_BUSY_PARAM, host_GBps_from_link_busy, measure_host_step,
         )
 
         # Our H200 runs: 0.57 ns per parameter with the link busy is the profile's 113 GB/s.
@@ -341,10 +341,10 @@ class TestRealModel(TestCase):
         self.assertAlmostEqual(host_GBps_from_link_busy(0.57e-9), get_profile("h200-pcie").host_GBps, delta=2)
         with self.assertRaisesRegex(ValueError, "seconds_per_param must be positive"):
             host_GBps_from_link_busy(0.0)
-        self.assertGreater(measure_host_GBps(1 << 16, threads=1, repeats=1, link_busy=False), 0)
+        self.assertGreater(measure_host_step(1 << 16, threads=1, repeats=1, link_busy=False).alone_s_per_param, 0)
         if not torch.cuda.is_available():
             with self.assertRaisesRegex(ValueError, "needs a CUDA device; pass link_busy=False"):
-                measure_host_GBps(1 << 16, link_busy=True)
+                measure_host_step(1 << 16, link_busy=True)
 
     def test_host_step_rates_into_the_profile(self):
         from torch_fsdp_offload.planner.profile import HostStepRates, measure_host_step
@@ -365,18 +365,16 @@ class TestRealModel(TestCase):
 
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_host_bandwidth_measured_with_the_link_busy_on_gpu(self):
-        from torch_fsdp_offload.planner.profile import LinkBusy, measure_host_GBps
+        from torch_fsdp_offload.planner.profile import host_GBps_from_link_busy, LinkBusy, measure_host_step
 
         with LinkBusy(64 << 20) as link:
             time.sleep(0.2)
         self.assertGreater(link.gbps, 1.0)  # both directions copied meanwhile
-        busy = measure_host_GBps(1 << 24)  # link_busy is the default with a GPU
-        self.assertTrue(10 < busy < 1000, busy)
-        from torch_fsdp_offload.planner.profile import measure_host_step
-
-        rates = measure_host_step(1 << 24)
+        rates = measure_host_step(1 << 24)  # link_busy is the default with a GPU
         self.assertGreater(rates.link_busy_s_per_param, 0)
         self.assertGreater(rates.link_GBps_meanwhile, 1.0)
+        busy = host_GBps_from_link_busy(rates.link_busy_s_per_param)
+        self.assertTrue(10 < busy < 1000, busy)
 
 
 class TestStepModel(TestCase):

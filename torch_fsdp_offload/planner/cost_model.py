@@ -588,16 +588,9 @@ def predict_step(
     gpu_path_optimizer = max(gpu_optimizer, stream_time)
 
     # The host steps run beside everything else, on one host DRAM shared by all GPUs of the host
-    # and by the streamed groups' copies. They start when the first host group's gradients have
-    # landed (host groups are the last in forward order, so the first in backward) and must end
-    # before the next forward reaches the host groups (with or without overlap_next_forward).
-    # The link's DMA reads and writes host DRAM too: the parameters' copies in, the streamed state
-    # and the activations both ways take their bytes from the bandwidth the host step runs on.
-    # (The host groups' gradients landing are already in host_step_bytes_per_param.)
-    streamed_grads_down = streamed_blocks * shard * profile.reduce_bytes * copies
-    link_dram_bytes = (2 * weight_bytes + streamed_grads_down + stream_up + stream_down
-                       + act_forward + act_in_flight + reloaded)
-    host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + link_dram_bytes
+    # and by the link's DMA. They start when the first host group's gradients have landed (host
+    # groups are the last in forward order, so the first in backward) and must end before the
+    # next forward reaches the host groups (with or without overlap_next_forward).
     h2d_bytes = 2 * weight_bytes + reloaded + stream_up
     d2h_bytes = grad_down + act_forward + act_in_flight + stream_down
     host_params = host_blocks * shard * world_size
@@ -612,6 +605,13 @@ def predict_step(
     elif profile.host_step_s_per_param is not None:
         host_time = host_params * profile.host_step_s_per_param
     else:
+        # One bandwidth for the host step's bytes and the DMA's: the parameters' copies in, the
+        # streamed state and the activations both ways (the host groups' gradients landing are
+        # already in host_step_bytes_per_param).
+        streamed_grads_down = streamed_blocks * shard * profile.reduce_bytes * copies
+        link_dram_bytes = (2 * weight_bytes + streamed_grads_down + stream_up + stream_down
+                           + act_forward + act_in_flight + reloaded)
+        host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + link_dram_bytes
         host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
     host_tail = 0.0
     if host_blocks:

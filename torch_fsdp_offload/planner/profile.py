@@ -32,11 +32,12 @@ from torch_fsdp_offload.planner.profiles import PlatformProfile
 __all__ = [
     "BlockTiming",
     "HOST_BYTES_PER_LINK_BUSY_PARAM",
+    "HostStepRates",
     "LinkBusy",
     "ModelBreakdown",
     "host_GBps_from_link_busy",
     "measure_block_timings",
-    "measure_host_GBps",
+    "measure_host_step",
     "model_breakdown",
     "resolve_model",
     "training_profile",
@@ -634,35 +635,6 @@ def measure_host_step(
     finally:
         torch.set_num_threads(previous)
     return HostStepRates(alone, busy, link.gbps)
-
-
-def measure_host_GBps(
-    numel: int = 1 << 25, *, threads: int | None = None, repeats: int = 3, link_busy: bool | None = None
-) -> float:
-    """Effective host DRAM bandwidth of the host optimizer step, measured on this machine
-    (:func:`measure_host_step`): with ``link_busy`` (the default where CUDA is available)
-    :func:`host_GBps_from_link_busy` of the step's time beside the DMA; without, the bytes the step
-    moves (28 + 6 per parameter) over its time alone.
-
-    Args:
-        numel (int), threads (int | None), repeats (int), link_busy (bool | None): as for
-            :func:`measure_host_step`.
-
-    Returns:
-        float: GB/s (1e9 bytes per second).
-
-    Raises:
-        ValueError: as :func:`measure_host_step`.
-
-    Example::
-
-        >>> measure_host_GBps()  # about 100-150 on our 16-core H200 hosts
-    """
-    rates = measure_host_step(numel, threads=threads, repeats=repeats, link_busy=link_busy)
-    if rates.link_busy_s_per_param is not None:
-        return host_GBps_from_link_busy(rates.link_busy_s_per_param)
-    bytes_per_param = 28 + 6  # AdamW: read p, g, m, v and write p, m, v; mirror: read 4, write 2
-    return bytes_per_param / rates.alone_s_per_param / 1e9
 
 
 def training_profile(

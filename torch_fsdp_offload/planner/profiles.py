@@ -33,8 +33,10 @@ class PlatformProfile:
         host_GBps (float): host DRAM bandwidth the host optimizer step shares with the link's DMA:
             the bytes of :func:`~torch_fsdp_offload.planner.cost_model.host_step_bytes_per_param`
             (38 per fp32 AdamW parameter with a bf16 mirror) plus the bytes the link copies to and
-            from host memory in the same window, over its time. ``plan`` measures it on this machine
-            (:func:`~torch_fsdp_offload.planner.profile.measure_host_GBps`).
+            from host memory in the same window, over its time. The step model uses it where the
+            host step was not timed on the machine; ``plan`` times it there
+            (:func:`~torch_fsdp_offload.planner.profile.measure_host_step`), alone and beside a busy
+            link, and models the sharing from those two rates instead.
         gpu_interconnect_GBps (float): per-GPU bandwidth of FSDP's all-gather and reduce-scatter
             between the GPUs of one host (``world_size > 1``).
         gpu_bf16_TFLOPS (float): dense bf16 peak, used only to estimate compute time when no GPU
