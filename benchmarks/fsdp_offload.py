@@ -82,11 +82,14 @@ _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "ho
 #                              gradients land first in backward, so their host steps start early
 #                              and can end before the next forward reaches them (the planner's
 #                              step model assumes this placement)
+#   keep=N                     the last N blocks with reshard_after_forward=False
+#                              (fully_shard_with_policy(keep_unsharded_last=N)): their backward
+#                              reuses the parameters their forward copied in
 #   act=F                      CoherentOffload(activations=F)
 #   ac                         activation checkpointing of every block (checkpoint_wrapper)
 #   next-fwd                   OffloadOptimizer(overlap_next_forward=True)
 #   threads=N                  OffloadOptimizer(host_threads=N)
-_ROW_ITEM = re.compile(r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads)=([0-9]+)")
+_ROW_ITEM = re.compile(r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep)=([0-9]+)")
 
 
 def coherent_row_config(name: str) -> dict:
@@ -104,7 +107,7 @@ def coherent_row_config(name: str) -> dict:
         parsed = _ROW_ITEM.fullmatch(item)
         if parsed is None:
             raise ValueError(f"unknown item {item!r} in row {name!r}: use host, stream, split=F, depth=N, "
-                             "modules=F, last=F, act=F, ac, next-fwd or threads=N")
+                             "modules=F, last=F, keep=N, act=F, ac, next-fwd or threads=N")
         flag, fraction_key, fraction, count_key, count = parsed.groups()
         if flag in ("host", "stream") or fraction_key == "split":
             if "optimizer" in knobs:
@@ -135,7 +138,7 @@ DEFAULT_ROWS = (
     "coherent(split=0.5;next-fwd)",
     "coherent(stream)",
     "coherent(host;next-fwd;modules=0.5)",
-    "coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)",
+    "coherent(split=0.4;next-fwd;last=0.625;keep=5;ac;depth=1)",
 )
 
 
@@ -231,14 +234,33 @@ def last_blocks_fraction(name: str) -> float | None:
     return float(last.group(1)) if last is not None else None
 
 
-def _shard(model: nn.Module, offload_policy, activation_checkpointing: bool = False, last_fraction: float | None = None) -> None:
+def kept_unsharded_blocks(name: str) -> int:
+    """The N of a row named ``keep=N`` (the last N blocks not resharded after forward), else 0."""
+    keep = re.search(r"keep=(\d+)", name)
+    return int(keep.group(1)) if keep is not None else 0
+
+
+def _shard(
+    model: nn.Module,
+    offload_policy,
+    activation_checkpointing: bool = False,
+    last_fraction: float | None = None,
+    keep_unsharded_last: int = 0,
+) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if activation_checkpointing:
         # As torchtitan does: checkpoint each block, then shard the wrapper.
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
     last_blocks = None if last_fraction is None else round(last_fraction * len(model.blocks))
-    fully_shard_with_policy(model, model.blocks, offload_policy, last_blocks=last_blocks, mp_policy=mp_policy)
+    fully_shard_with_policy(
+        model,
+        model.blocks,
+        offload_policy,
+        last_blocks=last_blocks,
+        keep_unsharded_last=keep_unsharded_last,
+        mp_policy=mp_policy,
+    )
 
 
 def run_row(
@@ -265,7 +287,7 @@ def run_row(
         _shard(model, CPUOffloadPolicy(pin_memory=True), ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif name.startswith("coherent("):
-        _shard(model, CoherentOffload(**coherent_row_config(name)), ac, last_blocks_fraction(name))
+        _shard(model, CoherentOffload(**coherent_row_config(name)), ac, last_blocks_fraction(name), kept_unsharded_blocks(name))
         optimizer = OffloadOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(name))
     else:
         raise ValueError(name)

@@ -137,6 +137,10 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
             knobs["activations"] = 1.0 if value in ("", "True", "true") else float(value)
         elif key in ("checkpoint", "ckpt", "ac"):
             knobs["checkpointing"] = True
+        elif key == "keep":
+            # Blocks not resharded after forward copy in once per step and hold their parameters
+            # through backward: the step model copies in twice and holds none.
+            return None
     if "checkpoint" in name or "ckpt" in name or name.endswith(";ac"):
         knobs["checkpointing"] = True
     for key, value in explicit.items():
@@ -348,7 +352,7 @@ def validate_file(path: str, args) -> dict | None:
                 continue
             config = row_config(row, default_optimizer, default_depth)
             if config is None:
-                entry["skipped"] = "not a CoherentOffload configuration"
+                entry["skipped"] = "not a configuration the step model describes"
                 results.append(entry)
                 continue
             prediction = predict_step(profile, config, platform)

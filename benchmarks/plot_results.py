@@ -57,12 +57,14 @@ def plot_fsdp(results: str, out: str) -> str:
 
 
 def plot_fsdp_bs4(results: str, out: str) -> str:
-    """Step time against peak memory of the bs 4 rows of the eighth session's first run (all in one
-    process, current code) and, hollow, rows of earlier sessions it did not re-measure."""
-    current = _rows(os.path.join(results, "fsdp_offload_bs4_session8.json"))
+    """Step time against peak memory of the bs 4 rows of the tenth session's three-round run (all in
+    one process, current code) and, hollow, rows of other processes and earlier sessions it did
+    not re-measure (the newest measurement of each)."""
+    current = _rows(os.path.join(results, "fsdp_offload_bs4_keep_rounds_session10.json"))
     earlier: list[dict] = []
-    for source in ("fsdp_offload_bs4_session6.json", "fsdp_offload_bs4_session5.json", "fsdp_offload_bs4_session4.json", "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4_ac.json",
-                   "fsdp_offload_bs4.json", "fsdp_offload_bs4_combined.json"):
+    for source in ("fsdp_offload_bs4_keep_session10.json", "fsdp_offload_bs4_async_session9.json", "fsdp_offload_bs4_session8.json",
+                   "fsdp_offload_bs4_session6.json", "fsdp_offload_bs4_session5.json", "fsdp_offload_bs4_session4.json",
+                   "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4_ac.json", "fsdp_offload_bs4.json", "fsdp_offload_bs4_combined.json"):
         earlier += [
             r for r in _rows(os.path.join(results, source))
             if r["name"].startswith("coherent") and r["name"] not in {c["name"] for c in current + earlier}

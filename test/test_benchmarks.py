@@ -233,6 +233,12 @@ class TestFsdpOffloadBenchmark(TestCase):
         # module_fraction F placed last in forward order, and "modules=F" as F spread.
         self.assertEqual(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;last=0.5)"), 0.5)
         self.assertIsNone(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;modules=0.5)"))
+        # "keep=N": the last N blocks not resharded after forward, a sharding knob, not a policy one.
+        kept = "coherent(host;next-fwd;last=0.625;keep=5;ac)"
+        self.assertEqual(fsdp_offload.kept_unsharded_blocks(kept), 5)
+        self.assertEqual(fsdp_offload.kept_unsharded_blocks("coherent(host;last=0.625)"), 0)
+        self.assertEqual(fsdp_offload.coherent_row_config(kept), {"optimizer": "host", "prefetch_depth": 2})
+        self.assertIsNone(planner_validate.row_config({"name": kept}, "host"))
         config = planner_validate.row_config({"name": "coherent(split=0.25;next-fwd;last=0.625;ac;depth=1)"}, "host")
         self.assertEqual((config.module_fraction, config.optimizer, config.checkpointing, config.prefetch_depth),
                          (0.625, 0.25, True, 1))

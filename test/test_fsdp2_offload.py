@@ -26,6 +26,7 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload import optim as optim_module
+from torch_fsdp_offload._fsdp2.param_group import GroupOffload
 from torch_fsdp_offload.memory import empty_cache, memory_stats
 from torch_fsdp_offload.planner.report import Recommendation
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -61,14 +62,22 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _shard(
-    model: nn.Module, policy, mesh, mp_policy, activation_checkpointing: bool = False, last_blocks: int | None = None
+    model: nn.Module,
+    policy,
+    mesh,
+    mp_policy,
+    activation_checkpointing: bool = False,
+    last_blocks: int | None = None,
+    **fully_shard_kwargs,
 ) -> nn.Module:
     """``policy`` on every block and the root, or (``last_blocks``) per module on the last blocks
     only, the other blocks and the root with FSDP's default."""
     if activation_checkpointing:
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
-    return fully_shard_with_policy(model, model.blocks, policy, last_blocks=last_blocks, mesh=mesh, mp_policy=mp_policy)
+    return fully_shard_with_policy(
+        model, model.blocks, policy, last_blocks=last_blocks, mesh=mesh, mp_policy=mp_policy, **fully_shard_kwargs
+    )
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -236,6 +245,8 @@ class RecommendationApplyTest(GlooMultiProcessTestCase):
             ({"last_blocks": -1}, r"last_blocks must be an int in \[0, 3\]"),
             ({"last_blocks": True}, r"last_blocks must be an int in \[0, 3\]"),
             ({"offload_policy": CoherentOffload()}, "drop offload_policy"),
+            ({"keep_unsharded_last": 4}, r"keep_unsharded_last must be an int in \[0, 3\]"),
+            ({"keep_unsharded_last": 1, "reshard_after_forward": True}, "pass one of keep_unsharded_last and reshard_after_forward"),
         ):
             with self.assertRaisesRegex(ValueError, message):
                 fully_shard_with_policy(model, model.blocks, CoherentOffload(), **kwargs)
@@ -264,7 +275,9 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         activation_checkpointing: bool = False,
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         last_blocks: int | None = None,
-    ) -> None:
+        **fully_shard_kwargs,
+    ) -> int:
+        """Train with and without ``policy``, assert bitwise parity; return the copy-ins made."""
         torch.manual_seed(0)
         reference = TiedBlocksModel()
         model = copy.deepcopy(reference)
@@ -274,8 +287,8 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             if mixed_precision
             else MixedPrecisionPolicy()
         )
-        _shard(reference, None, mesh, mp_policy, activation_checkpointing)
-        _shard(model, policy, mesh, mp_policy, activation_checkpointing, last_blocks)
+        _shard(reference, None, mesh, mp_policy, activation_checkpointing, **fully_shard_kwargs)
+        _shard(model, policy, mesh, mp_policy, activation_checkpointing, last_blocks, **fully_shard_kwargs)
         reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
         optim = OffloadOptimizer(
             model,
@@ -322,6 +335,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             self.assertGreater(engine.stats.d2h_copies, 0)
         else:
             self.assertEqual(engine.stats.h2d_bytes + engine.stats.d2h_bytes, 0)
+        return engine.stats.h2d_copies
 
     def test_parity_mixed_precision_uneven_tied_frozen(self):
         self.init_gloo()
@@ -413,6 +427,53 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             policy=CoherentOffload(platform="discrete", optimizer="host"), last_blocks=2, overlap_next_forward=True
         )
         self._run_parity(policy=CoherentOffload(platform="discrete", optimizer=0.5), last_blocks=2, grad_accum=2)
+
+    def test_parity_blocks_not_resharded_after_forward(self):
+        # reshard_after_forward=False (torchtitan's choice for the last block; here through
+        # keep_unsharded_last or for every block) or an int (resharded to a smaller mesh after
+        # forward): backward gathers from what forward left on the device, so those blocks copy
+        # their parameters in once per step instead of twice, and the optimizer's updates (on
+        # the host, streamed, or during the next forward) must still reach the next forward.
+        self.init_gloo()
+        copied = {}
+        for name, kwargs in (
+            ("default", {}),
+            ("keep_last_2", {"keep_unsharded_last": 2}),
+            ("all_kept", {"reshard_after_forward": False}),
+            ("smaller_mesh", {"reshard_after_forward": max(1, self.world_size // 2)}),
+        ):
+            copied[name] = self._run_parity(
+                policy=CoherentOffload(platform="discrete", optimizer="host"),
+                activation_checkpointing=True,
+                overlap_next_forward=True,
+                **kwargs,
+            )
+        self.assertLess(copied["keep_last_2"], copied["default"])
+        self.assertLess(copied["all_kept"], copied["keep_last_2"])
+        self.assertLess(copied["smaller_mesh"], copied["default"])
+        self._run_parity(
+            policy=CoherentOffload(platform="discrete", optimizer=0.5), grad_accum=2, keep_unsharded_last=2
+        )
+
+    def test_gradients_go_down_from_the_reduce_output_itself(self):
+        # FSDP lays a group's reduced gradient shards out as our host buffer does: the D2H copy
+        # reads that output as one flat view (no device staging copy), the padding included.
+        self.init_gloo()
+        flats = []
+        as_flat = GroupOffload._reduce_output_as_flat
+
+        def recording(offload, captured):
+            flat = as_flat(offload, captured)
+            if flat is not None:
+                first = next(iter(captured.values()))
+                self.assertEqual(flat.untyped_storage().data_ptr(), first.untyped_storage().data_ptr())
+                self.assertEqual(flat.numel(), offload.numel)
+                flats.append(flat)
+            return flat
+
+        with mock.patch.object(GroupOffload, "_reduce_output_as_flat", recording):
+            self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="host"))
+        self.assertGreater(len(flats), 0)
 
     def test_host_steps_run_on_plain_local_shards(self):
         # DTensor's Python dispatch keeps the GIL through a whole op, so a host step over DTensors

@@ -25,13 +25,15 @@ from torch_fsdp_offload.models import build_model, causal_lm_loss
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 
-def _shard(model, policy, activation_checkpointing=False, last_blocks=None):
+def _shard(model, policy, activation_checkpointing=False, last_blocks=None, keep_unsharded_last=0):
     """``policy`` on every block and the root, or (``last_blocks``) on the last blocks only."""
     if activation_checkpointing:
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return fully_shard_with_policy(model, model.blocks, policy, last_blocks=last_blocks, mp_policy=mp_policy)
+    return fully_shard_with_policy(
+        model, model.blocks, policy, last_blocks=last_blocks, keep_unsharded_last=keep_unsharded_last, mp_policy=mp_policy
+    )
 
 
 @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
@@ -58,18 +60,26 @@ class CoherentOffloadGPUTest(TestCase):
         overlap_next_forward=False,
         activation_checkpointing=False,
         last_blocks=None,
+        keep_unsharded_last=0,
     ):
         # The reference steps with the same fused CPU AdamW kernel (stock CPUOffloadPolicy): a
         # GPU-resident reference differs only by the optimizer kernel's rounding.
         torch.manual_seed(0)
         reference = build_model("small", device="cuda")
         model = copy.deepcopy(reference)
-        _shard(reference, reference_policy or CPUOffloadPolicy(pin_memory=True), activation_checkpointing, last_blocks)
+        _shard(
+            reference,
+            reference_policy or CPUOffloadPolicy(pin_memory=True),
+            activation_checkpointing,
+            last_blocks,
+            keep_unsharded_last,
+        )
         _shard(
             model,
             CoherentOffload(prefetch_depth=prefetch_depth, module_fraction=module_fraction, optimizer=optimizer),
             activation_checkpointing,
             last_blocks,
+            keep_unsharded_last,
         )
         return (
             reference,
@@ -127,6 +137,28 @@ class CoherentOffloadGPUTest(TestCase):
         self._train_both(reference, reference_optim, model, optim, rtol=1e-6)
         optim.synchronize()
         self._assert_params_close(model, reference)
+
+    def test_parity_with_blocks_not_resharded_after_forward(self):
+        # The offloaded last blocks kept unsharded from forward to backward: their backward (and
+        # its recompute) reads the parameters forward copied in, on the device, so each copies in
+        # once per step instead of twice; losses and parameters still match stock offload.
+        n_blocks = len(build_model("small", device="meta").blocks)
+        engine = get_transfer_engine("cuda")
+        copied = []
+        for keep in (0, n_blocks // 2):
+            reference, reference_optim, model, optim = self._pair(
+                1,
+                overlap_next_forward=True,
+                activation_checkpointing=True,
+                last_blocks=n_blocks // 2,
+                keep_unsharded_last=keep,
+            )
+            engine.stats.reset()
+            self._train_both(reference, reference_optim, model, optim, rtol=1e-6)
+            optim.synchronize()
+            copied.append(engine.stats.h2d_bytes)
+            self._assert_params_close(model, reference)
+        self.assertLess(copied[1], 0.75 * copied[0])
 
     def test_steps_finishing_in_next_forward_with_streamed_groups(self):
         # Half the groups streamed, the other half finishing on the host during the forward.

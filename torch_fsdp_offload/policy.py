@@ -338,6 +338,7 @@ def fully_shard_with_policy(
     policy: CPUOffloadPolicy | None,
     *,
     last_blocks: int | None = None,
+    keep_unsharded_last: int = 0,
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
     """``fully_shard`` each of ``blocks`` in forward order, then ``model``, with ``policy`` on every
@@ -356,6 +357,14 @@ def fully_shard_with_policy(
             FSDP2 offload policy); None shards without one.
         last_blocks (int | None): give ``policy`` to the last ``last_blocks`` blocks only (not to
             the root); None gives it to every block and the root.
+        keep_unsharded_last (int): shard the last ``keep_unsharded_last`` blocks with
+            ``reshard_after_forward=False``: their backward reuses the compute-dtype parameters
+            their forward gathered, so an offloaded block copies its parameters in once per step
+            instead of twice (half its host-to-device bytes), at the cost of holding them on the
+            device from its forward to its backward (2 bytes per parameter in bf16, for all of
+            these blocks at the start of backward). The last block's are needed again at once, so
+            keeping it costs almost nothing. 0 (the default) leaves ``reshard_after_forward`` to
+            ``fully_shard_kwargs`` or FSDP's default.
         **fully_shard_kwargs: passed to every ``fully_shard`` call (``mesh``, ``mp_policy``, ...),
             never ``offload_policy``.
 
@@ -363,13 +372,16 @@ def fully_shard_with_policy(
         nn.Module: ``model``, sharded.
 
     Raises:
-        ValueError: ``offload_policy`` among ``fully_shard_kwargs``, or ``last_blocks`` not an int
-            in ``[0, len(blocks)]``; raised before anything is sharded.
+        ValueError: ``offload_policy`` among ``fully_shard_kwargs``, ``last_blocks`` or
+            ``keep_unsharded_last`` not an int in ``[0, len(blocks)]``, or ``keep_unsharded_last``
+            together with ``reshard_after_forward``; raised before anything is sharded.
 
     Example::
 
         >>> policy = CoherentOffload(optimizer="host")
-        >>> fully_shard_with_policy(model, model.blocks, policy, last_blocks=4, mp_policy=mp)
+        >>> fully_shard_with_policy(
+        ...     model, model.blocks, policy, last_blocks=4, keep_unsharded_last=2, mp_policy=mp
+        ... )
         >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
     """
     from torch.distributed.fsdp import fully_shard
@@ -377,14 +389,25 @@ def fully_shard_with_policy(
     if "offload_policy" in fully_shard_kwargs:
         raise ValueError("fully_shard_with_policy places policy itself; drop offload_policy= and pass the policy")
     blocks = list(blocks)
-    if last_blocks is not None and (
-        isinstance(last_blocks, bool) or not isinstance(last_blocks, int) or not 0 <= last_blocks <= len(blocks)
-    ):
-        raise ValueError(f"last_blocks must be an int in [0, {len(blocks)}] (the number of blocks), got {last_blocks!r}")
+
+    def block_count(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= len(blocks):
+            raise ValueError(f"{name} must be an int in [0, {len(blocks)}] (the number of blocks), got {value!r}")
+        return value
+
+    if last_blocks is not None:
+        block_count("last_blocks", last_blocks)
+    if block_count("keep_unsharded_last", keep_unsharded_last) and "reshard_after_forward" in fully_shard_kwargs:
+        raise ValueError(
+            "keep_unsharded_last sets reshard_after_forward=False on the last blocks itself: "
+            "pass one of keep_unsharded_last and reshard_after_forward"
+        )
     first_with_policy = 0 if last_blocks is None else len(blocks) - last_blocks
+    first_kept = len(blocks) - keep_unsharded_last
     for index, block in enumerate(blocks):
         with_policy = policy is not None and index >= first_with_policy
-        fully_shard(block, **fully_shard_kwargs, **({"offload_policy": policy} if with_policy else {}))
+        kept = {"reshard_after_forward": False} if index >= first_kept else {}
+        fully_shard(block, **fully_shard_kwargs, **kept, **({"offload_policy": policy} if with_policy else {}))
     with_policy = policy is not None and last_blocks is None
     fully_shard(model, **fully_shard_kwargs, **({"offload_policy": policy} if with_policy else {}))
     return model

@@ -313,7 +313,10 @@ class GroupOffload:
                 return None
         if base < 0 or (base + self.numel) * first.element_size() > storage.nbytes():
             return None
-        return first.new_empty(0).set_(storage, base, (self.numel,))
+        # A view, not new_empty(0).set_(...): the stream sanitizer keys a zero-size tensor by its
+        # Python id, so writing one on the D2H stream reads as a race with whatever zero-size
+        # tensor later reuses that id on another stream.
+        return first.as_strided((self.numel,), (1,), base)
 
     def _padded_view(self, flat: torch.Tensor, fsdp_param: CoherentFSDPParam) -> torch.Tensor:
         offset, _ = self.offsets[fsdp_param]
