@@ -138,9 +138,7 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
         elif key in ("checkpoint", "ckpt", "ac"):
             knobs["checkpointing"] = True
         elif key == "keep":
-            # Blocks not resharded after forward copy in once per step and hold their parameters
-            # through backward: the step model copies in twice and holds none.
-            return None
+            knobs["keep_unsharded"] = int(value)
     if "checkpoint" in name or "ckpt" in name or name.endswith(";ac"):
         knobs["checkpointing"] = True
     for key, value in explicit.items():

@@ -238,7 +238,7 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertEqual(fsdp_offload.kept_unsharded_blocks(kept), 5)
         self.assertEqual(fsdp_offload.kept_unsharded_blocks("coherent(host;last=0.625)"), 0)
         self.assertEqual(fsdp_offload.coherent_row_config(kept), {"optimizer": "host", "prefetch_depth": 2})
-        self.assertIsNone(planner_validate.row_config({"name": kept}, "host"))
+        self.assertEqual(planner_validate.row_config({"name": kept}, "host").keep_unsharded, 5)
         config = planner_validate.row_config({"name": "coherent(split=0.25;next-fwd;last=0.625;ac;depth=1)"}, "host")
         self.assertEqual((config.module_fraction, config.optimizer, config.checkpointing, config.prefetch_depth),
                          (0.625, 0.25, True, 1))

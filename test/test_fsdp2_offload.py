@@ -219,6 +219,7 @@ class RecommendationApplyTest(GlooMultiProcessTestCase):
             technique="fsdp2_step_model", microbatch_factor=1.0, weights_offload_fraction=2 / 3,
             activations_offload_fraction=0.0, checkpointing=False, throughput_gain=0.0,
             kwargs={"optimizer": "host", "platform": "discrete"}, reason="test", last_blocks=(2, 3),
+            keep_unsharded_last=1,
         )
         for model, kwargs, message in (
             (TiedBlocksModel(), {"offload_policy": CoherentOffload()}, "drop offload_policy"),
@@ -228,8 +229,11 @@ class RecommendationApplyTest(GlooMultiProcessTestCase):
                 recommendation.apply(model, **kwargs)
             self.assertFalse(any(isinstance(module, FSDPModule) for module in model.modules()))
         model = recommendation.apply(TiedBlocksModel(), mp_policy=MixedPrecisionPolicy())
-        policies = [module._get_fsdp_state()._fsdp_param_group.offload_policy for module in (*model.blocks, model)]
-        self.assertEqual([isinstance(policy, CoherentOffload) for policy in policies], [False, True, True, False])
+        groups = [module._get_fsdp_state()._fsdp_param_group for module in (*model.blocks, model)]
+        self.assertEqual([isinstance(group.offload_policy, CoherentOffload) for group in groups], [False, True, True, False])
+        # The last block kept unsharded after forward (reshard_after_forward=False).
+        self.assertEqual([group.post_forward_mesh_info is None for group in groups[:3]], [False, False, True])
+        self.assertIn("reshard_after_forward=False for the last 1 blocks", recommendation.code())
         engine = get_transfer_engine("cpu")
         engine.stats.reset()
         optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)

@@ -35,6 +35,7 @@ from torch_fsdp_offload.planner import (
 from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.cost_model import host_step_bytes_per_param, phase_peaks
 from torch_fsdp_offload.planner.profile import model_breakdown, training_profile
+from torch_fsdp_offload.planner.search import default_training_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TALK = os.path.join(REPO, "docs", "examples", "talk_gh200.json")
@@ -427,6 +428,41 @@ class TestStepModel(TestCase):
         streamed = self.predict(module_fraction=1.0, optimizer="stream")
         self.assertEqual(streamed.h2d_bytes, params * 20)
         self.assertEqual(streamed.d2h_bytes, params * 18)
+
+    def test_blocks_kept_unsharded_copy_in_once_and_hold_their_parameters(self):
+        # keep_unsharded (fully_shard_with_policy(keep_unsharded_last=...)): the offloaded blocks
+        # among the kept ones are not copied in again for backward; every kept block holds its
+        # unsharded parameters from its forward to its backward.
+        params = self.profile.n_blocks * self.profile.block_params
+        block = self.profile.block_params * self.profile.compute_bytes
+        plain = self.predict(module_fraction=0.5, optimizer="host")
+        kept = self.predict(module_fraction=0.5, optimizer="host", keep_unsharded=4)
+        kept_one = self.predict(module_fraction=0.5, optimizer="host", keep_unsharded=1)
+        self.assertEqual(plain.h2d_bytes - kept.h2d_bytes, params / 2 * self.profile.compute_bytes)
+        self.assertEqual(plain.h2d_bytes - kept_one.h2d_bytes, params / 8 * self.profile.compute_bytes)
+        self.assertEqual(kept.d2h_bytes, plain.d2h_bytes)
+        self.assertLessEqual(kept.step_s, plain.step_s)
+        self.assertGreaterEqual(kept.peak_gpu_bytes, plain.peak_gpu_bytes)
+        # Kept resident blocks copy nothing in either way, but hold their parameters too.
+        resident = self.predict()
+        all_kept = self.predict(keep_unsharded=8)
+        self.assertEqual(all_kept.h2d_bytes, 0)
+        live_groups = 1 + max(1, TrainingConfig().prefetch_depth)
+        peaks = [phase_peaks(self.profile, TrainingConfig(keep_unsharded=k), offloaded_blocks=0, streamed_blocks=0,
+                             activation_blocks=0)["forward"] for k in (0, 8)]
+        self.assertEqual(peaks[1] - peaks[0], (8 - live_groups) * block)
+        self.assertGreater(all_kept.peak_gpu_bytes, resident.peak_gpu_bytes)
+        self.assertIn("keep=4", kept.config.label)
+        # The search tries the offloaded blocks kept, and the recommendation carries it.
+        configs = default_training_configs(8)
+        self.assertIn(TrainingConfig(module_fraction=0.5, keep_unsharded=4), configs)
+        self.assertNotIn(TrainingConfig(module_fraction=0.5, keep_unsharded=1), configs)
+        self.assertFalse(any(c.keep_unsharded for c in configs if c.module_fraction == 0))
+        for bad in (-1, True, 0.5):
+            with self.assertRaisesRegex(ValueError, "keep_unsharded must be an int >= 0"):
+                TrainingConfig(keep_unsharded=bad)
+        with self.assertRaisesRegex(ValueError, "keep_unsharded=9 exceeds the model's 8 blocks"):
+            self.predict(keep_unsharded=9)
 
     def test_host_step_is_host_dram_bound(self):
         # AdamW 28 bytes, the bf16 mirror cast 6, the gradient landing 4.

@@ -258,6 +258,7 @@ def _plan_model(
             predicted_step_s=prediction.step_s,
             predicted_peak_gpu_GiB=prediction.peak_gpu_GiB,
             last_blocks=last_blocks,
+            keep_unsharded_last=config.keep_unsharded,
         )
     return PlanResult(scenario=scenario, search=search, recommended=recommendation, training=training, notes=notes)
 

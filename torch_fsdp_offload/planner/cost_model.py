@@ -323,6 +323,10 @@ class TrainingConfig:
             ``round(module_fraction * n)`` in forward order (the policy given per module to them,
             as :meth:`Recommendation.apply` does); ``"spread"``: spread evenly, as
             ``CoherentOffload(module_fraction=...)`` on every block places them.
+        keep_unsharded (int): the last ``keep_unsharded`` blocks are not resharded after forward
+            (``fully_shard_with_policy(keep_unsharded_last=...)``): the offloaded ones among them
+            copy their parameters in once per step, and every one holds its unsharded parameters
+            from its forward to its backward.
     """
 
     module_fraction: float = 0.0
@@ -331,6 +335,7 @@ class TrainingConfig:
     checkpointing: bool = False
     prefetch_depth: int = 1
     block_placement: str = "last"
+    keep_unsharded: int = 0
 
     def __post_init__(self) -> None:
         for name in ("module_fraction", "activations"):
@@ -348,6 +353,8 @@ class TrainingConfig:
             raise ValueError(f"TrainingConfig.prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.block_placement not in ("last", "spread"):
             raise ValueError(f"TrainingConfig.block_placement must be 'last' or 'spread', got {self.block_placement!r}")
+        if isinstance(self.keep_unsharded, bool) or not isinstance(self.keep_unsharded, int) or self.keep_unsharded < 0:
+            raise ValueError(f"TrainingConfig.keep_unsharded must be an int >= 0, got {self.keep_unsharded!r}")
 
     def offloaded_blocks(self, n_blocks: int) -> list[int]:
         """Indices (forward order) of the blocks this setting offloads, out of ``n_blocks``."""
@@ -373,6 +380,8 @@ class TrainingConfig:
             parts.append(f"depth={self.prefetch_depth}")
         if self.block_placement != "last" and 0 < self.module_fraction < 1:
             parts.append(self.block_placement)
+        if self.keep_unsharded:
+            parts.append(f"keep={self.keep_unsharded}")
         return " ".join(parts)
 
     def coherent_offload_kwargs(self) -> dict[str, Any] | None:
@@ -476,7 +485,8 @@ def predict_step(
     """Predict one FSDP2 training step per GPU under ``config`` on ``platform``.
 
     Per step the offloaded blocks' parameter shards cross host-to-device twice in the compute
-    dtype (forward and the backward re-gather); gradients of offloaded groups cross device-to-host
+    dtype (forward and the backward re-gather; once for blocks kept unsharded after forward,
+    ``config.keep_unsharded``); gradients of offloaded groups cross device-to-host
     in the reduce dtype; streamed parameters then move their fp32 parameter, gradient and moments
     up and parameter, moments and mirror down as one pipeline over runs of parameters, both
     directions at once, after one run's upload fills it. Offloaded activations go down in forward
@@ -527,8 +537,13 @@ def predict_step(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n_blocks = profile.n_blocks
+    if config.keep_unsharded > n_blocks:
+        raise ValueError(f"TrainingConfig.keep_unsharded={config.keep_unsharded} exceeds the model's {n_blocks} blocks")
     offloaded = config.offloaded_blocks(n_blocks)
     offloaded_blocks = len(offloaded)
+    # Blocks kept unsharded after forward are not gathered (nor copied in) again in backward.
+    kept = range(n_blocks - config.keep_unsharded, n_blocks)
+    regathered_offloaded = sum(1 for index in offloaded if index not in kept)
     activation_blocks = round(config.activations * n_blocks)
     # OffloadOptimizer streams whole groups, the first round(fraction * offloaded) in forward order.
     streamed_blocks = round(config.optimizer_gpu_fraction * offloaded_blocks)
@@ -540,6 +555,7 @@ def predict_step(
     copies = 0.0 if platform.kind in ("unified", "host_only") else 1.0
 
     weight_bytes = offloaded_blocks * shard * profile.compute_bytes * copies
+    backward_weight_bytes = regathered_offloaded * shard * profile.compute_bytes * copies
     grad_down = offloaded_blocks * shard * profile.reduce_bytes * copies
     stream_up = streamed_blocks * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes) * copies
     stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + profile.compute_bytes) * copies
@@ -547,10 +563,11 @@ def predict_step(
         _activation_traffic(profile, activation_blocks, per_block_saved) if activation_blocks and copies else (0, 0, 0)
     )
 
-    gather_s = reduce_s = 0.0
+    gather_s = reduce_s = backward_gather_s = 0.0
     if world_size > 1:
         wire = (world_size - 1) / world_size * profile.total_params / (platform.gpu_interconnect_GBps * 1e9)
         gather_s, reduce_s = wire * profile.compute_bytes, wire * profile.reduce_bytes
+        backward_gather_s = gather_s * (n_blocks - config.keep_unsharded) / n_blocks
 
     def phase(compute: float, h2d: float, d2h: float, collectives: float) -> tuple[float, bool]:
         link = _copy_time(h2d, d2h, platform)
@@ -564,7 +581,7 @@ def predict_step(
         # The first group's copy has nothing to hide behind.
         forward += shard * profile.compute_bytes / (platform.h2d_GBps * 1e9)
     backward, backward_bound = phase(
-        backward_compute, weight_bytes + reloaded, grad_down + act_in_flight, gather_s + reduce_s
+        backward_compute, backward_weight_bytes + reloaded, grad_down + act_in_flight, backward_gather_s + reduce_s
     )
     if act_forward:
         # The copies start after the first block's forward and must be down (but for the in-flight
@@ -572,7 +589,7 @@ def predict_step(
         # cannot start before backward does.
         forward = max(forward, profile.forward_s / n_blocks + act_forward / (platform.d2h_GBps * 1e9)
                       + profile.forward_s * (n_blocks - activation_blocks) / n_blocks)
-        backward = max(backward, backward_compute / n_blocks + (weight_bytes + reloaded) / (platform.h2d_GBps * 1e9))
+        backward = max(backward, backward_compute / n_blocks + (backward_weight_bytes + reloaded) / (platform.h2d_GBps * 1e9))
 
     params_offloaded = offloaded_blocks * profile.block_params
     gpu_optimizer = profile.gpu_optimizer_s * (profile.total_params - params_offloaded) / profile.total_params / world_size
@@ -591,7 +608,7 @@ def predict_step(
     # and by the link's DMA. They start when the first host group's gradients have landed (host
     # groups are the last in forward order, so the first in backward) and must end before the
     # next forward reaches the host groups (with or without overlap_next_forward).
-    h2d_bytes = 2 * weight_bytes + reloaded + stream_up
+    h2d_bytes = weight_bytes + backward_weight_bytes + reloaded + stream_up
     d2h_bytes = grad_down + act_forward + act_in_flight + stream_down
     host_params = host_blocks * shard * world_size
     if not host_blocks:
@@ -609,7 +626,7 @@ def predict_step(
         # streamed state and the activations both ways (the host groups' gradients landing are
         # already in host_step_bytes_per_param).
         streamed_grads_down = streamed_blocks * shard * profile.reduce_bytes * copies
-        link_dram_bytes = (2 * weight_bytes + streamed_grads_down + stream_up + stream_down
+        link_dram_bytes = (weight_bytes + backward_weight_bytes + streamed_grads_down + stream_up + stream_down
                            + act_forward + act_in_flight + reloaded)
         host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + link_dram_bytes
         host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
@@ -676,7 +693,10 @@ def phase_peaks(
       without counting it as allocated, which is what peaks are measured in.
 
     Every offloaded group's compute-dtype shard is copied into a staging buffer before its
-    all-gather: ``prefetch_depth`` of them live beside the unsharded groups.
+    all-gather: ``prefetch_depth`` of them live beside the unsharded groups. Blocks kept unsharded
+    after forward (``config.keep_unsharded``) hold their unsharded parameters from their forward
+    to their backward: at the end of forward and before each block's backward, those of them
+    beyond the groups counted as unsharded anyway.
 
     Args:
         profile (TrainingProfile): the model at one micro-batch (per GPU).
@@ -708,16 +728,19 @@ def phase_peaks(
     saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
     offloaded_acts = activation_blocks if copies else 0
 
+    kept = range(n_blocks - config.keep_unsharded, n_blocks)
+    block_unsharded = profile.block_params * profile.compute_bytes
+
     in_flight = min(offloaded_acts * saved, DEFAULT_MAX_INFLIGHT_BYTES)
     forward = (resident_state + unsharded + staging + (n_blocks - offloaded_acts) * saved + in_flight
-               + profile.other_activation_bytes)
+               + profile.other_activation_bytes + max(0, len(kept) - live_groups) * block_unsharded)
 
     # Blocks 0 .. offloaded_acts-1 have offloaded activations; blocks resident_blocks .. n-1 have
     # offloaded state; of those, the first streamed_blocks are stepped on the GPU.
     reload_window = 1 + _ACTIVATION_PREFETCH_BLOCKS
     backward = 0.0
     for block in range(n_blocks - 1, -1, -1):
-        kept = sum(saved for j in range(offloaded_acts, block + 1))
+        saved_here = sum(saved for j in range(offloaded_acts, block + 1))
         reloaded = saved * sum(1 for j in range(max(0, block - reload_window + 1), min(block, offloaded_acts - 1) + 1))
         later = range(block + 1, n_blocks)
         on_device = [j for j in later if j < resident_blocks or not copies]
@@ -725,7 +748,9 @@ def phase_peaks(
         if block + 1 < n_blocks and block + 1 not in on_device:
             grads += grad_shard  # the offloaded group just finished: its gradient on its way down
         recompute = profile.block_activation_bytes if config.checkpointing else 0.0
-        backward = max(backward, kept + reloaded + grads + recompute)
+        # Kept blocks before this one, beyond the prefetched groups counted in `unsharded`.
+        kept_params = max(0, sum(1 for j in kept if j < block) - (live_groups - 1)) * block_unsharded
+        backward = max(backward, saved_here + reloaded + grads + recompute + kept_params)
     backward += resident_state + unsharded + staging + profile.other_activation_bytes
 
     resident_grads = resident_params * profile.reduce_bytes

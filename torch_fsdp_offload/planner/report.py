@@ -45,6 +45,9 @@ class Recommendation:
             ``offload_policy`` to the other blocks and the root (their gradients land first in
             backward, so their host steps end under it: the placement the step model predicts).
             ``kwargs`` then hold no ``module_fraction`` (every group given the policy is offloaded).
+        keep_unsharded_last (int): shard the last this many blocks with
+            ``reshard_after_forward=False`` (``fully_shard_with_policy(keep_unsharded_last=...)``):
+            the offloaded ones copy their parameters in once per step instead of twice.
     """
 
     technique: str
@@ -58,6 +61,7 @@ class Recommendation:
     predicted_step_s: float | None = None
     predicted_peak_gpu_GiB: float | None = None
     last_blocks: tuple[int, int] | None = None
+    keep_unsharded_last: int = 0
 
     @property
     def policy(self):
@@ -75,6 +79,9 @@ class Recommendation:
         :attr:`last_blocks`), and ``offload_activations`` when activations are to be offloaded.
         Activation checkpointing, when recommended, is the caller's: checkpoint the blocks first.
 
+        The last :attr:`keep_unsharded_last` blocks are sharded with
+        ``reshard_after_forward=False``.
+
         Args:
             model (nn.Module): the model, not yet sharded.
             blocks (Sequence[nn.Module] | None): the per-layer modules in forward order. Default:
@@ -86,8 +93,9 @@ class Recommendation:
             nn.Module: ``model``, sharded.
 
         Raises:
-            ValueError: ``offload_policy`` among ``fully_shard_kwargs``, or a model whose number of
-                blocks differs from the planned one; raised before anything is sharded.
+            ValueError: ``offload_policy`` among ``fully_shard_kwargs`` (or ``reshard_after_forward``
+                with a :attr:`keep_unsharded_last`), or a model whose number of blocks differs from
+                the planned one; raised before anything is sharded.
 
         Example::
 
@@ -107,7 +115,11 @@ class Recommendation:
                 "plan this model, or pass its blocks= in forward order"
             )
         fully_shard_with_policy(
-            model, blocks, self.policy, last_blocks=None if self.last_blocks is None else self.last_blocks[0],
+            model,
+            blocks,
+            self.policy,
+            last_blocks=None if self.last_blocks is None else self.last_blocks[0],
+            keep_unsharded_last=self.keep_unsharded_last,
             **fully_shard_kwargs,
         )
         if self.activations_offload_fraction > 0:
@@ -135,6 +147,8 @@ class Recommendation:
                 f"offload_policy=policy) for block in blocks[{n_blocks - offloaded}:], no offload_policy for "
                 "the other blocks and the root"
             )
+        if self.keep_unsharded_last:
+            code += f"; reshard_after_forward=False for the last {self.keep_unsharded_last} blocks"
         code += self._activations_code()
         return code + "; activation checkpointing per block" if self.checkpointing else code
 

@@ -194,19 +194,27 @@ _DEFAULT_PLACEMENTS: tuple[str | float, ...] = ("host", 0.25, 0.5)
 def default_training_configs(n_blocks: int, *, checkpointing: bool = True) -> list[TrainingConfig]:
     """The grid :func:`search_training` explores: module fractions in whole blocks (at most 9
     values), the offloaded groups' optimizer on the host or a quarter or half of them streamed
-    through the GPU, activations offloaded for none, half or all blocks, with and without
-    checkpointing. Pass configs with ``optimizer="stream"`` to predict that placement too."""
+    through the GPU, the offloaded (last) blocks resharded after forward or not (``keep_unsharded``:
+    one copy-in per step instead of two, their parameters held through backward), activations
+    offloaded for none, half or all blocks, with and without checkpointing. Pass configs with
+    ``optimizer="stream"`` to predict that placement too."""
     steps = sorted({round(n_blocks * i / 8) / n_blocks for i in range(9)})
     configs = []
     for checkpoint in (False, True) if checkpointing else (False,):
         for activations in (0.0, 0.5, 1.0):
             for fraction in steps:
+                offloaded = round(fraction * n_blocks)
                 for placement in _DEFAULT_PLACEMENTS if fraction > 0 else ("host",):
-                    configs.append(
-                        TrainingConfig(
-                            module_fraction=fraction, optimizer=placement, activations=activations, checkpointing=checkpoint
+                    for keep in (0, offloaded) if offloaded else (0,):
+                        configs.append(
+                            TrainingConfig(
+                                module_fraction=fraction,
+                                optimizer=placement,
+                                activations=activations,
+                                checkpointing=checkpoint,
+                                keep_unsharded=keep,
+                            )
                         )
-                    )
     return configs
 
 
