@@ -66,6 +66,7 @@ from rounds import median_of_rounds, round_order  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
+from torch_fsdp_offload.planner.cost_model import shared_dram_host_seconds  # noqa: E402
 from torch_fsdp_offload.planner.profile import LinkBusy  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
@@ -460,7 +461,8 @@ def _timed_host_step(adamw, param, mirror) -> tuple[float, float]:
 def host_work_s(host_params: float, link_GB: float, host: dict, *, cast: bool, shared_dram: bool) -> float:
     """Host optimizer work (fused CPU AdamW, plus the bf16 cast with ``cast``) of ``host_params``
     parameters at the rates of ``host`` (``measure_host_optimizer``); with ``shared_dram``, slowed by
-    ``link_GB`` crossing the link meanwhile (``T_host_shared`` of the module docstring)."""
+    ``link_GB`` crossing the link meanwhile (``T_host_shared`` of the module docstring, the planner's
+    ``shared_dram_host_seconds``)."""
 
     def rate(measured: dict) -> float:
         return measured["adamw_s_per_Gparam"] + (measured["cast_s_per_Gparam"] if cast else 0.0)
@@ -469,11 +471,7 @@ def host_work_s(host_params: float, link_GB: float, host: dict, *, cast: bool, s
     busy_rates = host.get("link_busy")
     if not shared_dram or not busy_rates:
         return alone
-    busy = host_params / 1e9 * rate(busy_rates)
-    if busy <= alone:
-        return alone
-    dma = link_GB / busy_rates["link_GBps_meanwhile"]
-    return alone + min(dma, busy) * (1 - alone / busy)
+    return shared_dram_host_seconds(alone, host_params / 1e9 * rate(busy_rates), link_GB / busy_rates["link_GBps_meanwhile"])
 
 
 def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict, *, shared_dram: bool = False) -> float:

@@ -33,7 +33,7 @@ from torch_fsdp_offload.planner import (
     TrainingConfig,
 )
 from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
-from torch_fsdp_offload.planner.cost_model import host_step_bytes_per_param, phase_peaks
+from torch_fsdp_offload.planner.cost_model import host_step_bytes_per_param, phase_peaks, shared_dram_host_seconds
 from torch_fsdp_offload.planner.profile import model_breakdown, training_profile
 from torch_fsdp_offload.planner.search import default_training_configs
 
@@ -463,6 +463,7 @@ class TestStepModel(TestCase):
                 TrainingConfig(keep_unsharded=bad)
         with self.assertRaisesRegex(ValueError, "keep_unsharded=9 exceeds the model's 8 blocks"):
             self.predict(keep_unsharded=9)
+        self.assertEqual(list(TrainingConfig(keep_unsharded=3).kept_blocks(8)), [5, 6, 7])
 
     def test_host_step_is_host_dram_bound(self):
         # AdamW 28 bytes, the bf16 mirror cast 6, the gradient landing 4.
@@ -602,6 +603,10 @@ class TestStepModel(TestCase):
         # A link that slows nothing leaves the alone rate.
         unshared = dataclasses.replace(profile, host_step_s_per_param=alone)
         self.assertAlmostEqual(predict_step(unshared, config, self.platform).host_optimizer_s, params * alone)
+        # The formula alone (the benchmark's LBs uses it too): no DMA, DMA throughout, noise.
+        self.assertEqual(shared_dram_host_seconds(0.3, 0.6, 0.0), 0.3)
+        self.assertAlmostEqual(shared_dram_host_seconds(0.3, 0.6, 5.0), 0.6)
+        self.assertEqual(shared_dram_host_seconds(0.3, 0.2, 1.0), 0.3)
 
     def test_world_size_shards_state_and_adds_collectives(self):
         one = self.predict()

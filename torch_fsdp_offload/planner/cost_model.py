@@ -37,6 +37,7 @@ __all__ = [
     "offload_window",
     "phase_peaks",
     "predict_step",
+    "shared_dram_host_seconds",
     "time_factor",
 ]
 
@@ -356,6 +357,16 @@ class TrainingConfig:
         if isinstance(self.keep_unsharded, bool) or not isinstance(self.keep_unsharded, int) or self.keep_unsharded < 0:
             raise ValueError(f"TrainingConfig.keep_unsharded must be an int >= 0, got {self.keep_unsharded!r}")
 
+    def kept_blocks(self, n_blocks: int) -> range:
+        """Indices (forward order) of the blocks kept unsharded after forward, out of ``n_blocks``.
+
+        Raises:
+            ValueError: ``keep_unsharded`` above ``n_blocks``.
+        """
+        if self.keep_unsharded > n_blocks:
+            raise ValueError(f"TrainingConfig.keep_unsharded={self.keep_unsharded} exceeds the model's {n_blocks} blocks")
+        return range(n_blocks - self.keep_unsharded, n_blocks)
+
     def offloaded_blocks(self, n_blocks: int) -> list[int]:
         """Indices (forward order) of the blocks this setting offloads, out of ``n_blocks``."""
         if self.block_placement == "last":
@@ -456,6 +467,27 @@ def host_step_bytes_per_param(profile: TrainingProfile) -> int:
     return adamw + mirror + profile.reduce_bytes
 
 
+def shared_dram_host_seconds(alone_s: float, busy_s: float, dma_s: float) -> float:
+    """Host optimizer work that takes ``alone_s`` with nothing beside it and ``busy_s`` while the
+    link copies both ways, when the link's DMA keeps host DRAM busy for ``dma_s`` meanwhile:
+    every second of DMA beside the host step costs it ``1 - alone_s / busy_s`` seconds of work, up
+    to the whole step running at the busy rate.
+
+        alone_s + min(dma_s, busy_s) * (1 - alone_s / busy_s)
+
+    A ``busy_s`` below ``alone_s`` (noise) counts as ``alone_s``.
+
+    Example::
+
+        >>> round(shared_dram_host_seconds(0.30, 0.50, 0.10), 3)  # 0.30 + 0.10 * 0.4
+        0.34
+    """
+    busy_s = max(alone_s, busy_s)
+    if busy_s <= 0:
+        return alone_s
+    return alone_s + min(dma_s, busy_s) * (1 - alone_s / busy_s)
+
+
 def _copy_time(h2d_bytes: float, d2h_bytes: float, platform: PlatformProfile) -> float:
     # Each direction has its own copy engine, but both share the link's total.
     return max(
@@ -537,12 +569,10 @@ def predict_step(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n_blocks = profile.n_blocks
-    if config.keep_unsharded > n_blocks:
-        raise ValueError(f"TrainingConfig.keep_unsharded={config.keep_unsharded} exceeds the model's {n_blocks} blocks")
     offloaded = config.offloaded_blocks(n_blocks)
     offloaded_blocks = len(offloaded)
     # Blocks kept unsharded after forward are not gathered (nor copied in) again in backward.
-    kept = range(n_blocks - config.keep_unsharded, n_blocks)
+    kept = config.kept_blocks(n_blocks)
     regathered_offloaded = sum(1 for index in offloaded if index not in kept)
     activation_blocks = round(config.activations * n_blocks)
     # OffloadOptimizer streams whole groups, the first round(fraction * offloaded) in forward order.
@@ -567,7 +597,7 @@ def predict_step(
     if world_size > 1:
         wire = (world_size - 1) / world_size * profile.total_params / (platform.gpu_interconnect_GBps * 1e9)
         gather_s, reduce_s = wire * profile.compute_bytes, wire * profile.reduce_bytes
-        backward_gather_s = gather_s * (n_blocks - config.keep_unsharded) / n_blocks
+        backward_gather_s = gather_s * (n_blocks - len(kept)) / n_blocks
 
     def phase(compute: float, h2d: float, d2h: float, collectives: float) -> tuple[float, bool]:
         link = _copy_time(h2d, d2h, platform)
@@ -615,10 +645,11 @@ def predict_step(
         host_time = 0.0
     elif profile.host_alone_s_per_param is not None and profile.host_step_s_per_param is not None and profile.host_busy_link_GBps:
         # Shared host DRAM (see the docstring); one host DRAM serves the DMA of every GPU of the host.
-        alone = host_params * profile.host_alone_s_per_param
-        busy = max(alone, host_params * profile.host_step_s_per_param)
-        dma = (h2d_bytes + d2h_bytes) * world_size / (profile.host_busy_link_GBps * 1e9)
-        host_time = alone + min(dma, busy) * (1 - alone / busy)
+        host_time = shared_dram_host_seconds(
+            host_params * profile.host_alone_s_per_param,
+            host_params * profile.host_step_s_per_param,
+            (h2d_bytes + d2h_bytes) * world_size / (profile.host_busy_link_GBps * 1e9),
+        )
     elif profile.host_step_s_per_param is not None:
         host_time = host_params * profile.host_step_s_per_param
     else:
@@ -728,7 +759,7 @@ def phase_peaks(
     saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
     offloaded_acts = activation_blocks if copies else 0
 
-    kept = range(n_blocks - config.keep_unsharded, n_blocks)
+    kept = config.kept_blocks(n_blocks)
     block_unsharded = profile.block_params * profile.compute_bytes
 
     in_flight = min(offloaded_acts * saved, DEFAULT_MAX_INFLIGHT_BYTES)
