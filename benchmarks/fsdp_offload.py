@@ -90,7 +90,8 @@ _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "ho
 #   ac                         activation checkpointing of every block (checkpoint_wrapper)
 #   next-fwd                   OffloadOptimizer(overlap_next_forward=True)
 #   threads=N                  OffloadOptimizer(host_threads=N)
-_ROW_ITEM = re.compile(r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep)=([0-9]+)")
+#   chunk=N                    CoherentOffload(chunk_bytes=N MiB)
+_ROW_ITEM = re.compile(r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk)=([0-9]+)")
 
 
 def coherent_row_config(name: str) -> dict:
@@ -108,7 +109,7 @@ def coherent_row_config(name: str) -> dict:
         parsed = _ROW_ITEM.fullmatch(item)
         if parsed is None:
             raise ValueError(f"unknown item {item!r} in row {name!r}: use host, stream, split=F, depth=N, "
-                             "modules=F, last=F, keep=N, act=F, ac, next-fwd or threads=N")
+                             "modules=F, last=F, keep=N, act=F, ac, next-fwd, threads=N or chunk=N")
         flag, fraction_key, fraction, count_key, count = parsed.groups()
         if flag in ("host", "stream") or fraction_key == "split":
             if "optimizer" in knobs:
@@ -120,6 +121,8 @@ def coherent_row_config(name: str) -> dict:
             knobs["activations"] = float(fraction)
         elif count_key == "depth":
             knobs["prefetch_depth"] = int(count)
+        elif count_key == "chunk":
+            knobs["chunk_bytes"] = int(count) << 20
     if "optimizer" not in knobs:
         raise ValueError(f"row {name!r} names no optimizer placement: add host, stream or split=F")
     if "module_fraction" in knobs and last_blocks_fraction(name) is not None:
@@ -585,6 +588,14 @@ def main(argv=None) -> int:
         "recorded and store what is live at its peak, by allocation site (memory_at_peak)",
     )
     parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="sys.setswitchinterval(S) for the run: how long a thread holding the GIL keeps it from one "
+        "waiting for it (Python's default 0.005 s); our step threads take the GIL between copies and kernels",
+    )
+    parser.add_argument(
         "--rederive",
         nargs="+",
         metavar="FILE",
@@ -601,6 +612,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/fsdp_offload.py needs a GPU", file=sys.stderr)
         return 2
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
@@ -629,6 +642,7 @@ def main(argv=None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "repeats": args.repeats,
+        "switch_interval_s": sys.getswitchinterval(),
         "rows": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

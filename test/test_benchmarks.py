@@ -219,6 +219,8 @@ class TestFsdpOffloadBenchmark(TestCase):
         )
         self.assertEqual(fsdp_offload.coherent_row_config("coherent(host;next-fwd;last=0.5;act=0.5)"),
                          {"optimizer": "host", "prefetch_depth": 2, "activations": 0.5})
+        self.assertEqual(fsdp_offload.coherent_row_config("coherent(stream;chunk=256)"),
+                         {"optimizer": "stream", "prefetch_depth": 2, "chunk_bytes": 256 << 20})
         for bad, reason in (
             ("coherent(host;typo)", "unknown item 'typo'"),
             ("coherent(next-fwd)", "no optimizer placement"),

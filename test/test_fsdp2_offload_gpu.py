@@ -175,6 +175,24 @@ class CoherentOffloadGPUTest(TestCase):
                 self._train_both(*pair, rtol=1e-6)
                 self._assert_params_close(pair[2], pair[0])
 
+    def test_streamed_steps_on_kept_last_blocks_match_resident(self):
+        # Every offloaded group streamed and running on into the next forward, on the last
+        # blocks, kept unsharded and checkpointed, as the benchmark's stream rows are. Streamed
+        # steps run the CUDA kernel, so the reference is GPU-resident with the same sharding.
+        n_blocks = len(build_model("small", device="meta").blocks)
+        pair = self._pair(
+            1,
+            reference_policy=OffloadPolicy(),
+            optimizer="stream",
+            overlap_next_forward=True,
+            activation_checkpointing=True,
+            last_blocks=n_blocks // 2,
+            keep_unsharded_last=n_blocks // 2,
+        )
+        self._train_both(*pair, rtol=1e-6)
+        pair[3].synchronize()
+        self._assert_params_close(pair[2], pair[0])
+
     def test_partial_offload_close_to_resident(self):
         # Offloaded groups step with the CPU AdamW kernel (half of them streamed: the GPU
         # kernel), resident ones on the GPU: close, not equal.
