@@ -99,7 +99,7 @@ def coherent_row_config(name: str) -> dict:
 
     Raises:
         ValueError: not a ``coherent(...)`` name, an unknown item, no or two optimizer placements,
-            or both ``modules=`` and ``last=``.
+            both ``modules=`` and ``last=``, or a value ``CoherentOffload`` rejects.
     """
     match = re.fullmatch(r"coherent\((.*)\)", name)
     if match is None:
@@ -127,6 +127,10 @@ def coherent_row_config(name: str) -> dict:
         raise ValueError(f"row {name!r} names no optimizer placement: add host, stream or split=F")
     if "module_fraction" in knobs and last_blocks_fraction(name) is not None:
         raise ValueError(f"row {name!r} has both modules= and last=: choose one")
+    try:
+        CoherentOffload(**knobs)  # its own checks of every value (split=1.5, chunk=0, ...)
+    except ValueError as error:
+        raise ValueError(f"row {name!r}: {error}") from None
     return knobs
 
 
@@ -606,6 +610,8 @@ def main(argv=None) -> int:
         return rederive(args.rederive)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.switch_interval is not None and not args.switch_interval > 0:
+        parser.error(f"--switch-interval must be > 0 seconds, got {args.switch_interval}")
     unknown = [name for name in args.rows.split(",") if not known_row(name)]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose resident, stock_cpu_offload+fused_cpu_adamw (optionally ;ac) or coherent(item;...) (see coherent_row_config)")

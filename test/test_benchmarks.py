@@ -227,6 +227,8 @@ class TestFsdpOffloadBenchmark(TestCase):
             ("coherent(host;split=0.5)", "two optimizer placements"),
             ("coherent(host;modules=0.5;last=0.5)", "both modules= and last="),
             ("resident(host)", "not a CoherentOffload row"),
+            ("coherent(stream;chunk=0)", "chunk_bytes=0) must be an int >= 1 MiB"),
+            ("coherent(split=1.5)", "optimizer=1.5) is not a placement"),
         ):
             with self.assertRaisesRegex(ValueError, re.escape(reason)):
                 fsdp_offload.coherent_row_config(bad)
@@ -251,6 +253,9 @@ class TestFsdpOffloadBenchmark(TestCase):
         with self.assertRaises(SystemExit):
             with contextlib.redirect_stderr(io.StringIO()):
                 fsdp_offload.main(["--rows", "resident,coherent(host;typo)"])
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+            fsdp_offload.main(["--rows", "resident", "--switch-interval", "0"])
+        self.assertIn("--switch-interval must be > 0", err.getvalue())
 
     def test_lower_bound_terms(self):
         resident = {"fwd_s": 0.05, "bwd_s": 0.1}
