@@ -67,7 +67,7 @@ from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, Offload
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
 from torch_fsdp_offload.planner.cost_model import shared_dram_host_seconds  # noqa: E402
-from torch_fsdp_offload.planner.profile import LinkBusy  # noqa: E402
+from torch_fsdp_offload.planner.profile import measure_host_step  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
 
@@ -91,7 +91,13 @@ _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "ho
 #   next-fwd                   OffloadOptimizer(overlap_next_forward=True)
 #   threads=N                  OffloadOptimizer(host_threads=N)
 #   chunk=N                    CoherentOffload(chunk_bytes=N MiB)
-_ROW_ITEM = re.compile(r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk)=([0-9]+)")
+#   units=2                    each block sharded as two FSDP groups, its attention and its
+#                              feed-forward (fully_shard on those inside the checkpointed block; the
+#                              norms join the root's group); last=F and keep=N still count blocks.
+#                              Groups half a block's size land, step and copy in in half the time,
+#                              so less of the host step waits on one group's gradients or the next
+#                              forward on one group's step
+_ROW_ITEM = re.compile(r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units)=([0-9]+)")
 
 
 def coherent_row_config(name: str) -> dict:
@@ -109,7 +115,7 @@ def coherent_row_config(name: str) -> dict:
         parsed = _ROW_ITEM.fullmatch(item)
         if parsed is None:
             raise ValueError(f"unknown item {item!r} in row {name!r}: use host, stream, split=F, depth=N, "
-                             "modules=F, last=F, keep=N, act=F, ac, next-fwd, threads=N or chunk=N")
+                             "modules=F, last=F, keep=N, act=F, ac, next-fwd, threads=N, chunk=N or units=2")
         flag, fraction_key, fraction, count_key, count = parsed.groups()
         if flag in ("host", "stream") or fraction_key == "split":
             if "optimizer" in knobs:
@@ -123,6 +129,8 @@ def coherent_row_config(name: str) -> dict:
             knobs["prefetch_depth"] = int(count)
         elif count_key == "chunk":
             knobs["chunk_bytes"] = int(count) << 20
+        elif count_key == "units" and int(count) not in (1, 2):
+            raise ValueError(f"row {name!r}: units={count} is not 1 or 2 (a block's attention and feed-forward)")
     if "optimizer" not in knobs:
         raise ValueError(f"row {name!r} names no optimizer placement: add host, stream or split=F")
     if "module_fraction" in knobs and last_blocks_fraction(name) is not None:
@@ -248,25 +256,36 @@ def kept_unsharded_blocks(name: str) -> int:
     return int(keep.group(1)) if keep is not None else 0
 
 
+def units_per_block(name: str) -> int:
+    """The N of a row named ``units=N`` (FSDP groups per block), else 1."""
+    units = re.search(r"units=(\d+)", name)
+    return int(units.group(1)) if units is not None else 1
+
+
 def _shard(
     model: nn.Module,
     offload_policy,
     activation_checkpointing: bool = False,
     last_fraction: float | None = None,
     keep_unsharded_last: int = 0,
+    units: int = 1,
 ) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = list(model.blocks)
     if activation_checkpointing:
         # As torchtitan does: checkpoint each block, then shard the wrapper.
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
-    last_blocks = None if last_fraction is None else round(last_fraction * len(model.blocks))
+    # units=2: the attention and the feed-forward of each block are the groups (inside the
+    # checkpoint wrapper, which then recomputes both in backward as it does a whole block).
+    groups = [unit for block in blocks for unit in (block.attention, block.feed_forward)] if units == 2 else model.blocks
+    last_blocks = None if last_fraction is None else round(last_fraction * len(model.blocks)) * units
     fully_shard_with_policy(
         model,
-        model.blocks,
+        groups,
         offload_policy,
         last_blocks=last_blocks,
-        keep_unsharded_last=keep_unsharded_last,
+        keep_unsharded_last=keep_unsharded_last * units,
         mp_policy=mp_policy,
     )
 
@@ -295,7 +314,14 @@ def run_row(
         _shard(model, CPUOffloadPolicy(pin_memory=True), ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif name.startswith("coherent("):
-        _shard(model, CoherentOffload(**coherent_row_config(name)), ac, last_blocks_fraction(name), kept_unsharded_blocks(name))
+        _shard(
+            model,
+            CoherentOffload(**coherent_row_config(name)),
+            ac,
+            last_blocks_fraction(name),
+            kept_unsharded_blocks(name),
+            units_per_block(name),
+        )
         optimizer = OffloadOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(name))
     else:
         raise ValueError(name)
@@ -415,54 +441,32 @@ def run_row(
 
 
 def measure_host_optimizer(numel: int = 1 << 26, repeats: int = 3) -> dict:
-    """Seconds per parameter of the host work an offloaded step needs, measured here: a fused
-    CPU AdamW step (fp32 param, grad, two moments) and the bf16 cast of the result, at several
-    thread counts (OffloadOptimizer's default, all cores but one, among them); the fastest is the
-    lower bound's. Host-memory bound, so it scales with the parameter count."""
+    """Seconds per parameter of the host work an offloaded step needs, measured here by the
+    planner's ``measure_host_step`` (a fused CPU AdamW step on fp32 param, grad and two moments,
+    then the bf16 cast of the result), at several thread counts (OffloadOptimizer's default, all
+    cores but one, among them); the fastest is the lower bound's, and is timed again while both
+    link directions copy (as during an offloaded step: the DMA reads and writes host DRAM too,
+    which the AdamW step is bound by). Host-memory bound, so it scales with the parameter count."""
+
+    def per_Gparam(total: float, cast: float) -> dict:
+        return {"adamw_s_per_Gparam": round((total - cast) * 1e9, 4), "cast_s_per_Gparam": round(cast * 1e9, 4)}
+
     threads = torch.get_num_threads()
-    param = torch.nn.Parameter(torch.randn(numel))
-    param.grad = torch.randn(numel)
-    adamw = torch.optim.AdamW([param], lr=1e-4, fused=True)
-    mirror = torch.empty(numel, dtype=torch.bfloat16)
-    adamw.step()  # creates the state
-    by_threads = {}
-    try:
-        for count in sorted({max(1, threads // 2), max(1, (3 * threads) // 4), max(1, threads - 1), threads}):
-            torch.set_num_threads(count)
-            timings = [_timed_host_step(adamw, param, mirror) for _ in range(repeats)]
-            by_threads[count] = {
-                "adamw_s_per_Gparam": round(min(step for step, _ in timings) / numel * 1e9, 4),
-                "cast_s_per_Gparam": round(min(cast for _, cast in timings) / numel * 1e9, 4),
-            }
-    finally:
-        torch.set_num_threads(threads)
-    best = min(by_threads, key=lambda count: sum(by_threads[count].values()))
-    torch.set_num_threads(best)
-    try:
-        # The same work while both link directions copy (as during an offloaded step): the DMA
-        # reads and writes host DRAM too, which the AdamW step is bound by.
-        with LinkBusy() as link:
-            contended = [_timed_host_step(adamw, param, mirror) for _ in range(repeats)]
-    finally:
-        torch.set_num_threads(threads)
+    alone = {
+        count: measure_host_step(numel, threads=count, repeats=repeats, link_busy=False)
+        for count in sorted({max(1, threads // 2), max(1, (3 * threads) // 4), max(1, threads - 1), threads})
+    }
+    best = min(alone, key=lambda count: alone[count].alone_s_per_param)
+    busy = measure_host_step(numel, threads=best, repeats=repeats, link_busy=True)
     return {
-        **by_threads[best],
+        **per_Gparam(alone[best].alone_s_per_param, alone[best].alone_cast_s_per_param),
         "threads": best,
-        "by_threads": by_threads,
+        "by_threads": {count: per_Gparam(r.alone_s_per_param, r.alone_cast_s_per_param) for count, r in alone.items()},
         "link_busy": {
-            "adamw_s_per_Gparam": round(min(step for step, _ in contended) / numel * 1e9, 4),
-            "cast_s_per_Gparam": round(min(cast for _, cast in contended) / numel * 1e9, 4),
-            "link_GBps_meanwhile": round(link.gbps, 1),
+            **per_Gparam(busy.link_busy_s_per_param, busy.link_busy_cast_s_per_param),
+            "link_GBps_meanwhile": round(busy.link_GBps_meanwhile, 1),
         },
     }
-
-
-def _timed_host_step(adamw, param, mirror) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    adamw.step()
-    t1 = time.perf_counter()
-    mirror.copy_(param.detach())
-    return t1 - t0, time.perf_counter() - t1
 
 
 def host_work_s(host_params: float, link_GB: float, host: dict, *, cast: bool, shared_dram: bool) -> float:
@@ -502,7 +506,7 @@ def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict, *, share
             # Host steps may run under the next forward as well as backward.
             terms.append(t_host)
         else:
-            n = row["n_blocks"] + 1
+            n = row["n_blocks"] * units_per_block(row["name"]) + 1
             terms.append(t_gpu + t_host - resident["bwd_s"] * (n - 1) / n)
     return max(terms)
 

@@ -25,6 +25,9 @@ import activations  # noqa: E402
 import fsdp_offload  # noqa: E402
 import planner_validate  # noqa: E402
 from memory_snapshot import peak_breakdown  # noqa: E402
+from common_offload import GlooMultiProcessTestCase  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig  # noqa: E402
 
 
@@ -183,6 +186,22 @@ class TestPlannerValidate(TestCase):
             self.assertIsNone(measured["link_busy_s_per_param"])
             self.assertIsNone(validated["files"][0]["host_step_ns_per_param"])
 
+    def test_a_file_that_is_not_a_result_object_is_skipped(self):
+        # The default run reads every JSON under benchmarks/results; one that is not an object
+        # (host_step_gil.py's A/B lists bare rows) is named and skipped, the others validated.
+        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+        with tempfile.TemporaryDirectory() as tmp:
+            listed = os.path.join(tmp, "rows.json")
+            with open(listed, "w", encoding="utf-8") as handle:
+                json.dump([{"name": "resident", "step_s": 0.1}], handle)
+            out = os.path.join(tmp, "v.json")
+            argv = [listed, os.path.join(results, "fsdp_offload_bs4_session5.json"), "--offline", "--out", out]
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+                self.assertEqual(planner_validate.main(argv), 0)
+            self.assertIn("rows.json: cannot validate (ValueError: a JSON list, not a benchmark's result object)", err.getvalue())
+            with open(out, encoding="utf-8") as handle:
+                self.assertEqual(len(json.load(handle)["files"]), 1)
+
     def test_plot_of_the_committed_round(self):
         results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
         with tempfile.TemporaryDirectory() as tmp:
@@ -202,7 +221,54 @@ class TestPlannerValidate(TestCase):
                     self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
 
 
+class TestFsdpOffloadSharding(GlooMultiProcessTestCase):
+    WORLD_SIZE = 1
+
+    def test_units_shard_attention_and_feed_forward_inside_the_checkpoint(self):
+        # units=2: the groups are each block's attention and feed-forward, inside the checkpoint
+        # wrapper; last=F and keep=N count blocks, so the policy and reshard_after_forward=False
+        # go to both groups of the blocks they name.
+        self.init_gloo()
+        model = build_model("tiny", device="cpu")
+        fsdp_offload._shard(model, CoherentOffload(platform="discrete", optimizer="host"), True, 0.5, 1, 2)
+        units = [unit for block in model.blocks for unit in (block.attention, block.feed_forward)]
+        self.assertFalse(any(isinstance(block, FSDPModule) for block in model.blocks))
+        groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
+        self.assertEqual([isinstance(group.offload_policy, CoherentOffload) for group in groups], [False, False, True, True])
+        self.assertEqual([group.post_forward_mesh_info is None for group in groups], [False, False, True, True])
+        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        tokens = torch.randint(0, model.config.vocab_size, (2, 9))
+        causal_lm_loss(model(tokens), tokens).backward()
+        optim.step()
+        self.assertEqual(optim.stepped_numel["host"], sum(p.numel() for p in (*units[2].parameters(), *units[3].parameters())))
+
+
 class TestFsdpOffloadBenchmark(TestCase):
+    def test_host_rates_from_the_planners_measurement(self):
+        # The benchmark's host rates are measure_host_step's (one timing of the host step in the
+        # library), at the thread count that ran fastest alone, then with the link busy at that
+        # count, in the per-Gparam layout its files and --rederive read.
+        from torch_fsdp_offload.planner.profile import HostStepRates
+
+        calls = []
+
+        def measured(numel, *, threads, repeats, link_busy):
+            calls.append((threads, link_busy))
+            alone = {1: 0.5e-9, 2: 0.3e-9}[threads]
+            if link_busy:
+                return HostStepRates(alone, 2 * alone, 90.04, alone / 4, alone / 2)
+            return HostStepRates(alone, alone_cast_s_per_param=alone / 4)
+
+        with mock.patch.object(torch, "get_num_threads", return_value=2), mock.patch.object(
+            fsdp_offload, "measure_host_step", measured
+        ):
+            host = fsdp_offload.measure_host_optimizer(1 << 10, repeats=1)
+        self.assertEqual(calls, [(1, False), (2, False), (2, True)])
+        self.assertEqual(host["threads"], 2)
+        self.assertEqual((host["adamw_s_per_Gparam"], host["cast_s_per_Gparam"]), (0.225, 0.075))
+        self.assertEqual(host["by_threads"][1], {"adamw_s_per_Gparam": 0.375, "cast_s_per_Gparam": 0.125})
+        self.assertEqual(host["link_busy"], {"adamw_s_per_Gparam": 0.45, "cast_s_per_Gparam": 0.15, "link_GBps_meanwhile": 90.0})
+
     def test_row_names(self):
         self.assertTrue(fsdp_offload.checkpointed("resident;ac"))
         self.assertTrue(fsdp_offload.checkpointed("coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"))
@@ -229,6 +295,7 @@ class TestFsdpOffloadBenchmark(TestCase):
             ("resident(host)", "not a CoherentOffload row"),
             ("coherent(stream;chunk=0)", "chunk_bytes=0) must be an int >= 1 MiB"),
             ("coherent(split=1.5)", "optimizer=1.5) is not a placement"),
+            ("coherent(host;units=3)", "units=3 is not 1 or 2"),
         ):
             with self.assertRaisesRegex(ValueError, re.escape(reason)):
                 fsdp_offload.coherent_row_config(bad)
@@ -237,6 +304,11 @@ class TestFsdpOffloadBenchmark(TestCase):
         # module_fraction F placed last in forward order, and "modules=F" as F spread.
         self.assertEqual(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;last=0.5)"), 0.5)
         self.assertIsNone(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;modules=0.5)"))
+        # "units=2": each block sharded as its attention and feed-forward groups, a sharding knob.
+        units = "coherent(host;next-fwd;last=0.5;keep=1;ac;units=2)"
+        self.assertEqual(fsdp_offload.units_per_block(units), 2)
+        self.assertEqual(fsdp_offload.units_per_block(units.replace(";units=2", "")), 1)
+        self.assertEqual(fsdp_offload.coherent_row_config(units), {"optimizer": "host", "prefetch_depth": 2})
         # "keep=N": the last N blocks not resharded after forward, a sharding knob, not a policy one.
         kept = "coherent(host;next-fwd;last=0.625;keep=5;ac)"
         self.assertEqual(fsdp_offload.kept_unsharded_blocks(kept), 5)

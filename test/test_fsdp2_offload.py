@@ -68,15 +68,19 @@ def _shard(
     mp_policy,
     activation_checkpointing: bool = False,
     last_blocks: int | None = None,
+    layer_groups: bool = False,
     **fully_shard_kwargs,
 ) -> nn.Module:
     """``policy`` on every block and the root, or (``last_blocks``) per module on the last blocks
-    only, the other blocks and the root with FSDP's default."""
+    only, the other blocks and the root with FSDP's default. ``layer_groups``: each block's two
+    linear layers are the groups instead of the block (inside its checkpoint wrapper), and
+    ``last_blocks`` counts those groups."""
+    groups = [layer for block in model.blocks for layer in (block[0], block[2])] if layer_groups else None
     if activation_checkpointing:
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
     return fully_shard_with_policy(
-        model, model.blocks, policy, last_blocks=last_blocks, mesh=mesh, mp_policy=mp_policy, **fully_shard_kwargs
+        model, groups or model.blocks, policy, last_blocks=last_blocks, mesh=mesh, mp_policy=mp_policy, **fully_shard_kwargs
     )
 
 
@@ -279,6 +283,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         activation_checkpointing: bool = False,
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         last_blocks: int | None = None,
+        layer_groups: bool = False,
         **fully_shard_kwargs,
     ) -> int:
         """Train with and without ``policy``, assert bitwise parity; return the copy-ins made."""
@@ -291,8 +296,8 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             if mixed_precision
             else MixedPrecisionPolicy()
         )
-        _shard(reference, None, mesh, mp_policy, activation_checkpointing, **fully_shard_kwargs)
-        _shard(model, policy, mesh, mp_policy, activation_checkpointing, last_blocks, **fully_shard_kwargs)
+        _shard(reference, None, mesh, mp_policy, activation_checkpointing, layer_groups=layer_groups, **fully_shard_kwargs)
+        _shard(model, policy, mesh, mp_policy, activation_checkpointing, last_blocks, layer_groups, **fully_shard_kwargs)
         reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
         optim = OffloadOptimizer(
             model,
@@ -457,6 +462,35 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self.assertLess(copied["smaller_mesh"], copied["default"])
         self._run_parity(
             policy=CoherentOffload(platform="discrete", optimizer=0.5), grad_accum=2, keep_unsharded_last=2
+        )
+
+    def test_parity_groups_smaller_than_a_checkpointed_block(self):
+        # Groups of one layer each inside a checkpointed block (the benchmark's units=2): the
+        # recompute in backward gathers each layer group again, each lands and steps on its
+        # own, and the last groups kept unsharded after forward are layers, not blocks.
+        self.init_gloo()
+        by_layer = self._run_parity(
+            policy=CoherentOffload(platform="discrete", optimizer="host"),
+            activation_checkpointing=True,
+            overlap_next_forward=True,
+            layer_groups=True,
+            last_blocks=4,
+            keep_unsharded_last=2,
+        )
+        by_block = self._run_parity(
+            policy=CoherentOffload(platform="discrete", optimizer="host"),
+            activation_checkpointing=True,
+            overlap_next_forward=True,
+            last_blocks=2,
+            keep_unsharded_last=1,
+        )
+        # The same layers offloaded, in twice as many groups, each copied in on its own.
+        self.assertGreater(by_layer, 1.5 * by_block)
+        self._run_parity(
+            policy=CoherentOffload(platform="discrete", optimizer=0.5),
+            activation_checkpointing=True,
+            layer_groups=True,
+            grad_accum=2,
         )
 
     def test_gradients_go_down_from_the_reduce_output_itself(self):

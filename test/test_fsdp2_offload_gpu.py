@@ -25,14 +25,22 @@ from torch_fsdp_offload.models import build_model, causal_lm_loss
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 
-def _shard(model, policy, activation_checkpointing=False, last_blocks=None, keep_unsharded_last=0):
-    """``policy`` on every block and the root, or (``last_blocks``) on the last blocks only."""
+def _shard(model, policy, activation_checkpointing=False, last_blocks=None, keep_unsharded_last=0, layer_groups=False):
+    """``policy`` on every block and the root, or (``last_blocks``) on the last blocks only.
+    ``layer_groups``: each block's attention and feed-forward are the groups (inside its
+    checkpoint wrapper); ``last_blocks`` and ``keep_unsharded_last`` then count those groups."""
+    groups = [unit for block in model.blocks for unit in (block.attention, block.feed_forward)] if layer_groups else None
     if activation_checkpointing:
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block)
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return fully_shard_with_policy(
-        model, model.blocks, policy, last_blocks=last_blocks, keep_unsharded_last=keep_unsharded_last, mp_policy=mp_policy
+        model,
+        groups or model.blocks,
+        policy,
+        last_blocks=last_blocks,
+        keep_unsharded_last=keep_unsharded_last,
+        mp_policy=mp_policy,
     )
 
 
@@ -61,6 +69,7 @@ class CoherentOffloadGPUTest(TestCase):
         activation_checkpointing=False,
         last_blocks=None,
         keep_unsharded_last=0,
+        layer_groups=False,
     ):
         # The reference steps with the same fused CPU AdamW kernel (stock CPUOffloadPolicy): a
         # GPU-resident reference differs only by the optimizer kernel's rounding.
@@ -73,6 +82,7 @@ class CoherentOffloadGPUTest(TestCase):
             activation_checkpointing,
             last_blocks,
             keep_unsharded_last,
+            layer_groups,
         )
         _shard(
             model,
@@ -80,6 +90,7 @@ class CoherentOffloadGPUTest(TestCase):
             activation_checkpointing,
             last_blocks,
             keep_unsharded_last,
+            layer_groups,
         )
         return (
             reference,
@@ -159,6 +170,28 @@ class CoherentOffloadGPUTest(TestCase):
             copied.append(engine.stats.h2d_bytes)
             self._assert_params_close(model, reference)
         self.assertLess(copied[1], 0.75 * copied[0])
+
+    def test_parity_with_groups_smaller_than_a_checkpointed_block(self):
+        # Each block's attention and feed-forward as groups of their own inside the checkpoint
+        # wrapper (the benchmark's units=2), on the last blocks, the last block's two kept
+        # unsharded: losses and parameters match stock offload with the same groups.
+        n_blocks = len(build_model("small", device="meta").blocks)
+        reference, reference_optim, model, optim = self._pair(
+            1,
+            overlap_next_forward=True,
+            activation_checkpointing=True,
+            last_blocks=n_blocks,
+            keep_unsharded_last=2,
+            layer_groups=True,
+        )
+        # The last n_blocks of the 2 * n_blocks groups: the second half of the blocks' attention
+        # and feed-forward, not their norms (those join the root's group).
+        last_half = [block._checkpoint_wrapped_module for block in model.blocks[n_blocks // 2 :]]
+        expected = {id(p) for block in last_half for unit in (block.attention, block.feed_forward) for p in unit.parameters()}
+        self.assertEqual({id(p) for p in model.parameters() if p.to_local().device.type == "cpu"}, expected)
+        self._train_both(reference, reference_optim, model, optim, rtol=1e-6)
+        optim.synchronize()
+        self._assert_params_close(model, reference)
 
     def test_steps_finishing_in_next_forward_with_streamed_groups(self):
         # Half the groups streamed, the other half finishing on the host during the forward.

@@ -562,11 +562,16 @@ class HostStepRates:
         link_busy_s_per_param (float | None): the same while :class:`LinkBusy` copies both ways
             (None where there is no CUDA device).
         link_GBps_meanwhile (float | None): what the link moved meanwhile, both ways together.
+        alone_cast_s_per_param (float | None): the cast's part of ``alone_s_per_param`` (the rest
+            is the AdamW step; stock FSDP2 offload casts on the GPU and pays only that rest).
+        link_busy_cast_s_per_param (float | None): the cast's part of ``link_busy_s_per_param``.
     """
 
     alone_s_per_param: float
     link_busy_s_per_param: float | None = None
     link_GBps_meanwhile: float | None = None
+    alone_cast_s_per_param: float | None = None
+    link_busy_cast_s_per_param: float | None = None
 
 
 def measure_host_step(
@@ -616,25 +621,28 @@ def measure_host_step(
         mirror = torch.empty(numel, dtype=torch.bfloat16)
         optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
 
-        def fastest_step() -> float:
-            fastest = float("inf")
+        def fastest_step() -> tuple[float, float]:
+            """Seconds per parameter of the step with its cast, and of the cast: each the fastest."""
+            fastest_step, fastest_cast = float("inf"), float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
                 optimizer.step()
+                stepped = time.perf_counter()
                 with torch.no_grad():
                     mirror.copy_(param)
-                fastest = min(fastest, time.perf_counter() - start)
-            return fastest / numel
+                fastest_step = min(fastest_step, stepped - start)
+                fastest_cast = min(fastest_cast, time.perf_counter() - stepped)
+            return (fastest_step + fastest_cast) / numel, fastest_cast / numel
 
         optimizer.step()  # the first step allocates the moments
-        alone = fastest_step()
+        alone, alone_cast = fastest_step()
         if not link_busy:
-            return HostStepRates(alone)
+            return HostStepRates(alone, alone_cast_s_per_param=alone_cast)
         with LinkBusy() as link:
-            busy = fastest_step()
+            busy, busy_cast = fastest_step()
     finally:
         torch.set_num_threads(previous)
-    return HostStepRates(alone, busy, link.gbps)
+    return HostStepRates(alone, busy, link.gbps, alone_cast, busy_cast)
 
 
 def training_profile(
