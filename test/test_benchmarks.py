@@ -244,6 +244,26 @@ class TestFsdpOffloadSharding(GlooMultiProcessTestCase):
 
 
 class TestFsdpOffloadBenchmark(TestCase):
+    def test_rederive_skips_files_it_cannot_recompute(self):
+        # Result files of the first sessions measured no host rates, and other benchmarks'
+        # files are no fsdp_offload results: each is named and skipped, the others printed.
+        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+        good = os.path.join(results, "fsdp_offload_bs4_units_session12.json")
+        with tempfile.TemporaryDirectory() as tmp:
+            older, other = os.path.join(tmp, "older.json"), os.path.join(tmp, "other.json")
+            with open(good, encoding="utf-8") as handle:
+                data = json.load(handle)
+            del data["host_optimizer_measured"]
+            for path, content in ((older, data), (other, [data["rows"][0]])):
+                with open(path, "w", encoding="utf-8") as handle:
+                    json.dump(content, handle)
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+                self.assertEqual(fsdp_offload.main(["--rederive", older, other, good]), 2)
+        self.assertIn("older.json: no host_optimizer_measured to recompute from; skipped", err.getvalue())
+        self.assertIn("other.json: not a benchmarks/fsdp_offload.py result; skipped", err.getvalue())
+        self.assertIn(f"== {good}", out.getvalue())
+        self.assertIn("units=2", out.getvalue())
+
     def test_host_rates_from_the_planners_measurement(self):
         # The benchmark's host rates are measure_host_step's (one timing of the host step in the
         # library), at the thread count that ran fastest alone, then with the link busy at that
