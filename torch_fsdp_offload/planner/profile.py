@@ -580,9 +580,9 @@ def measure_host_step(
     """Time CoherentOffload's host step on this machine, alone and (``link_busy``) beside the DMA.
 
     Steps ``numel`` fp32 parameters (512 MiB of parameter, gradient and moments by default) with
-    fused AdamW, then casts the master into a bf16 mirror; the fastest of ``repeats``. With
-    ``link_busy`` (the default where CUDA is available) it times the same again while
-    :class:`LinkBusy` copies both ways: host DRAM serves the DMA and the step at once, and how much
+    fused AdamW, then casts the master into a bf16 mirror; the step and the cast each the fastest of
+    ``repeats``. With ``link_busy`` (the default where CUDA is available) it times the same again
+    while :class:`LinkBusy` copies both ways: host DRAM serves the DMA and the step at once, and how much
     the DMA slows the step differs between hosts and even between runs on one host (0.44-0.70 ns
     per parameter on our H200 machines for 0.29-0.44 alone).
 
@@ -595,7 +595,8 @@ def measure_host_step(
             is available).
 
     Returns:
-        HostStepRates: seconds per parameter alone and with the link busy, and the link's rate then.
+        HostStepRates: seconds per parameter alone and with the link busy (each with the cast's part
+            on its own), and the link's rate then.
 
     Raises:
         ValueError: ``numel``, ``threads`` or ``repeats`` below 1, or ``link_busy=True`` without a
