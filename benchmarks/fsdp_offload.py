@@ -558,20 +558,21 @@ def rederive(paths: list[str]) -> int:
     for path in paths:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
-        missing = [key for key in ("rows", "link_GBps", "host_optimizer_measured") if key not in data] if isinstance(data, dict) else None
-        if missing is None or data.get("benchmark") != "fsdp_offload":
-            print(f"{path}: not a benchmarks/fsdp_offload.py result; skipped", file=sys.stderr)
-        elif missing:
-            # Files of the first sessions measured no host rates: their LB cannot be recomputed.
-            print(f"{path}: no {', '.join(missing)} to recompute from; skipped", file=sys.stderr)
+        if not isinstance(data, dict) or data.get("benchmark") != "fsdp_offload":
+            reason = "not a benchmarks/fsdp_offload.py result"
         else:
-            rows = data["rows"]
-            for batch_size in sorted({r["batch_size"] for r in rows}):
-                add_derived_columns(rows, batch_size, data["link_GBps"], data["host_optimizer_measured"])
-            print(f"== {path}")
-            print_table(rows)
+            # Files of the first sessions measured no host rates: their LB cannot be recomputed.
+            missing = [key for key in ("rows", "link_GBps", "host_optimizer_measured") if key not in data]
+            reason = f"no {', '.join(missing)} to recompute from" if missing else None
+        if reason is not None:
+            print(f"{path}: {reason}; skipped", file=sys.stderr)
+            skipped += 1
             continue
-        skipped += 1
+        rows = data["rows"]
+        for batch_size in sorted({r["batch_size"] for r in rows}):
+            add_derived_columns(rows, batch_size, data["link_GBps"], data["host_optimizer_measured"])
+        print(f"== {path}")
+        print_table(rows)
     return 2 if skipped else 0
 
 

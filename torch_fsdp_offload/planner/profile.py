@@ -624,16 +624,16 @@ def measure_host_step(
 
         def fastest_step() -> tuple[float, float]:
             """Seconds per parameter of the step with its cast, and of the cast: each the fastest."""
-            fastest_step, fastest_cast = float("inf"), float("inf")
+            step_s, cast_s = float("inf"), float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
                 optimizer.step()
                 stepped = time.perf_counter()
                 with torch.no_grad():
                     mirror.copy_(param)
-                fastest_step = min(fastest_step, stepped - start)
-                fastest_cast = min(fastest_cast, time.perf_counter() - stepped)
-            return (fastest_step + fastest_cast) / numel, fastest_cast / numel
+                step_s = min(step_s, stepped - start)
+                cast_s = min(cast_s, time.perf_counter() - stepped)
+            return (step_s + cast_s) / numel, cast_s / numel
 
         optimizer.step()  # the first step allocates the moments
         alone, alone_cast = fastest_step()
