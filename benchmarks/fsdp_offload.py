@@ -18,7 +18,7 @@ forward needs the first group, whose gradients land last, so at best the host wo
 backward of one group is hidden: T_host_unhidden = T_gpu + T_host - T_bwd * (N - 1) / N (rows
 named ``next-fwd`` let host steps finish under the next forward too: T_host_unhidden = T_host), with
 T_host the host work of the parameters the row steps on the host (fused CPU AdamW plus, for
-CoherentOffload rows, the bf16 cast: stock offload casts on the GPU; per parameter, measured in
+CoherentOffload rows, the bf16 cast: stock offload and ``cast=device`` rows cast on the GPU; per parameter, measured in
 this process by ``measure_host_optimizer``; 0 for rows that step nothing on the host). ``LBs`` (``lower_bound_shared_dram_s``) is the same bound with the host
 work slowed by the row's own link traffic: host DRAM serves the DMA and the optimizer at once, and
 the host step runs slower while the link copies (on our H200 hosts ~1.5x with both directions
@@ -91,13 +91,17 @@ _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "ho
 #   next-fwd                   OffloadOptimizer(overlap_next_forward=True)
 #   threads=N                  OffloadOptimizer(host_threads=N)
 #   chunk=N                    CoherentOffload(chunk_bytes=N MiB)
+#   cast=device                CoherentOffload(cast_on="device"): the copy-ins move the fp32 master
+#                              and cast it on the GPU; the host steps without casting
 #   units=2                    each block sharded as two FSDP groups, its attention and its
 #                              feed-forward (fully_shard on those inside the checkpointed block; the
 #                              norms join the root's group); last=F and keep=N still count blocks.
 #                              Groups of a third and two thirds of a block land, step and copy in
 #                              sooner, so less of the step waits on one group's gradients or the
 #                              next forward on one group's step (docs/benchmarks.md, twelfth session)
-_ROW_ITEM = re.compile(r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units)=([0-9]+)")
+_ROW_ITEM = re.compile(
+    r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units)=([0-9]+)|cast=(host|device)"
+)
 
 
 def coherent_row_config(name: str) -> dict:
@@ -115,9 +119,11 @@ def coherent_row_config(name: str) -> dict:
         parsed = _ROW_ITEM.fullmatch(item)
         if parsed is None:
             raise ValueError(f"unknown item {item!r} in row {name!r}: use host, stream, split=F, depth=N, "
-                             "modules=F, last=F, keep=N, act=F, ac, next-fwd, threads=N, chunk=N or units=2")
-        flag, fraction_key, fraction, count_key, count = parsed.groups()
-        if flag in ("host", "stream") or fraction_key == "split":
+                             "modules=F, last=F, keep=N, act=F, ac, next-fwd, threads=N, chunk=N, units=2 or cast=device")
+        flag, fraction_key, fraction, count_key, count, cast_on = parsed.groups()
+        if cast_on is not None:
+            knobs["cast_on"] = cast_on
+        elif flag in ("host", "stream") or fraction_key == "split":
             if "optimizer" in knobs:
                 raise ValueError(f"row {name!r} names two optimizer placements: keep one of host, stream, split=F")
             knobs["optimizer"] = flag or float(fraction)
@@ -143,8 +149,9 @@ def coherent_row_config(name: str) -> dict:
 
 
 # The default run: the baselines (each also with ";ac", activation checkpointing of every block)
-# and one row per optimizer placement plus the measured best at <= 50% of resident memory, about
-# 25 s a row on our H200; --rows takes any coherent(...) row of the grammar above.
+# and one row per optimizer placement plus the measured best at <= 50% of resident memory with
+# each cast placement, about 25 s a row on our H200; --rows takes any coherent(...) row of the
+# grammar above.
 DEFAULT_ROWS = (
     "resident",
     "resident;ac",
@@ -155,6 +162,7 @@ DEFAULT_ROWS = (
     "coherent(stream)",
     "coherent(host;next-fwd;modules=0.5)",
     "coherent(split=0.4;next-fwd;last=0.625;keep=5;ac;depth=1)",
+    "coherent(host;next-fwd;last=0.5;keep=1;ac;depth=1;units=2;cast=device)",
 )
 
 
@@ -499,8 +507,9 @@ def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict, *, share
     ]
     host_params = row.get("host_stepped_params", 0)
     if host_params:
-        # Stock offload casts on the GPU (it copies fp32 parameters in); CoherentOffload on the host.
-        cast = row["name"].startswith("coherent")
+        # Stock offload and cast=device rows cast on the GPU (they copy fp32 parameters in); other
+        # CoherentOffload rows on the host.
+        cast = row["name"].startswith("coherent") and coherent_row_config(row["name"]).get("cast_on", "host") == "host"
         t_host = host_work_s(host_params, row["h2d_GB"] + row["d2h_GB"], host, cast=cast, shared_dram=shared_dram)
         if optimizer_kwargs(row["name"])["overlap_next_forward"]:
             # Host steps may run under the next forward as well as backward.

@@ -139,6 +139,9 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
             knobs["checkpointing"] = True
         elif key == "keep":
             knobs["keep_unsharded"] = int(value)
+        elif key == "cast":
+            # CoherentOffload(cast_on=...): TrainingConfig refuses a value other than host / device.
+            knobs["cast_on"] = value
     if "checkpoint" in name or "ckpt" in name or name.endswith(";ac"):
         knobs["checkpointing"] = True
     for key, value in explicit.items():
@@ -206,7 +209,8 @@ def _long_enough(model: str, seq_len: int):
 
 def host_step_rates(data: dict) -> HostStepRates | None:
     """The host step (fused AdamW plus the bf16 cast) per parameter as the run measured it, alone and
-    while both link directions copied (``host_optimizer_measured`` and its ``link_busy``), as
+    while both link directions copied (``host_optimizer_measured`` and its ``link_busy``), with the
+    cast's part of each (what ``cast=device`` rows do not pay on the host), as
     ``measure_host_step`` measures it for ``plan``; None when the run did not measure both."""
     alone = data.get("host_optimizer_measured") or {}
     busy = alone.get("link_busy")
@@ -216,6 +220,8 @@ def host_step_rates(data: dict) -> HostStepRates | None:
         alone_s_per_param=(float(alone["adamw_s_per_Gparam"]) + float(alone["cast_s_per_Gparam"])) / 1e9,
         link_busy_s_per_param=(float(busy["adamw_s_per_Gparam"]) + float(busy["cast_s_per_Gparam"])) / 1e9,
         link_GBps_meanwhile=float(busy["link_GBps_meanwhile"]),
+        alone_cast_s_per_param=float(alone["cast_s_per_Gparam"]) / 1e9,
+        link_busy_cast_s_per_param=float(busy["cast_s_per_Gparam"]) / 1e9,
     )
 
 

@@ -316,10 +316,13 @@ class TestFsdpOffloadBenchmark(TestCase):
             ("coherent(stream;chunk=0)", "chunk_bytes=0) must be an int >= 1 MiB"),
             ("coherent(split=1.5)", "optimizer=1.5) is not a placement"),
             ("coherent(host;units=3)", "units=3 is not 1 or 2"),
+            ("coherent(host;cast=gpu)", "unknown item 'cast=gpu'"),
         ):
             with self.assertRaisesRegex(ValueError, re.escape(reason)):
                 fsdp_offload.coherent_row_config(bad)
             self.assertFalse(fsdp_offload.known_row(bad))
+        self.assertEqual(fsdp_offload.coherent_row_config("coherent(host;cast=device)"),
+                         {"optimizer": "host", "prefetch_depth": 2, "cast_on": "device"})
         # "last=F": the policy per module on the last F of the blocks; the step model reads it as
         # module_fraction F placed last in forward order, and "modules=F" as F spread.
         self.assertEqual(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;last=0.5)"), 0.5)
@@ -359,6 +362,9 @@ class TestFsdpOffloadBenchmark(TestCase):
         # Without next-fwd only the backward of all but one group hides host work.
         row["name"] = "coherent(host)"
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.15 + 0.6 - 0.1 * 8 / 9)
+        # cast=device: the host only steps (0.4 s); the cast runs on the GPU.
+        row["name"] = "coherent(host;next-fwd;cast=device)"
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.4)
         # Nothing on the host: the link (10 GB at 50 GB/s) is the bound.
         row["host_stepped_params"] = 0
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.2)

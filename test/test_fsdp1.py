@@ -252,6 +252,7 @@ class TestFSDP1Errors(TestCase):
             (dict(cpu_offload=CPUOffload(True), offload_policy=CoherentOffload()), ValueError,
              "both cpu_offload= and offload_policy="),
             (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction < 1"),
+            (dict(offload_policy=CoherentOffload(cast_on="device")), ValueError, "casts on the host, into a pinned mirror"),
             (dict(offload_policy=CoherentOffload(memory="managed", platform="discrete")), ValueError,
              "memory='managed'"),
             (dict(offload_policy="cpu"), TypeError, "takes an OffloadPolicy"),

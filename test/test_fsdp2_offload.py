@@ -29,7 +29,7 @@ from torch_fsdp_offload import optim as optim_module
 from torch_fsdp_offload._fsdp2.param_group import GroupOffload
 from torch_fsdp_offload.memory import empty_cache, memory_stats
 from torch_fsdp_offload.planner.report import Recommendation
-from torch_fsdp_offload.transfer import get_transfer_engine
+from torch_fsdp_offload.transfer import get_transfer_engine, TransferEngine
 
 STEPS = 10
 
@@ -495,6 +495,48 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             layer_groups=True,
             grad_accum=2,
         )
+
+    def test_parity_cast_on_the_device(self):
+        # cast_on="device": no host mirror; every copy-in moves the fp32 master and casts it on
+        # arrival (the engine's casting copy, forced on for the CPU "device"), bitwise the same
+        # as the host's cast, with each optimizer placement and the next forward overlapped.
+        self.init_gloo()
+        engine = get_transfer_engine("cpu")
+        mirrors, casts, moved = [], [], {}
+        refresh_mirror, issue_cast = GroupOffload.refresh_mirror, TransferEngine._issue_cast
+
+        def recording_refresh(offload):
+            refresh_mirror(offload)
+            mirrors.append(offload.mirror)
+
+        def recording_cast(transfer_engine, src, dst, dtype, **kwargs):
+            casts.append((src.dtype, dtype))
+            return issue_cast(transfer_engine, src, dst, dtype, **kwargs)
+
+        runs = (("host", "host"), ("host", "stream"), ("device", "host"), ("device", 0.5), ("device", "stream"))
+        for cast_on, placement in runs:
+            mirrors.clear()
+            with mock.patch.object(GroupOffload, "refresh_mirror", recording_refresh), mock.patch.object(
+                TransferEngine, "_issue_cast", recording_cast
+            ):
+                self._run_parity(
+                    policy=CoherentOffload(platform="discrete", optimizer=placement, cast_on=cast_on),
+                    # Host steps in step() itself: copy-ins then never restart for a step that
+                    # landed meanwhile, so the bytes compare exactly.
+                    overlap_next_forward=placement != "host",
+                    grad_accum=2 if placement == 0.5 else 1,
+                )
+            moved[cast_on, placement] = (engine.stats.h2d_bytes, engine.stats.d2h_bytes)
+            self.assertGreater(len(mirrors), 0)
+            self.assertEqual(all(mirror is None for mirror in mirrors), cast_on == "device")
+            self.assertEqual(len(casts) > 0, cast_on == "device")
+        self.assertEqual(set(casts), {(torch.float32, torch.bfloat16)})
+        # Host steps: the copy-ins carry the 4-byte master instead of the 2-byte mirror; the
+        # gradients going down are the same.
+        self.assertEqual(moved["device", "host"], (2 * moved["host", "host"][0], moved["host", "host"][1]))
+        # Streamed steps bring back the master only, not its cast as well.
+        self.assertLess(moved["device", "stream"][1], moved["host", "stream"][1])
+        self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="host", cast_on="device"), mixed_precision=False)
 
     def test_gradients_go_down_from_the_reduce_output_itself(self):
         # FSDP lays a group's reduced gradient shards out as our host buffer does: the D2H copy

@@ -193,6 +193,48 @@ class CoherentOffloadGPUTest(TestCase):
         optim.synchronize()
         self._assert_params_close(model, reference)
 
+    def test_cast_on_the_device_matches_the_host_cast(self):
+        # cast_on="device": the fp32 master crosses and is cast on the H2D stream as it lands;
+        # with host steps and with half the groups streamed, losses and parameters are bitwise
+        # those of the host's cast (one round-to-nearest cast either way), the copy-ins carry
+        # twice the bytes, and no host mirror is made.
+        n_blocks = len(build_model("small", device="meta").blocks)
+        engine = get_transfer_engine("cuda")
+        for optimizer in ("host", 0.5):
+            trained = {}
+            for cast_on in ("host", "device"):
+                torch.manual_seed(0)
+                model = build_model("small", device="cuda")
+                _shard(
+                    model,
+                    CoherentOffload(prefetch_depth=1, optimizer=optimizer, cast_on=cast_on),
+                    activation_checkpointing=True,
+                    last_blocks=n_blocks // 2,
+                    keep_unsharded_last=1,
+                )
+                optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, overlap_next_forward=True)
+                engine.synchronize()
+                engine.stats.reset()
+                losses = []
+                for step in range(10):
+                    tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+                    loss = causal_lm_loss(model(tokens), tokens)
+                    loss.backward()
+                    optim.step()
+                    optim.zero_grad()
+                    losses.append(loss.detach())
+                optim.synchronize()
+                mirrors = [owner.mirror for owner in optim._inner if owner is not None]
+                trained[cast_on] = (model, torch.stack(losses), engine.stats.h2d_bytes, mirrors)
+            (host_model, host_losses, host_h2d, _), (model, losses, h2d, mirrors) = trained["host"], trained["device"]
+            self.assertEqual(losses, host_losses, atol=0, rtol=0)
+            for (name, p), (_, q) in zip(model.named_parameters(), host_model.named_parameters()):
+                self.assertEqual(p.full_tensor(), q.full_tensor(), atol=0, rtol=0, msg=name)
+            self.assertGreater(len(mirrors), 0)
+            self.assertTrue(all(mirror is None for mirror in mirrors))
+            if optimizer == "host":
+                self.assertGreater(h2d, 1.8 * host_h2d)
+
     def test_steps_finishing_in_next_forward_with_streamed_groups(self):
         # Half the groups streamed, the other half finishing on the host during the forward.
         pair = self._pair(2, reference_policy=CPUOffloadPolicy(pin_memory=True), optimizer=0.5, overlap_next_forward=True)

@@ -33,9 +33,15 @@ from torch_fsdp_offload.planner import (
     TrainingConfig,
 )
 from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
-from torch_fsdp_offload.planner.cost_model import host_step_bytes_per_param, phase_peaks, shared_dram_host_seconds
+from torch_fsdp_offload.planner.cost_model import (
+    copy_in_bytes_per_param,
+    host_step_bytes_per_param,
+    host_step_rates,
+    phase_peaks,
+    shared_dram_host_seconds,
+)
 from torch_fsdp_offload.planner.profile import model_breakdown, training_profile
-from torch_fsdp_offload.planner.search import default_training_configs
+from torch_fsdp_offload.planner.search import default_training_configs, search_training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TALK = os.path.join(REPO, "docs", "examples", "talk_gh200.json")
@@ -480,6 +486,99 @@ class TestStepModel(TestCase):
         faster_host = dataclasses.replace(self.profile, host_GBps=4 * self.platform.host_GBps)
         self.assertLess(predict_step(faster_host, TrainingConfig(module_fraction=1.0), self.platform).step_s, full.step_s)
 
+    def test_cast_on_device_moves_the_master_and_takes_the_cast_off_the_host(self):
+        # CoherentOffload(cast_on="device"): copy-ins move the fp32 master (4 bytes, not the bf16
+        # mirror's 2), a streamed step brings back no mirror, and the host step is AdamW alone.
+        params = self.profile.n_blocks * self.profile.block_params
+        self.assertEqual((copy_in_bytes_per_param(self.profile), copy_in_bytes_per_param(self.profile, "device")), (2, 4))
+        self.assertEqual(host_step_bytes_per_param(self.profile, cast_on="device"), 38 - 6)
+        host, device = self.predict(module_fraction=1.0), self.predict(module_fraction=1.0, cast_on="device")
+        self.assertEqual((host.h2d_bytes, device.h2d_bytes), (2 * params * 2, 2 * params * 4))
+        self.assertEqual(device.d2h_bytes, host.d2h_bytes)
+        # The host DRAM bandwidth model: the cast's 6 bytes leave the host step, the copy-ins' DMA
+        # reads 2 more bytes per parameter, twice: 38 + 2 * 2 against 32 + 2 * 4 bytes.
+        self.assertAlmostEqual(device.host_optimizer_s, params * (32 + 2 * 4) / (self.platform.host_GBps * 1e9))
+        self.assertLess(device.host_optimizer_s, host.host_optimizer_s)
+        streamed = self.predict(module_fraction=1.0, optimizer="stream", cast_on="device")
+        self.assertEqual((streamed.h2d_bytes, streamed.d2h_bytes), (params * (2 * 4 + 16), params * (4 + 12)))
+        # The staging buffers hold the compute dtype either way (the master lands chunk by chunk).
+        self.assertEqual(device.peak_gpu_bytes, host.peak_gpu_bytes)
+        self.assertEqual(device.config.label, "modules=1.00 opt=host cast=device")
+
+        # Measured rates: the cast's own part comes off each host-stepped parameter, alone and link-busy.
+        alone, busy, link, cast_alone, cast_busy = 0.311e-9, 0.592e-9, 93.2, 0.0763e-9, 0.2248e-9
+        measured = dataclasses.replace(self.profile, host_alone_s_per_param=alone, host_step_s_per_param=busy,
+                                       host_busy_link_GBps=link, host_alone_cast_s_per_param=cast_alone,
+                                       host_link_busy_cast_s_per_param=cast_busy)
+        self.assertEqual(host_step_rates(measured), (alone, busy))
+        self.assertEqual(host_step_rates(measured, "device"), (alone - cast_alone, busy - cast_busy))
+        config = TrainingConfig(module_fraction=0.5, checkpointing=True, cast_on="device")
+        prediction = predict_step(measured, config, self.platform)
+        host_params = 4 * self.profile.block_params
+        dma = (prediction.h2d_bytes + prediction.d2h_bytes) / (link * 1e9)
+        self.assertAlmostEqual(prediction.host_optimizer_s, shared_dram_host_seconds(
+            host_params * (alone - cast_alone), host_params * (busy - cast_busy), dma))
+        host_cast = predict_step(measured, dataclasses.replace(config, cast_on="host"), self.platform)
+        self.assertLess(prediction.step_s, host_cast.step_s)
+        # A profile without the cast timed on its own (older JSON) takes its share of the bytes, 6 of 34.
+        older = dataclasses.replace(measured, host_alone_cast_s_per_param=None, host_link_busy_cast_s_per_param=None)
+        for rate, without in zip((alone, busy), host_step_rates(older, "device")):
+            self.assertAlmostEqual(without, rate * 28 / 34)
+        # Nothing to cast when the compute dtype is the master's (a plain bf16 module).
+        plain_bf16 = dataclasses.replace(measured, param_bytes=2, reduce_bytes=2, optimizer_state_bytes=4)
+        self.assertEqual(host_step_rates(plain_bf16, "device"), (alone, busy))
+
+    def test_profile_carries_the_cast_share(self):
+        from torch_fsdp_offload.planner.profile import HostStepRates
+
+        breakdown = model_breakdown("anchor-1.6b", batch_size=4, seq_len=2048)
+        # Measured: measure_host_step's cast figures fill the profile.
+        rates = HostStepRates(0.3e-9, 0.6e-9, 90.0, 0.08e-9, 0.2e-9)
+        profile = training_profile(breakdown, self.platform, host_rates=rates)
+        self.assertEqual((profile.host_alone_cast_s_per_param, profile.host_link_busy_cast_s_per_param), (0.08e-9, 0.2e-9))
+        # Not measured, or rates without the cast on its own: the platform profile's (h200-pcie:
+        # fsdp_offload_bs4_cast_session13.json's 0.0763 ns alone, 0.2248 ns link-busy).
+        for host_rates in (None, HostStepRates(0.3e-9, 0.6e-9, 90.0)):
+            profile = training_profile(breakdown, self.platform, host_rates=host_rates)
+            self.assertEqual((profile.host_alone_cast_s_per_param, profile.host_link_busy_cast_s_per_param),
+                             (0.0763e-9, 0.2248e-9))
+        # A platform profile written before the field: unknown, the model splits by bytes.
+        custom = dataclasses.replace(self.platform, host_alone_cast_s_per_param=None, host_link_busy_cast_s_per_param=None)
+        self.assertIsNone(training_profile(breakdown, custom).host_alone_cast_s_per_param)
+
+    def test_search_casts_on_the_device_where_the_host_binds(self):
+        # Every setting with host-stepped groups is tried with either cast; nothing else is.
+        configs = default_training_configs(8)
+        self.assertIn(TrainingConfig(module_fraction=0.5, cast_on="device"), configs)
+        self.assertIn(TrainingConfig(module_fraction=0.5, optimizer=0.5, cast_on="device"), configs)
+        self.assertFalse(any(c.cast_on == "device" for c in configs if c.module_fraction == 0))
+        # Host-bound (the H200 host's rates, the link measured in the same run): casting on the
+        # GPU wins; the same plan over a link a tenth as fast keeps the cast on the host.
+        measured = dataclasses.replace(self.profile, host_alone_s_per_param=0.311e-9, host_step_s_per_param=0.592e-9,
+                                       host_busy_link_GBps=93.2, host_alone_cast_s_per_param=0.0763e-9,
+                                       host_link_busy_cast_s_per_param=0.2248e-9)
+        budget = 14 * 2**30
+        _, (_, best) = search_training([(1, measured)], self.platform, budget)
+        self.assertEqual(best.config.cast_on, "device")
+        self.assertTrue(predict_step(measured, dataclasses.replace(best.config, cast_on="host"), self.platform).host_bound)
+        slow_link = dataclasses.replace(self.platform, h2d_GBps=5.0, d2h_GBps=5.0, bidirectional_GBps=9.0)
+        half = [TrainingConfig(module_fraction=0.5, checkpointing=True, cast_on=cast) for cast in ("host", "device")]
+        _, (_, best) = search_training([(1, measured)], slow_link, budget, half)
+        self.assertEqual(best.config.cast_on, "host")
+
+    def test_recommendation_carries_cast_on(self):
+        # anchor-1.6b at bs 4 in 13.7 GiB on h200-pcie: half the blocks offloaded and kept, host
+        # steps, cast on the GPU (in the session-13 run such a plan measured 0.284 s against
+        # 0.349 s with the cast on the host).
+        recommended = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=13.7).recommended
+        self.assertEqual(recommended.kwargs, {"optimizer": "host", "cast_on": "device"})
+        self.assertEqual(recommended.policy.cast_on, "device")
+        self.assertIn("cast_on='device': the host step binds this plan", recommended.reason)
+        self.assertExpectedInline(recommended.code(), """\
+policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of the 8 blocks: fully_shard(block, offload_policy=policy) for block in blocks[4:], no offload_policy for the other blocks and the root; reshard_after_forward=False for the last 4 blocks; activation checkpointing per block""")
+        self.assertEqual(TrainingConfig(module_fraction=0.5).coherent_offload_kwargs(),
+                         {"module_fraction": 0.5, "optimizer": "host"})
+
     def test_activation_copies_bound_the_forward_over_pcie(self):
         # The offloader waits rather than let more than DEFAULT_MAX_INFLIGHT_BYTES pile up: over
         # PCIe the forward takes as long as its copies down, every block but the last (used in
@@ -661,6 +760,8 @@ class TestStepModel(TestCase):
             TrainingConfig(module_fraction=1.5)
         with self.assertRaisesRegex(ValueError, "optimizer must be 'host', 'stream'"):
             TrainingConfig(optimizer="gpu")
+        with self.assertRaisesRegex(ValueError, "cast_on must be 'host' .* or 'device' .*, got 'gpu'"):
+            TrainingConfig(module_fraction=1.0, cast_on="gpu")
 
 
 class TestValidationScript(TestCase):
@@ -694,6 +795,23 @@ class TestValidationScript(TestCase):
             TrainingConfig(module_fraction=0.625, optimizer=0.25, checkpointing=True, prefetch_depth=2, block_placement="spread"),
         )
         self.assertEqual(validate.row_config({"name": "resident;ac"}, "host"), TrainingConfig(checkpointing=True))
+        # fsdp_offload.py's "cast=device" item: CoherentOffload(cast_on="device").
+        self.assertEqual(
+            validate.row_config({"name": "coherent(host;next-fwd;last=0.5;keep=1;ac;depth=1;units=2;cast=device)"}, "host",
+                                default_depth=2),
+            TrainingConfig(module_fraction=0.5, optimizer="host", checkpointing=True, prefetch_depth=1, keep_unsharded=1,
+                           cast_on="device"),
+        )
+        self.assertEqual(validate.row_config({"name": "coherent(host;cast=host)"}, "host"),
+                         TrainingConfig(module_fraction=1.0, optimizer="host"))
+        with self.assertRaisesRegex(ValueError, "cast_on must be 'host'"):
+            validate.row_config({"name": "coherent(host;cast=gpu)"}, "host")
+        # The run's cast figures reach the profile: cast=device rows step AdamW alone on the host.
+        rates = validate.host_step_rates({"host_optimizer_measured": {
+            "adamw_s_per_Gparam": 0.2345, "cast_s_per_Gparam": 0.0763,
+            "link_busy": {"adamw_s_per_Gparam": 0.3668, "cast_s_per_Gparam": 0.2248, "link_GBps_meanwhile": 93.2}}})
+        self.assertAlmostEqual(rates.alone_s_per_param - rates.alone_cast_s_per_param, 0.2345e-9)
+        self.assertAlmostEqual(rates.link_busy_s_per_param - rates.link_busy_cast_s_per_param, 0.3668e-9)
         # depth=1 overrides the file's default of 2, and the printed config shows it.
         shallow = validate.row_config({"name": "coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"}, "host",
                                       default_depth=2)

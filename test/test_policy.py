@@ -35,6 +35,7 @@ class CoherentOffloadKnobsTest(TestCase):
             ({"optimizer": "gpu"}, "is not a placement"),
             ({"optimizer": -0.1}, "is not a placement"),
             ({"optimizer": True}, "is not a placement"),
+            ({"cast_on": "gpu"}, "is not a cast placement; use 'host'"),
             ({"offload_grads": False}, "needs offload_grads=True"),
             ({"offload_params": False}, "set offload_grads=False"),
             ({"pin_memory": True}, "allocates exact-size pinned memory itself"),
@@ -66,6 +67,12 @@ class CoherentOffloadKnobsTest(TestCase):
         plan = CoherentOffload(platform=platform, optimizer=optimizer).resolve()
         self.assertEqual((plan.memory, plan.copies, plan.optimizer, plan.optimizer_gpu_fraction), expected)
         self.assertIn(platform, plan.describe())
+
+    def test_cast_placement_is_in_the_plan(self):
+        self.assertEqual(CoherentOffload(platform="discrete").resolve().cast_on, "host")
+        plan = CoherentOffload(platform="discrete", cast_on="device").resolve()
+        self.assertEqual(plan.cast_on, "device")
+        self.assertIn("cast to the compute dtype on the device", plan.describe())
 
     def test_managed_memory_only_on_unified(self):
         with self.assertRaisesRegex(ValueError, "managed memory where the GPU has its own memory"):

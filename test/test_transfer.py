@@ -100,6 +100,27 @@ class TestTransferEngineOnCPU(TestCase):
         self.assertTrue(result.done())
         self.assertIs(result.wait(), dst)
 
+    @parametrize("numel", [0, 1, 5, 8, 1001])
+    def test_cast_on_the_device_in_chunks(self, numel) -> None:
+        # dtype=: the source's bytes cross (and are counted), each chunk lands in one buffer of
+        # the source's dtype and is cast into the destination: the same values as a host cast.
+        src = torch.randn(numel, dtype=torch.float32).view(-1, 1) if numel else torch.empty(0, 1)
+        with mock.patch.object(torch, "empty", wraps=torch.empty) as allocated:
+            result = self.engine.h2d(src, dtype=torch.bfloat16, chunk_bytes=16)
+        landing = [call for call in allocated.call_args_list if call.kwargs.get("dtype") == torch.float32]
+        self.assertEqual(len(landing), int(numel > 0))  # one landing buffer, of at most one chunk
+        if numel:
+            self.assertEqual(landing[0].args[0], min(4, numel))
+        out = result.wait()
+        self.assertEqual((out.dtype, out.shape), (torch.bfloat16, src.shape))
+        self.assertTrue(_same_bits(out, src.to(torch.bfloat16)))
+        self.assertEqual(self.engine.stats, TransferStats(4 * numel, 0, int(numel > 0), 0))
+        given = torch.full((numel,), 9.0, dtype=torch.bfloat16)
+        self.assertIs(self.engine.h2d(src.reshape(-1), given, dtype=torch.bfloat16).wait(), given)
+        self.assertTrue(_same_bits(given, src.reshape(-1).to(torch.bfloat16)))
+        # The cast's own dtype is a plain copy.
+        self.assertTrue(_same_bits(self.engine.h2d(src, dtype=torch.float32).wait(), src))
+
     def test_zero_dim_tensor(self) -> None:
         src = torch.tensor(3.5, dtype=torch.float64)
         out = self.engine.h2d(src).wait()
@@ -168,7 +189,12 @@ class TestTransferEngineOnCPU(TestCase):
         cases = [
             (lambda: engine.h2d(torch.ones(4, 4).t()), ValueError, "src must be contiguous"),
             (lambda: engine.h2d(torch.ones(4), torch.empty(5)), ValueError, "must match src"),
-            (lambda: engine.h2d(torch.ones(4), torch.empty(4, dtype=torch.float16)), ValueError, "must match src"),
+            (lambda: engine.h2d(torch.ones(4), torch.empty(4, dtype=torch.float16)), ValueError, "or pass dtype="),
+            (
+                lambda: engine.h2d(torch.ones(4), torch.empty(4), dtype=torch.bfloat16),
+                ValueError,
+                "cast to torch.bfloat16; give a dst of that dtype",
+            ),
             (lambda: engine.h2d(torch.ones(4), torch.empty(4, device="meta")), ValueError, "dst must be on cpu"),
             (lambda: engine.h2d(torch.ones(4, device="meta")), ValueError, "src must be on cpu"),
             (lambda: engine.h2d([1.0]), TypeError, "src must be a torch.Tensor"),
@@ -382,6 +408,17 @@ class TestTransferEngineOnGPU(TestCase):
             self.assertEqual(queue.get(f"block{index}").sum().item(), float(index) * MiB)
         self.assertEqual((queue.hits, queue.misses, queue.evictions), (4, 0, 0))
 
+    def test_cast_on_the_device_after_the_link(self) -> None:
+        # The fp32 bytes cross on the H2D stream, chunk after chunk through one landing buffer,
+        # and are cast there: the consumer sees bf16 equal to the host's cast, bit for bit.
+        numel = 10 * MiB // 4 + 3
+        host = pinned_empty(numel, torch.float32)
+        host.copy_(torch.randn(numel))
+        weights = self.engine.h2d(host, dtype=torch.bfloat16, chunk_bytes=MiB).wait()
+        self.assertEqual(weights.dtype, torch.bfloat16)
+        self.assertTrue(_same_bits(weights.cpu(), host.to(torch.bfloat16)))
+        self.assertEqual(self.engine.stats, TransferStats(4 * numel, 0, 1, 0))
+
     def test_device_errors(self) -> None:
         with self.assertRaisesRegex(ValueError, "src must be on cpu"):
             self.engine.h2d(torch.ones(4, device="cuda"))
@@ -405,6 +442,8 @@ class TestTransferEngineOnGPU(TestCase):
             out = pinned_empty((1024, 1024), torch.float32)
             engine.d2h(grads, out, chunk_bytes=1 << 20).wait()
             flat = engine.h2d_coalesced(list(host.split(256))).wait()
+            cast = engine.h2d(host, dtype=torch.bfloat16, chunk_bytes=1 << 20).wait()
+            assert bool((cast == 1.0).all())
             engine.d2h_coalesced(flat * 3, [pinned_empty(256 * 1024, torch.float32) for _ in range(4)]).wait()
             queue = PrefetchQueue(engine, prefetch_depth=2)
             for index in range(3):

@@ -129,6 +129,7 @@ class FullyShardedDataParallel(_FSDP1):
             ``module_fraction < 1`` or ``activations`` (FSDP1 keeps one ``cpu_offload`` per tree:
             its end-of-backward host synchronisation and ``clip_grad_norm_`` read the root's, so
             a mix of host and GPU shards is not safe; use FSDP2 ``fully_shard`` for those);
+            ``cast_on="device"`` (this front door casts on the host);
             ``memory="managed"`` on a machine whose GPU has its own memory.
         TypeError: ``offload_policy`` is not an ``OffloadPolicy``.
         RuntimeError: a torch release whose FSDP1 internals were not checked.
@@ -257,6 +258,12 @@ def _plan(
             f"{', '.join(asked)}: FSDP1 offloads every handle of a tree alike (its end-of-backward "
             "synchronisation and clip_grad_norm_ follow the root's cpu_offload). Drop those knobs, "
             "or shard with FSDP2 fully_shard(offload_policy=...)"
+        )
+    if offload_policy.cast_on != "host":
+        raise ValueError(
+            f"FullyShardedDataParallel(offload_policy=CoherentOffload(cast_on={offload_policy.cast_on!r})) "
+            "is not built: the FSDP1 front door casts on the host, into a pinned mirror. Use "
+            "cast_on='host', or shard with FSDP2 fully_shard(offload_policy=...), which casts on the device"
         )
     if not offload_policy.offload_params:
         return None, None

@@ -5,7 +5,8 @@ memory; stepping them all after backward leaves the GPU idle for the whole host 
 cost of stock CPU offload). ``OffloadOptimizer`` wraps any ``torch.optim`` optimizer class and
 keeps one inner optimizer per offloaded FSDP parameter group, so each group's host step starts as
 soon as that group's gradients have landed, overlapping the rest of backward, and refreshes the
-group's compute-dtype mirror right after, ready for the next forward's copy-in.
+group's compute-dtype mirror right after (``CoherentOffload(cast_on="host")``), ready for the next
+forward's copy-in.
 """
 
 from __future__ import annotations
@@ -616,7 +617,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _submit_stream_steps(self, owners: list[OffloadedGroup]) -> dict[OffloadedGroup, concurrent.futures.Future]:
         """Run the streamed groups' pipeline in its own thread (``overlap_next_forward``): the
         next forward starts meanwhile, and each group's next copy-in waits for its own future,
-        set once the group's parameters, state and compute-dtype mirror are back in host memory.
+        set once the group's parameters, state (and compute-dtype mirror) are back in host memory.
         Every group must be ready for the pipeline (:meth:`_pipeline_ready`)."""
         runs = self._prepare_stream_runs(owners)
         if not runs:

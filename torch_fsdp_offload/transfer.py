@@ -329,6 +329,7 @@ class TransferEngine:
         src: torch.Tensor,
         dst: torch.Tensor | None = None,
         *,
+        dtype: torch.dtype | None = None,
         label: str = "h2d",
         chunk_bytes: int | None = None,
     ) -> Transfer:
@@ -337,25 +338,39 @@ class TransferEngine:
         Args:
             src (torch.Tensor): contiguous CPU tensor; pinned for an asynchronous copy (pageable
                 memory is copied correctly but the host waits for it).
-            dst (torch.Tensor | None): contiguous device tensor with ``src``'s dtype and number of
-                elements to copy into. None (default): the engine allocates one on its stream, and the
+            dst (torch.Tensor | None): contiguous device tensor with ``src``'s number of elements and
+                ``dtype`` to copy into. None (default): the engine allocates one on its stream, and the
                 copy starts at once. A given ``dst`` is written only after the work already queued on
                 the current stream (which may still use it) has finished.
+            dtype (torch.dtype | None): the destination's dtype, when it is not ``src``'s: ``src``'s
+                bytes cross the link, each chunk into one device buffer of ``src``'s dtype, and are
+                cast into the destination on the device, on :attr:`h2d_stream` (device memory: the
+                destination plus one chunk). For a host that cannot spare the time to cast, at the
+                cost of moving the wider dtype's bytes. None (default): ``src``'s dtype.
             label (str): profiler label, ``torch_fsdp_offload::<label>``.
             chunk_bytes (int | None): chunk size; default :attr:`chunk_bytes`.
 
         Returns:
-            Transfer: ``tensor`` is the device tensor, shaped like ``src``.
+            Transfer: ``tensor`` is the device tensor, shaped like ``src``, of ``dtype``.
 
         Raises:
             ValueError: if a tensor is on the wrong device, not contiguous, or ``dst`` differs from
-                ``src`` in dtype or number of elements; nothing is copied then.
+                ``src`` in number of elements or from ``dtype`` (default ``src``'s) in dtype; nothing
+                is copied then.
+
+        Example::
+
+            >>> master = pinned_empty((n,), torch.float32)
+            >>> weights = engine.h2d(master, dtype=torch.bfloat16).wait()  # 4 bytes a weight cross
         """
         chunk_bytes = self._chunk_bytes(chunk_bytes)
         _check_tensor(src, "cpu", "h2d", "src")
+        dtype = src.dtype if dtype is None else dtype
         if dst is not None:
             _check_tensor(dst, self.device, "h2d", "dst")
-            _check_same(dst, src, "h2d")
+            _check_same(dst, src, "h2d", dtype)
+        if dtype != src.dtype:
+            return self._issue_cast(src, dst, dtype, label=label, chunk_bytes=chunk_bytes)
         return self._issue([src], dst, to_device=True, coalesced=False, label=label, chunk_bytes=chunk_bytes)
 
     def d2h(
@@ -529,14 +544,58 @@ class TransferEngine:
                     else:
                         _copy_in_chunks(run, device_run, _chunks(run.numel(), chunk_bytes))
                     offset += run.numel()
-            self._count(to_device, nbytes)
-            if stream is None:
-                return Transfer(destination, views, label=label, nbytes=nbytes)
-            event = torch.cuda.Event()
-            event.record(stream)
-            copy = _IssuedCopy(event, stream, reads, writes, keep_alive=host_tensors)
-            self._pending.append(copy)
-            return Transfer(destination, views, label=label, nbytes=nbytes, copy=copy)
+            return self._finish(to_device, stream, reads, writes, host_tensors, destination, views, label, nbytes)
+
+    def _issue_cast(
+        self, src: torch.Tensor, dst: torch.Tensor | None, dtype: torch.dtype, *, label: str, chunk_bytes: int
+    ) -> Transfer:
+        """Host to device with a cast on the device: each chunk of ``src`` lands in one device buffer
+        of ``src``'s dtype, reused for every chunk (the stream orders them), and is cast into ``dst``."""
+        stream = self.h2d_stream
+        nbytes = _nbytes(src)
+        with self._lock, torch.profiler.record_function(_PROFILER_PREFIX + label), torch.no_grad():
+            allocated = dst is None
+            if allocated:
+                with _on_stream(stream):
+                    dst = torch.empty(src.shape, dtype=dtype, device=self.device)
+            if nbytes == 0:
+                return Transfer(dst, [dst], label=label, nbytes=0)
+            reads, writes = [_byte_range(src)], [_byte_range(dst)]
+            if stream is not None:
+                self._order_before_copy(stream, reads, writes, wait_for_current=not allocated)
+                if not allocated:
+                    dst.record_stream(stream)
+            flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
+            chunk = max(1, chunk_bytes // src.element_size())
+            with _on_stream(stream):
+                landed = torch.empty(min(chunk, src.numel()), dtype=src.dtype, device=self.device)
+                for start in range(0, src.numel(), chunk):
+                    stop = min(start + chunk, src.numel())
+                    landed[: stop - start].copy_(flat_src[start:stop], non_blocking=True)
+                    flat_dst[start:stop].copy_(landed[: stop - start])
+            return self._finish(True, stream, reads, writes, [src], dst, [dst], label, nbytes)
+
+    def _finish(
+        self,
+        to_device: bool,
+        stream: torch.cuda.Stream | None,
+        reads: Sequence[tuple[int, int]],
+        writes: Sequence[tuple[int, int]],
+        host_tensors: Sequence[torch.Tensor],
+        destination: torch.Tensor | None,
+        views: Sequence[torch.Tensor],
+        label: str,
+        nbytes: int,
+    ) -> Transfer:
+        """Count an issued copy and end it in an event the engine tracks (none on a CPU device)."""
+        self._count(to_device, nbytes)
+        if stream is None:
+            return Transfer(destination, views, label=label, nbytes=nbytes)
+        event = torch.cuda.Event()
+        event.record(stream)
+        copy = _IssuedCopy(event, stream, reads, writes, keep_alive=host_tensors)
+        self._pending.append(copy)
+        return Transfer(destination, views, label=label, nbytes=nbytes, copy=copy)
 
     def _order_before_copy(
         self,
@@ -590,11 +649,15 @@ def _check_tensor(tensor: torch.Tensor, device: torch.device | str, fn: str, nam
         raise ValueError(f"{fn}: {name} must be contiguous (call .contiguous() first); got strides {tensor.stride()}")
 
 
-def _check_same(dst: torch.Tensor, src: torch.Tensor, fn: str) -> None:
-    if dst.dtype != src.dtype or dst.numel() != src.numel():
+def _check_same(dst: torch.Tensor, src: torch.Tensor, fn: str, dtype: torch.dtype | None = None) -> None:
+    """``dst`` holds as many elements as ``src``, of ``dtype`` (default ``src``'s)."""
+    dtype = src.dtype if dtype is None else dtype
+    if dst.dtype != dtype or dst.numel() != src.numel():
+        cast = "" if dtype == src.dtype else f" cast to {dtype}"
         raise ValueError(
             f"{fn}: dst ({dst.dtype}, {dst.numel()} elements) must match src ({src.dtype}, "
-            f"{src.numel()} elements); convert dtypes before the copy"
+            f"{src.numel()} elements){cast}; give a dst of that dtype and size"
+            + (", or pass dtype= to cast on the device" if fn == "h2d" and dtype == src.dtype else "")
         )
 
 

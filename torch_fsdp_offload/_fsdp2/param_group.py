@@ -1,8 +1,9 @@
 """``CoherentFSDPParamGroup``: FSDP2's parameter group, with CoherentOffload's data path.
 
 Per offloaded group the shards live in one exact-size host buffer (fp32 master), with a
-compute-dtype mirror when mixed precision halves the bytes to move. Copy-in is one coalesced H2D
-copy of that mirror into a device staging buffer, on our H2D stream, issued ``prefetch_depth``
+compute-dtype mirror when mixed precision halves the bytes to move (``cast_on="host"``). Copy-in is
+one coalesced H2D copy of that mirror (or, with ``cast_on="device"``, of the master, cast on the
+device as it lands) into a device staging buffer, on our H2D stream, issued ``prefetch_depth``
 groups ahead in forward and backward order; FSDP's all-gather (or its world-size-1 copy) then reads
 the staging buffer. Reduced gradients go down on our D2H stream into persistent host buffers.
 """
@@ -148,7 +149,13 @@ class GroupOffload:
     def host_bytes(self) -> int:
         """Host bytes this group will pin: master, gradient buffer and (at most) a mirror."""
         itemsize = self.group.fsdp_params[0]._sharded_param_data.element_size()
-        return self.numel * itemsize * 2 + self.numel * 2
+        mirror_bytes = self.numel * 2 if self.plan.cast_on == "host" else 0
+        return self.numel * itemsize * 2 + mirror_bytes
+
+    def _param_dtype_to_cast(self) -> torch.dtype | None:
+        """The compute dtype the master is cast to for the copy-in, None if it needs no cast."""
+        param_dtype = self.group.fsdp_params[0].param_dtype
+        return param_dtype if param_dtype is not None and param_dtype != self.master.dtype else None
 
     # -- placement -------------------------------------------------------------------------
     @torch.no_grad()
@@ -187,7 +194,8 @@ class GroupOffload:
 
     @torch.no_grad()
     def refresh_mirror(self) -> None:
-        """Make the copy-in source current: cast the master into the compute-dtype mirror.
+        """Make the copy-in source current: cast the master into the compute-dtype mirror
+        (``cast_on="host"``; with ``"device"`` the copy-in reads the master itself).
 
         :class:`~torch_fsdp_offload.OffloadOptimizer` calls this right after stepping the group
         (in its worker thread); otherwise the first copy-in after a change does it.
@@ -195,8 +203,8 @@ class GroupOffload:
         if not self.homed:
             return  # before lazy init: the first copy-in refreshes
         with self.lock:
-            param_dtype = self.group.fsdp_params[0].param_dtype
-            if param_dtype is not None and param_dtype != self.master.dtype:
+            param_dtype = self._param_dtype_to_cast()
+            if param_dtype is not None and self.plan.cast_on == "host":
                 if self.mirror is None or self.mirror.dtype != param_dtype:
                     self.mirror = pinned_empty((self.numel,), param_dtype)
                 with torch.profiler.record_function("torch_fsdp_offload::cast_master_to_mirror"):
@@ -232,6 +240,8 @@ class GroupOffload:
             source = self.mirror if self.mirror is not None else self.master
             self._inflight = self.engine.h2d(
                 source,
+                # cast_on="device": the master crosses and is cast to the compute dtype on arrival.
+                dtype=self._param_dtype_to_cast() if self.mirror is None else None,
                 label=f"params_h2d:{self.group._module_fqn or 'root'}",
                 chunk_bytes=self.plan.chunk_bytes,
             )
@@ -361,15 +371,15 @@ class GroupOffload:
     @torch.no_grad()
     def write_back(self, master_on_device: torch.Tensor, start: int = 0) -> list[Transfer]:
         """After a step on the device: copy the master (elements ``start:`` onwards, as many as
-        ``master_on_device`` holds) and its compute-dtype cast, made on the device, back into
-        host memory. The caller synchronizes the returned transfers."""
+        ``master_on_device`` holds) and, with ``cast_on="host"``, its compute-dtype cast, made on
+        the device, back into host memory. The caller synchronizes the returned transfers."""
         stop = start + master_on_device.numel()
         with self.lock:
             transfers = [
                 self.engine.d2h(master_on_device, self.master[start:stop], label="optimizer_d2h_params")
             ]
-            param_dtype = self.group.fsdp_params[0].param_dtype
-            if param_dtype is not None and param_dtype != self.master.dtype:
+            param_dtype = self._param_dtype_to_cast()
+            if param_dtype is not None and self.plan.cast_on == "host":
                 if self.mirror is None or self.mirror.dtype != param_dtype:
                     self.mirror = pinned_empty((self.numel,), param_dtype)
                 transfers.append(

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from torch_fsdp_offload.planner.cost_model import Candidate, predict_step, TrainingConfig
+from torch_fsdp_offload.planner.cost_model import Candidate, predict_step, StepPrediction, TrainingConfig
 from torch_fsdp_offload.planner.profile import (
     host_GBps_from_link_busy,
     measure_block_timings,
@@ -253,7 +253,7 @@ def _plan_model(
             reason=(
                 f"{what} at {factor:g}x the micro-batch{' with activation checkpointing' if config.checkpointing else ''}: "
                 f"predicted {prediction.step_s:.3f} s per step, {prediction.peak_gpu_GiB:.1f} GiB peak, "
-                f"{gain:+.0%} throughput over today's resident run."
+                f"{gain:+.0%} throughput over today's resident run." + _cast_reason(factor, prediction, predictions)
             ),
             predicted_step_s=prediction.step_s,
             predicted_peak_gpu_GiB=prediction.peak_gpu_GiB,
@@ -261,6 +261,23 @@ def _plan_model(
             keep_unsharded_last=config.keep_unsharded,
         )
     return PlanResult(scenario=scenario, search=search, recommended=recommendation, training=training, notes=notes)
+
+
+def _cast_reason(factor: float, prediction: StepPrediction, predictions: Sequence[tuple[float, StepPrediction]]) -> str:
+    """Why the recommended setting casts on the GPU: its twin casting on the host, compared."""
+    config = prediction.config
+    if config.cast_on != "device":
+        return ""
+    twin = next((p for f, p in predictions if f == factor and p.config == dataclasses.replace(config, cast_on="host")), None)
+    if twin is None:
+        return ""
+    return (
+        f" cast_on='device': {'the host step binds this plan, and ' if twin.host_bound else ''}"
+        f"casting the master on the GPU takes the cast off the host step "
+        f"({prediction.host_optimizer_s:.3f} s of host work instead of {twin.host_optimizer_s:.3f}; "
+        f"{twin.step_s:.3f} s per step with the cast on the host) for "
+        f"{(prediction.h2d_bytes - twin.h2d_bytes) / 1e9:.1f} GB more copied in per step, and no pinned mirror."
+    )
 
 
 def plan(

@@ -22,7 +22,7 @@ from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.scenario import Scenario
-from torch_fsdp_offload.policy import spread_group_offloaded
+from torch_fsdp_offload.policy import _CAST_PLACEMENTS, spread_group_offloaded
 
 __all__ = [
     "Candidate",
@@ -30,8 +30,10 @@ __all__ = [
     "TECHNIQUES",
     "TrainingConfig",
     "TrainingProfile",
+    "copy_in_bytes_per_param",
     "evaluate",
     "host_step_bytes_per_param",
+    "host_step_rates",
     "model_dram_bandwidth_GBps",
     "naive_offload_GB",
     "offload_window",
@@ -275,6 +277,11 @@ class TrainingProfile:
             ``host_step_s_per_param`` was measured. With these two and ``host_step_s_per_param``
             the host step follows the shared-DRAM model of :func:`predict_step`
             (:func:`~torch_fsdp_offload.planner.profile.measure_host_step` measures all three).
+        host_alone_cast_s_per_param (float | None): the compute-dtype cast's part of
+            ``host_alone_s_per_param``: what ``TrainingConfig(cast_on="device")`` takes off each
+            host-stepped parameter (:func:`host_step_rates`). None: unknown; the cast's share of the
+            host step's bytes is taken instead.
+        host_link_busy_cast_s_per_param (float | None): the cast's part of ``host_step_s_per_param``.
     """
 
     name: str
@@ -299,6 +306,8 @@ class TrainingProfile:
     recompute_fraction: float = 1.0
     host_alone_s_per_param: float | None = None
     host_busy_link_GBps: float | None = None
+    host_alone_cast_s_per_param: float | None = None
+    host_link_busy_cast_s_per_param: float | None = None
 
     @property
     def total_params(self) -> int:
@@ -328,6 +337,19 @@ class TrainingConfig:
             (``fully_shard_with_policy(keep_unsharded_last=...)``): the offloaded ones among them
             copy their parameters in once per step, and every one holds its unsharded parameters
             from its forward to its backward.
+        cast_on (str): where the fp32 master is cast to the compute dtype for the copy-in
+            (``CoherentOffload.cast_on``). ``"host"``: into a pinned mirror after each host step
+            (the cast is host work; compute-dtype bytes cross the link; a streamed step brings the
+            mirror back too). ``"device"``: the master's bytes cross the link and are cast on the
+            GPU as they land (no cast on the host, twice the copy-in bytes, no mirror to bring back).
+
+    Raises:
+        ValueError: a knob outside its range, naming the knob and what it accepts.
+
+    Example::
+
+        >>> TrainingConfig(module_fraction=0.5, cast_on="device").coherent_offload_kwargs()
+        {'module_fraction': 0.5, 'optimizer': 'host', 'cast_on': 'device'}
     """
 
     module_fraction: float = 0.0
@@ -337,6 +359,7 @@ class TrainingConfig:
     prefetch_depth: int = 1
     block_placement: str = "last"
     keep_unsharded: int = 0
+    cast_on: str = "host"
 
     def __post_init__(self) -> None:
         for name in ("module_fraction", "activations"):
@@ -356,6 +379,11 @@ class TrainingConfig:
             raise ValueError(f"TrainingConfig.block_placement must be 'last' or 'spread', got {self.block_placement!r}")
         if isinstance(self.keep_unsharded, bool) or not isinstance(self.keep_unsharded, int) or self.keep_unsharded < 0:
             raise ValueError(f"TrainingConfig.keep_unsharded must be an int >= 0, got {self.keep_unsharded!r}")
+        if self.cast_on not in _CAST_PLACEMENTS:
+            raise ValueError(
+                f"TrainingConfig.cast_on must be 'host' (the master cast into a pinned mirror on the host) or "
+                f"'device' (the master copied in and cast on the GPU), got {self.cast_on!r}"
+            )
 
     def kept_blocks(self, n_blocks: int) -> range:
         """Indices (forward order) of the blocks kept unsharded after forward, out of ``n_blocks``.
@@ -393,6 +421,8 @@ class TrainingConfig:
             parts.append(self.block_placement)
         if self.keep_unsharded:
             parts.append(f"keep={self.keep_unsharded}")
+        if self.cast_on != "host" and self.module_fraction > 0:
+            parts.append(f"cast={self.cast_on}")
         return " ".join(parts)
 
     def coherent_offload_kwargs(self) -> dict[str, Any] | None:
@@ -407,6 +437,8 @@ class TrainingConfig:
             # Explicit even for "host": CoherentOffload's default ("auto") streams half the groups
             # on a discrete GPU, which is not what this setting predicted.
             kwargs["optimizer"] = self.optimizer
+            if self.cast_on != "host":
+                kwargs["cast_on"] = self.cast_on
         if self.prefetch_depth != 1:
             kwargs["prefetch_depth"] = self.prefetch_depth
         return kwargs
@@ -454,17 +486,83 @@ class StepPrediction:
         return data
 
 
-def host_step_bytes_per_param(profile: TrainingProfile) -> int:
+def _adamw_bytes(profile: TrainingProfile) -> int:
+    # Fused AdamW reads the parameter, gradient and both moments and writes parameter and moments.
+    return 2 * profile.param_bytes + profile.reduce_bytes + 2 * profile.optimizer_state_bytes
+
+
+def _host_cast_bytes(profile: TrainingProfile, cast_on: str) -> int:
+    # The cast into the compute-dtype mirror reads the master and writes the mirror; there is none
+    # with cast_on="device", nor when the compute dtype is the master's.
+    if cast_on != "host" or profile.compute_bytes >= profile.param_bytes:
+        return 0
+    return profile.param_bytes + profile.compute_bytes
+
+
+def host_step_bytes_per_param(profile: TrainingProfile, cast_on: str = "host") -> int:
     """Host DRAM bytes one host-stepped parameter moves per step.
 
     Fused AdamW reads the parameter, gradient and both moments and writes the parameter and
-    moments; the compute-dtype mirror the next copy-in reads is cast from the fp32 master (read
-    the master, write the mirror); and the gradient's D2H copy writes into host DRAM during the
-    same window. 38 bytes for fp32 master, fp32 gradient, bf16 compute, AdamW.
+    moments; with ``cast_on="host"`` the compute-dtype mirror the next copy-in reads is cast from
+    the fp32 master (read the master, write the mirror); and the gradient's D2H copy writes into
+    host DRAM during the same window. 38 bytes for fp32 master, fp32 gradient, bf16 compute, AdamW;
+    32 with ``cast_on="device"`` (the copy-in's DMA then reads the 4-byte master instead of the
+    2-byte mirror: link bytes, counted with the link's, see :func:`copy_in_bytes_per_param`).
+
+    Example::
+
+        >>> host_step_bytes_per_param(profile), host_step_bytes_per_param(profile, cast_on="device")
+        (38, 32)
     """
-    adamw = 2 * profile.param_bytes + profile.reduce_bytes + 2 * profile.optimizer_state_bytes
-    mirror = profile.param_bytes + profile.compute_bytes if profile.compute_bytes < profile.param_bytes else 0
-    return adamw + mirror + profile.reduce_bytes
+    return _adamw_bytes(profile) + _host_cast_bytes(profile, cast_on) + profile.reduce_bytes
+
+
+def copy_in_bytes_per_param(profile: TrainingProfile, cast_on: str = "host") -> int:
+    """Bytes one offloaded parameter moves over the link per copy-in (forward, backward re-gather):
+    the compute dtype's with ``cast_on="host"`` (the host's mirror), the master's with ``"device"``
+    (cast on the GPU as it lands).
+
+    Example::
+
+        >>> copy_in_bytes_per_param(profile), copy_in_bytes_per_param(profile, cast_on="device")
+        (2, 4)
+    """
+    return profile.param_bytes if cast_on == "device" else profile.compute_bytes
+
+
+def host_step_rates(profile: TrainingProfile, cast_on: str = "host") -> tuple[float | None, float | None]:
+    """The measured host step per host-stepped parameter, ``(alone, link busy)``, as the step model
+    uses it for ``cast_on``: ``profile.host_alone_s_per_param`` and ``profile.host_step_s_per_param``
+    (AdamW plus the compute-dtype cast), less the cast's part with ``cast_on="device"``.
+
+    The cast's part is ``profile.host_alone_cast_s_per_param`` /
+    ``host_link_busy_cast_s_per_param`` where known (measured, or the platform profile's); else
+    (older profiles and JSON) the cast's share of the host step's bytes (6 of 34 for fp32 AdamW with
+    a bf16 mirror), which understates it: on our H200 host the cast took 25% of the step's time
+    alone and 38% with the link busy.
+
+    Returns:
+        tuple: seconds per parameter alone and with the link busy, each None where not measured.
+
+    Example::
+
+        >>> host_step_rates(dataclasses.replace(profile, host_alone_s_per_param=0.31e-9,
+        ...     host_step_s_per_param=0.59e-9, host_alone_cast_s_per_param=0.08e-9,
+        ...     host_link_busy_cast_s_per_param=0.22e-9), cast_on="device")  # (0.23e-9, 0.37e-9)
+    """
+    alone, busy = profile.host_alone_s_per_param, profile.host_step_s_per_param
+    cast_bytes = _host_cast_bytes(profile, "host")
+    if cast_on == "host" or not cast_bytes:
+        return alone, busy
+    share = cast_bytes / (_adamw_bytes(profile) + cast_bytes)
+
+    def without_cast(rate: float | None, cast: float | None) -> float | None:
+        if rate is None:
+            return None
+        return max(0.0, rate - (rate * share if cast is None else cast))
+
+    return (without_cast(alone, profile.host_alone_cast_s_per_param),
+            without_cast(busy, profile.host_link_busy_cast_s_per_param))
 
 
 def shared_dram_host_seconds(alone_s: float, busy_s: float, dma_s: float) -> float:
@@ -518,10 +616,11 @@ def predict_step(
 
     Per step the offloaded blocks' parameter shards cross host-to-device twice in the compute
     dtype (forward and the backward re-gather; once for blocks kept unsharded after forward,
-    ``config.keep_unsharded``); gradients of offloaded groups cross device-to-host
-    in the reduce dtype; streamed parameters then move their fp32 parameter, gradient and moments
-    up and parameter, moments and mirror down as one pipeline over runs of parameters, both
-    directions at once, after one run's upload fills it. Offloaded activations go down in forward
+    ``config.keep_unsharded``), or in the master's dtype with ``config.cast_on="device"``;
+    gradients of offloaded groups cross device-to-host in the reduce dtype; streamed parameters
+    then move their fp32 parameter, gradient and moments up and parameter, moments and (with
+    ``cast_on="host"``) mirror down as one pipeline over runs of parameters, both directions at
+    once, after one run's upload fills it. Offloaded activations go down in forward
     with at most ``DEFAULT_MAX_INFLIGHT_BYTES`` in flight (the forward waits for the link beyond
     that) and are reloaded in backward. Each phase takes the longest of its compute and its copy
     streams (their sum with ``prefetch_depth=0``); at ``world_size > 1`` FSDP's all-gathers and
@@ -529,7 +628,9 @@ def predict_step(
 
     The host optimizer is bound by host DRAM bandwidth (:func:`host_step_bytes_per_param` bytes per
     parameter at ``profile.host_GBps``, shared with the link's copies; one host DRAM serves all
-    ``world_size`` GPUs). Host-stepped groups are the last in forward order, so their gradients land
+    ``world_size`` GPUs). With ``cast_on="device"`` the host step is AdamW alone: the cast's bytes
+    (or, with measured rates, its measured time, :func:`host_step_rates`) leave the host step.
+    Host-stepped groups are the last in forward order, so their gradients land
     first in backward; host steps start when the first of them landed, run beside the streamed
     steps, and must end before the next forward reaches the host groups (with or without
     ``overlap_next_forward``). What outlasts the GPU work is exposed.
@@ -584,11 +685,14 @@ def predict_step(
     # On one physical memory the offloaded state is read in place: nothing crosses a link.
     copies = 0.0 if platform.kind in ("unified", "host_only") else 1.0
 
-    weight_bytes = offloaded_blocks * shard * profile.compute_bytes * copies
-    backward_weight_bytes = regathered_offloaded * shard * profile.compute_bytes * copies
+    copy_in = copy_in_bytes_per_param(profile, config.cast_on)
+    weight_bytes = offloaded_blocks * shard * copy_in * copies
+    backward_weight_bytes = regathered_offloaded * shard * copy_in * copies
     grad_down = offloaded_blocks * shard * profile.reduce_bytes * copies
     stream_up = streamed_blocks * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes) * copies
-    stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + profile.compute_bytes) * copies
+    # The streamed step brings back the master and moments, and with cast_on="host" the mirror.
+    mirror_down = profile.compute_bytes if config.cast_on == "host" else 0
+    stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + mirror_down) * copies
     act_forward, act_in_flight, reloaded = (
         _activation_traffic(profile, activation_blocks, per_block_saved) if activation_blocks and copies else (0, 0, 0)
     )
@@ -609,7 +713,7 @@ def predict_step(
     forward, forward_bound = phase(profile.forward_s, weight_bytes, act_forward, gather_s)
     if offloaded_blocks == n_blocks and copies and config.prefetch_depth > 0:
         # The first group's copy has nothing to hide behind.
-        forward += shard * profile.compute_bytes / (platform.h2d_GBps * 1e9)
+        forward += shard * copy_in / (platform.h2d_GBps * 1e9)
     backward, backward_bound = phase(
         backward_compute, backward_weight_bytes + reloaded, grad_down + act_in_flight, backward_gather_s + reduce_s
     )
@@ -641,17 +745,19 @@ def predict_step(
     h2d_bytes = weight_bytes + backward_weight_bytes + reloaded + stream_up
     d2h_bytes = grad_down + act_forward + act_in_flight + stream_down
     host_params = host_blocks * shard * world_size
+    # With cast_on="device" the host work is AdamW alone (the cast runs on the GPU).
+    host_alone, host_busy = host_step_rates(profile, config.cast_on)
     if not host_blocks:
         host_time = 0.0
-    elif profile.host_alone_s_per_param is not None and profile.host_step_s_per_param is not None and profile.host_busy_link_GBps:
+    elif host_alone is not None and host_busy is not None and profile.host_busy_link_GBps:
         # Shared host DRAM (see the docstring); one host DRAM serves the DMA of every GPU of the host.
         host_time = shared_dram_host_seconds(
-            host_params * profile.host_alone_s_per_param,
-            host_params * profile.host_step_s_per_param,
+            host_params * host_alone,
+            host_params * host_busy,
             (h2d_bytes + d2h_bytes) * world_size / (profile.host_busy_link_GBps * 1e9),
         )
-    elif profile.host_step_s_per_param is not None:
-        host_time = host_params * profile.host_step_s_per_param
+    elif host_busy is not None:
+        host_time = host_params * host_busy
     else:
         # One bandwidth for the host step's bytes and the DMA's: the parameters' copies in, the
         # streamed state and the activations both ways (the host groups' gradients landing are
@@ -659,7 +765,7 @@ def predict_step(
         streamed_grads_down = streamed_blocks * shard * profile.reduce_bytes * copies
         link_dram_bytes = (weight_bytes + backward_weight_bytes + streamed_grads_down + stream_up + stream_down
                            + act_forward + act_in_flight + reloaded)
-        host_bytes = host_blocks * shard * host_step_bytes_per_param(profile) + link_dram_bytes
+        host_bytes = host_blocks * shard * host_step_bytes_per_param(profile, config.cast_on) + link_dram_bytes
         host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
     host_tail = 0.0
     if host_blocks:

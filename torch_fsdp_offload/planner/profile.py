@@ -663,7 +663,10 @@ def training_profile(
     (28 bytes per parameter at 29% of the DRAM peak, as measured on our H200). ``host_GBps``
     (default: the platform's) sets the host optimizer's speed; ``host_rates`` measured with the
     link busy (:func:`measure_host_step`) replace it with the shared-DRAM model of
-    :func:`~torch_fsdp_offload.planner.cost_model.predict_step`.
+    :func:`~torch_fsdp_offload.planner.cost_model.predict_step`. The cast's part of the host step
+    (what ``cast_on="device"`` takes off it) comes with those rates when they time it on its own,
+    else from the platform profile (``host_alone_cast_s_per_param``,
+    ``host_link_busy_cast_s_per_param``; None for a profile without them).
     """
     # A checkpointed backward reruns each block's forward up to its last saved tensor, counted in
     # FLOPs: one block timed alone with and without checkpointing gave 0.55-0.92 of its forward on
@@ -708,4 +711,18 @@ def training_profile(
             if host_rates is not None and host_rates.link_busy_s_per_param is not None
             else {}
         ),
+        **_host_cast_rates(platform, host_rates),
     )
+
+
+def _host_cast_rates(platform: PlatformProfile, host_rates: HostStepRates | None) -> dict[str, float | None]:
+    """The cast's part of the host step, alone and link-busy, for a TrainingProfile: measured with
+    the step's rates when they were (an older ``HostStepRates`` without the cast timed on its own
+    keeps the platform's figures), else the platform profile's."""
+    if host_rates is not None and host_rates.link_busy_s_per_param is not None and (
+        host_rates.alone_cast_s_per_param is not None and host_rates.link_busy_cast_s_per_param is not None
+    ):
+        return {"host_alone_cast_s_per_param": host_rates.alone_cast_s_per_param,
+                "host_link_busy_cast_s_per_param": host_rates.link_busy_cast_s_per_param}
+    return {"host_alone_cast_s_per_param": platform.host_alone_cast_s_per_param,
+            "host_link_busy_cast_s_per_param": platform.host_link_busy_cast_s_per_param}

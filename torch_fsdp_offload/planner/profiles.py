@@ -42,6 +42,13 @@ class PlatformProfile:
         gpu_bf16_TFLOPS (float): dense bf16 peak, used only to estimate compute time when no GPU
             timing is available.
         source (str): where the figures come from.
+        host_alone_cast_s_per_param (float | None): seconds per parameter the host step's cast of
+            the fp32 master into the compute-dtype mirror takes with nothing beside it
+            (``CoherentOffload(cast_on="host")``'s share of the host step; ``cast_on="device"``
+            does not pay it). The step model takes it where the host step is timed
+            (:func:`~torch_fsdp_offload.planner.profile.measure_host_step`) without its cast on
+            its own. None: unknown (the model then splits the step by bytes).
+        host_link_busy_cast_s_per_param (float | None): the same while the link copies both ways.
     """
 
     name: str
@@ -56,6 +63,8 @@ class PlatformProfile:
     gpu_interconnect_GBps: float
     gpu_bf16_TFLOPS: float
     source: str
+    host_alone_cast_s_per_param: float | None = None
+    host_link_busy_cast_s_per_param: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -72,6 +81,12 @@ class PlatformProfile:
 # its share of the same DRAM), which is why the DMA bytes count against this figure.
 # Other hosts: assumed the same until measured.
 _H200_HOST_GBPS = 113.0
+# The cast of the fp32 master into the bf16 mirror on the same host, timed on its own at 16 threads
+# (fsdp_offload_bs4_cast_session13.json, host_optimizer_measured): 0.0763 ns per parameter alone,
+# 0.2248 with the link copying both ways at 93.2 GB/s (fused AdamW: 0.2345 and 0.3668). Its share
+# of the host step's time (25% alone, 38% link-busy) is larger than its share of the bytes (6 of 34).
+# Other hosts: assumed the same until measured.
+_H200_HOST_CAST = {"host_alone_cast_s_per_param": 0.0763e-9, "host_link_busy_cast_s_per_param": 0.2248e-9}
 # NCCL all-gather / reduce-scatter per GPU on our 2 x H200 host, from multi_gpu.json: resident
 # llama-8b at bs 1 is the one run whose backward is bound by its collectives (0.315 s/step against
 # 0.28 s of compute and optimizer); 4.0e9 params x 6 bytes (bf16 gather, fp32 reduce) over that
@@ -91,6 +106,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         # Same PCIe Gen5 x16 link as our H200 host; its both-ways figure is assumed.
         bidirectional_GBps=98.5,
         host_GBps=_H200_HOST_GBPS,
+        **_H200_HOST_CAST,
         gpu_interconnect_GBps=_PCIE_GPU_GPU_GBPS,
         gpu_bf16_TFLOPS=756.0,
         source="platforms.md: x86 + H100 PCIe Gen5 (~55 GB/s each way); both-ways and host figures from our H200 host",
@@ -105,6 +121,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         d2h_GBps=54.6,
         bidirectional_GBps=98.5,
         host_GBps=_H200_HOST_GBPS,
+        **_H200_HOST_CAST,
         gpu_interconnect_GBps=_PCIE_GPU_GPU_GBPS,
         gpu_bf16_TFLOPS=835.0,
         source="h200-measured.json: x86 + H200 PCIe Gen5 x16, measured 2026-11-29 (DRAM = device copy read+write)",
@@ -120,6 +137,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         d2h_GBps=234.0,
         bidirectional_GBps=612.0,
         host_GBps=_H200_HOST_GBPS,
+        **_H200_HOST_CAST,
         gpu_interconnect_GBps=450.0,
         gpu_bf16_TFLOPS=989.0,
         source="platforms.md: GH200 96 GB HBM3, NVLink-C2C 450 GB/s each way, public copy measurements",
@@ -135,6 +153,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         d2h_GBps=225.0,
         bidirectional_GBps=450.0,
         host_GBps=_H200_HOST_GBPS,
+        **_H200_HOST_CAST,
         gpu_interconnect_GBps=900.0,
         gpu_bf16_TFLOPS=2500.0,
         source="platforms.md: GB200 8 TB/s HBM3e, C2C 900 GB/s shared by 2 GPUs (estimate; GB300 measured ~211/~193)",
@@ -149,6 +168,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         d2h_GBps=273.0,
         bidirectional_GBps=273.0,
         host_GBps=_H200_HOST_GBPS,
+        **_H200_HOST_CAST,
         gpu_interconnect_GBps=273.0,
         gpu_bf16_TFLOPS=125.0,
         source="platforms.md: DGX Spark GB10, one 128 GB LPDDR5X memory at 273 GB/s shared by CPU and GPU",

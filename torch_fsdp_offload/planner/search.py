@@ -195,9 +195,17 @@ def default_training_configs(n_blocks: int, *, checkpointing: bool = True) -> li
     """The grid :func:`search_training` explores: module fractions in whole blocks (at most 9
     values), the offloaded groups' optimizer on the host or a quarter or half of them streamed
     through the GPU, the offloaded (last) blocks resharded after forward or not (``keep_unsharded``:
-    one copy-in per step instead of two, their parameters held through backward), activations
-    offloaded for none, half or all blocks, with and without checkpointing. Pass configs with
-    ``optimizer="stream"`` to predict that placement too."""
+    one copy-in per step instead of two, their parameters held through backward), where settings
+    with host-stepped groups cast the master to the compute dtype (``cast_on``: on the host, or on
+    the GPU for twice the copy-in bytes), activations offloaded for none, half or all blocks, with
+    and without checkpointing. Pass configs with ``optimizer="stream"`` to predict that placement
+    too.
+
+    Example::
+
+        >>> len(default_training_configs(8)), default_training_configs(8)[-1].label
+        (582, 'modules=1.00 opt=split0.50 act=1.00 ckpt keep=8 cast=device')
+    """
     steps = sorted({round(n_blocks * i / 8) / n_blocks for i in range(9)})
     configs = []
     for checkpoint in (False, True) if checkpointing else (False,):
@@ -205,16 +213,20 @@ def default_training_configs(n_blocks: int, *, checkpointing: bool = True) -> li
             for fraction in steps:
                 offloaded = round(fraction * n_blocks)
                 for placement in _DEFAULT_PLACEMENTS if fraction > 0 else ("host",):
+                    # Only a host step casts on the host: cast_on="device" takes the cast off it.
+                    host_stepped = offloaded - round(TrainingConfig(optimizer=placement).optimizer_gpu_fraction * offloaded)
                     for keep in (0, offloaded) if offloaded else (0,):
-                        configs.append(
-                            TrainingConfig(
-                                module_fraction=fraction,
-                                optimizer=placement,
-                                activations=activations,
-                                checkpointing=checkpoint,
-                                keep_unsharded=keep,
+                        for cast_on in ("host", "device") if host_stepped else ("host",):
+                            configs.append(
+                                TrainingConfig(
+                                    module_fraction=fraction,
+                                    optimizer=placement,
+                                    activations=activations,
+                                    checkpointing=checkpoint,
+                                    keep_unsharded=keep,
+                                    cast_on=cast_on,
+                                )
                             )
-                        )
     return configs
 
 
