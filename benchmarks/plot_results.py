@@ -57,12 +57,14 @@ def plot_fsdp(results: str, out: str) -> str:
 
 
 def plot_fsdp_bs4(results: str, out: str) -> str:
-    """Step time against peak memory of the bs 4 rows of the tenth session's three-round run (all in
-    one process, current code) and, hollow, rows of other processes and earlier sessions it did
-    not re-measure (the newest measurement of each)."""
-    current = _rows(os.path.join(results, "fsdp_offload_bs4_keep_rounds_session10.json"))
+    """Step time against peak memory of the bs 4 rows of the thirteenth session's run of the default
+    rows (all in one process, current code) and, hollow, rows of other processes and earlier
+    sessions it did not re-measure (the newest measurement of each)."""
+    current = _rows(os.path.join(results, "fsdp_offload_bs4_default_session13.json"))
     earlier: list[dict] = []
-    for source in ("fsdp_offload_bs4_keep_session10.json", "fsdp_offload_bs4_async_session9.json", "fsdp_offload_bs4_session8.json",
+    for source in ("fsdp_offload_bs4_cast_session13.json", "fsdp_offload_bs4_units_session12.json",
+                   "fsdp_offload_bs4_landing_session11.json", "fsdp_offload_bs4_keep_rounds_session10.json",
+                   "fsdp_offload_bs4_keep_session10.json", "fsdp_offload_bs4_async_session9.json", "fsdp_offload_bs4_session8.json",
                    "fsdp_offload_bs4_session6.json", "fsdp_offload_bs4_session5.json", "fsdp_offload_bs4_session4.json",
                    "fsdp_offload_bs4_rerun.json", "fsdp_offload_bs4_ac.json", "fsdp_offload_bs4.json", "fsdp_offload_bs4_combined.json"):
         earlier += [
