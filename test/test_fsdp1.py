@@ -147,6 +147,14 @@ class TestFSDP1Parity(GlooMultiProcessTestCase):
             model(torch.zeros(1, 8, dtype=torch.long))
         shard_numel = sum(state._handle.flat_param._local_shard.numel() for state in StockFSDP.fsdp_modules(model))
         self.assertEqual((stats.h2d_copies, stats.h2d_bytes), (3, 2 * shard_numel))
+        # cast_on="device": the fp32 shard crosses (4 bytes an element) and is cast on arrival,
+        # bit for bit as the host's cast; no mirror is made.
+        on_device, stats = self._check_parity(CoherentOffload(platform="discrete", cast_on="device"), mixed_precision)
+        stats.reset()
+        with torch.no_grad():
+            on_device(torch.zeros(1, 8, dtype=torch.long))
+        self.assertEqual((stats.h2d_copies, stats.h2d_bytes), (3, 4 * shard_numel))
+        self.assertTrue(all(state._handle._torch_fsdp_offload.mirror is None for state in StockFSDP.fsdp_modules(on_device)))
 
         # prefetch_depth sets FSDP1's prefetch limit: FSDP1 prefetches the handle that many places
         # ahead, so with depth 2 the root's unshard issues block 1's H2D before block 0 asks.
@@ -252,7 +260,6 @@ class TestFSDP1Errors(TestCase):
             (dict(cpu_offload=CPUOffload(True), offload_policy=CoherentOffload()), ValueError,
              "both cpu_offload= and offload_policy="),
             (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction < 1"),
-            (dict(offload_policy=CoherentOffload(cast_on="device")), ValueError, "casts on the host, into a pinned mirror"),
             (dict(offload_policy=CoherentOffload(memory="managed", platform="discrete")), ValueError,
              "memory='managed'"),
             (dict(offload_policy="cpu"), TypeError, "takes an OffloadPolicy"),
@@ -309,6 +316,16 @@ class TestFSDP1GPU(TestCase):
         torch.cuda.synchronize()
         numel = sum(state._handle.flat_param._local_shard.numel() for state in states)
         self.assertEqual(engine.stats.h2d_bytes, 2 * numel)
+        # cast_on="device": the fp32 shard crosses and is cast on the GPU, as stock FSDP1 does.
+        model = _wrap(FullyShardedDataParallel, self.device, mixed_precision=mixed_precision,
+                      offload_policy=CoherentOffload(platform="discrete", cast_on="device"))
+        losses, _, _ = _train(model, 3, 0, device=self.device)
+        self.assertEqual(losses, ref_losses, atol=0, rtol=0)
+        engine.stats.reset()
+        with torch.no_grad():
+            model(torch.zeros(1, 8, dtype=torch.long, device=self.device))
+        torch.cuda.synchronize()
+        self.assertEqual(engine.stats.h2d_bytes, 4 * numel)
 
     def test_gpu_use_orig_params_matches_stock(self) -> None:
         # The front door against stock FSDP1 in the same use_orig_params mode; both step with

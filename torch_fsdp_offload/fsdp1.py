@@ -19,7 +19,8 @@ internals, all in this file and checked against the torch versions they were rea
 * ``FlatParamHandle._use_low_precision_shard`` (parameter mixed precision): the shard is cast to the
   compute dtype on the host into a persistent pinned mirror, and only those bytes are copied, on the
   :class:`~torch_fsdp_offload.transfer.TransferEngine`'s H2D stream (FSDP1 copies fp32 and casts on
-  the GPU: twice the bytes).
+  the GPU: twice the bytes); with ``CoherentOffload(cast_on="device")`` the fp32 shard is copied on
+  that stream and cast on the device as it lands, with no mirror.
 * ``FlatParamHandle.flat_param_to`` (no mixed precision): the H2D copy runs on the engine's stream.
 * ``_runtime_utils._offload_grad``: the reduced gradient shard goes down on the engine's D2H stream
   into the persistent host buffer; the post-backward stream waits for it, so FSDP1's end-of-backward
@@ -93,6 +94,7 @@ class _HandleOffload:
     pinned: bool | None
     engine: TransferEngine | None  # copies through the engine; None: FSDP1's own copies
     chunk_bytes: int | None = None
+    cast_on_device: bool = False  # CoherentOffload(cast_on="device"): no mirror, cast after the copy
     mirror: torch.Tensor | None = None  # pinned compute-dtype copy of the shard
     mirror_transfer: Transfer | None = None  # last H2D that read the mirror
     # The previous backward's (host) gradient, on the compute device, while a backward outside
@@ -129,7 +131,6 @@ class FullyShardedDataParallel(_FSDP1):
             ``module_fraction < 1`` or ``activations`` (FSDP1 keeps one ``cpu_offload`` per tree:
             its end-of-backward host synchronisation and ``clip_grad_norm_`` read the root's, so
             a mix of host and GPU shards is not safe; use FSDP2 ``fully_shard`` for those);
-            ``cast_on="device"`` (this front door casts on the host);
             ``memory="managed"`` on a machine whose GPU has its own memory.
         TypeError: ``offload_policy`` is not an ``OffloadPolicy``.
         RuntimeError: a torch release whose FSDP1 internals were not checked.
@@ -209,7 +210,10 @@ class FullyShardedDataParallel(_FSDP1):
             if state._handle is not None:
                 engine = get_transfer_engine(state._handle.device) if handle_offload.engine else None
                 setattr(state._handle, _HANDLE_ATTRIBUTE, _HandleOffload(
-                    pinned=handle_offload.pinned, engine=engine, chunk_bytes=handle_offload.chunk_bytes
+                    pinned=handle_offload.pinned,
+                    engine=engine,
+                    chunk_bytes=handle_offload.chunk_bytes,
+                    cast_on_device=handle_offload.cast_on_device,
                 ))
 
 
@@ -218,6 +222,7 @@ class _Plan:
     pinned: bool | None
     engine: bool
     chunk_bytes: int | None
+    cast_on_device: bool = False
 
 
 def _plan(
@@ -259,12 +264,6 @@ def _plan(
             "synchronisation and clip_grad_norm_ follow the root's cpu_offload). Drop those knobs, "
             "or shard with FSDP2 fully_shard(offload_policy=...)"
         )
-    if offload_policy.cast_on != "host":
-        raise ValueError(
-            f"FullyShardedDataParallel(offload_policy=CoherentOffload(cast_on={offload_policy.cast_on!r})) "
-            "is not built: the FSDP1 front door casts on the host, into a pinned mirror. Use "
-            "cast_on='host', or shard with FSDP2 fully_shard(offload_policy=...), which casts on the device"
-        )
     if not offload_policy.offload_params:
         return None, None
     device = _compute_device(device_id)
@@ -273,7 +272,12 @@ def _plan(
         logger.info("CoherentOffload on a unified-memory machine: FSDP1 keeps shards in the GPU's "
                     "memory, which is the host's, and copies nothing")
         return None, None
-    plan = _Plan(pinned=True, engine=resolved.copies, chunk_bytes=offload_policy.chunk_bytes)
+    plan = _Plan(
+        pinned=True,
+        engine=resolved.copies,
+        chunk_bytes=offload_policy.chunk_bytes,
+        cast_on_device=resolved.cast_on == "device",
+    )
     return plan, CPUOffload(offload_params=True)
 
 
@@ -358,6 +362,20 @@ def _use_low_precision_shard(self) -> None:
     self._check_low_precision_shard()
     flat_param = self.flat_param
     local_shard = flat_param._local_shard
+    if offload.cast_on_device:
+        # The fp32 shard crosses and is cast on the device as it lands. The host optimizer writes
+        # the shard only after backward, which FSDP1 ends by synchronizing the compute stream, and
+        # that stream waited for this copy.
+        _flat_param._alloc_storage(flat_param._mp_shard, local_shard.size())
+        offload.engine.h2d(
+            local_shard,
+            flat_param._mp_shard,
+            dtype=self._fwd_bwd_param_dtype,
+            label="fsdp1_param_h2d",
+            chunk_bytes=offload.chunk_bytes,
+        ).wait()
+        flat_param.data = flat_param._mp_shard
+        return
     if offload.mirror is None:
         offload.mirror = pinned_empty(local_shard.shape, self._fwd_bwd_param_dtype)
     elif offload.mirror_transfer is not None:
