@@ -151,6 +151,18 @@ class TestTrain(TestCase):
             self.assertTrue(0 < partial["h2d_bytes"] < full["h2d_bytes"])
             self.assertTrue(0 < partial["d2h_bytes"] < full["d2h_bytes"])
 
+        # --cast-on device with bf16 compute: the same training as the host's cast, the fp32
+        # master copied in (twice the bytes of the bf16 mirror).
+        runs = {}
+        for cast_on in ("host", "device"):
+            runs[cast_on] = self._path(f"cast_{cast_on}.jsonl")
+            _run(train + ["--platform", "discrete", "--mixed-precision", "bf16", "--offload-optimizer", "host",
+                          "--cast-on", cast_on, "--steps", "2", "--json-log", runs[cast_on]])
+        host_records, device_records = _records(runs["host"]), _records(runs["device"])
+        self.assertEqual([r["loss"] for r in device_records], [r["loss"] for r in host_records])
+        for device_record, host_record in zip(device_records, host_records):
+            self.assertEqual(device_record["h2d_bytes"], 2 * host_record["h2d_bytes"])
+
     def test_materialize_sharded_places_groups(self) -> None:
         # "meta" stands in for the GPU: offloaded groups must land on the host, resident groups and
         # the (unsharded) buffers on the compute device.
@@ -250,6 +262,8 @@ class TestTrain(TestCase):
             ("--hsdp", "3"): "--hsdp 3 must divide the world size",
             ("--resume",): "--resume need --checkpoint-dir",
             ("--offload", "off", "--prefetch-depth", "2"): "--prefetch-depth configure offloading",
+            ("--offload", "off", "--cast-on", "device"): "--cast-on configure offloading",
+            ("--cast-on", "gpu"): "invalid choice: 'gpu'",
             ("--seq-len", "4096"): "exceeds tiny's max_seq_len 256",
             ("--offload-optimizer", "gpu"): "'gpu' is not host, stream, auto or a fraction",
             ("--module-fraction", "2"): "module_fraction",

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     offload.add_argument("--memory", choices=("auto", "pinned", "managed"), default=None)
     offload.add_argument("--offload-optimizer", default=None, metavar="host|stream|auto|FRACTION",
                          type=_optimizer_placement, help="where the optimizer step runs")
+    offload.add_argument("--cast-on", choices=("host", "device"), default=None,
+                         help="where the fp32 master is cast to the compute dtype for the copy-in "
+                         "(host: a bf16 mirror, half the bytes; device: for a host-bound optimizer)")
     offload.add_argument("--prefetch-depth", type=int, default=None)
     offload.add_argument("--chunk-mb", type=int, default=None, help="copy chunk size in MiB")
     offload.add_argument("--module-fraction", type=float, default=None,
@@ -128,7 +131,7 @@ def _optimizer_placement(text: str) -> str | float:
         ) from None
 
 
-_OFFLOAD_KNOBS = ("memory", "offload_optimizer", "prefetch_depth", "chunk_mb", "module_fraction",
+_OFFLOAD_KNOBS = ("memory", "offload_optimizer", "cast_on", "prefetch_depth", "chunk_mb", "module_fraction",
                   "offload_activations", "platform")
 
 
@@ -185,6 +188,7 @@ def _offload_policy(args: argparse.Namespace) -> CoherentOffload:
     knobs = {
         "memory": args.memory,
         "optimizer": args.offload_optimizer,
+        "cast_on": args.cast_on,
         "prefetch_depth": args.prefetch_depth,
         "chunk_bytes": None if args.chunk_mb is None else args.chunk_mb << 20,
         "module_fraction": args.module_fraction,
