@@ -36,7 +36,7 @@ from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.cost_model import (
     copy_in_bytes_per_param,
     host_step_bytes_per_param,
-    host_step_rates,
+    host_step_seconds_per_param,
     phase_peaks,
     shared_dram_host_seconds,
 )
@@ -510,8 +510,8 @@ class TestStepModel(TestCase):
         measured = dataclasses.replace(self.profile, host_alone_s_per_param=alone, host_step_s_per_param=busy,
                                        host_busy_link_GBps=link, host_alone_cast_s_per_param=cast_alone,
                                        host_link_busy_cast_s_per_param=cast_busy)
-        self.assertEqual(host_step_rates(measured), (alone, busy))
-        self.assertEqual(host_step_rates(measured, "device"), (alone - cast_alone, busy - cast_busy))
+        self.assertEqual(host_step_seconds_per_param(measured), (alone, busy))
+        self.assertEqual(host_step_seconds_per_param(measured, "device"), (alone - cast_alone, busy - cast_busy))
         config = TrainingConfig(module_fraction=0.5, checkpointing=True, cast_on="device")
         prediction = predict_step(measured, config, self.platform)
         host_params = 4 * self.profile.block_params
@@ -522,11 +522,11 @@ class TestStepModel(TestCase):
         self.assertLess(prediction.step_s, host_cast.step_s)
         # A profile without the cast timed on its own (older JSON) takes its share of the bytes, 6 of 34.
         older = dataclasses.replace(measured, host_alone_cast_s_per_param=None, host_link_busy_cast_s_per_param=None)
-        for rate, without in zip((alone, busy), host_step_rates(older, "device")):
+        for rate, without in zip((alone, busy), host_step_seconds_per_param(older, "device")):
             self.assertAlmostEqual(without, rate * 28 / 34)
         # Nothing to cast when the compute dtype is the master's (a plain bf16 module).
         plain_bf16 = dataclasses.replace(measured, param_bytes=2, reduce_bytes=2, optimizer_state_bytes=4)
-        self.assertEqual(host_step_rates(plain_bf16, "device"), (alone, busy))
+        self.assertEqual(host_step_seconds_per_param(plain_bf16, "device"), (alone, busy))
 
     def test_profile_carries_the_cast_share(self):
         from torch_fsdp_offload.planner.profile import HostStepRates
@@ -536,12 +536,15 @@ class TestStepModel(TestCase):
         rates = HostStepRates(0.3e-9, 0.6e-9, 90.0, 0.08e-9, 0.2e-9)
         profile = training_profile(breakdown, self.platform, host_rates=rates)
         self.assertEqual((profile.host_alone_cast_s_per_param, profile.host_link_busy_cast_s_per_param), (0.08e-9, 0.2e-9))
-        # Not measured, or rates without the cast on its own: the platform profile's (h200-pcie:
-        # fsdp_offload_bs4_cast_session13.json's 0.0763 ns alone, 0.2248 ns link-busy).
-        for host_rates in (None, HostStepRates(0.3e-9, 0.6e-9, 90.0)):
-            profile = training_profile(breakdown, self.platform, host_rates=host_rates)
-            self.assertEqual((profile.host_alone_cast_s_per_param, profile.host_link_busy_cast_s_per_param),
-                             (0.0763e-9, 0.2248e-9))
+        # Not measured: the platform profile's (h200-pcie: fsdp_offload_bs4_cast_session13.json's
+        # 0.0763 ns alone, 0.2248 ns link-busy), as its host step is.
+        profile = training_profile(breakdown, self.platform)
+        self.assertEqual((profile.host_alone_cast_s_per_param, profile.host_link_busy_cast_s_per_param),
+                         (0.0763e-9, 0.2248e-9))
+        # This machine's step measured without its cast apart: unknown (another host's cast
+        # figures would not fit this host's step), so the model splits the step by bytes.
+        profile = training_profile(breakdown, self.platform, host_rates=HostStepRates(0.3e-9, 0.6e-9, 90.0))
+        self.assertEqual((profile.host_alone_cast_s_per_param, profile.host_link_busy_cast_s_per_param), (None, None))
         # A platform profile written before the field: unknown, the model splits by bytes.
         custom = dataclasses.replace(self.platform, host_alone_cast_s_per_param=None, host_link_busy_cast_s_per_param=None)
         self.assertIsNone(training_profile(breakdown, custom).host_alone_cast_s_per_param)

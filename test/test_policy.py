@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from unittest import mock
@@ -9,7 +10,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -104,6 +105,26 @@ class CoherentOffloadCapacityTest(TestCase):
             with self.assertRaisesRegex(HostMemoryError, "MemAvailable"):
                 fully_shard(model[0], offload_policy=policy)
         self.assertEqual(memory_stats()["host_bytes"], before["host_bytes"])
+
+    def test_capacity_counts_the_mirror_only_where_one_is_made(self):
+        # 2 x 256 x 256 + 2 x 256 fp32 parameters: master and gradient buffer 8 bytes each, the
+        # bf16 mirror 2 more with cast_on="host"; no mirror with "device" or without mixed precision.
+        numel = 2 * 256 * 256 + 2 * 256
+        asked = {}
+        for name, cast_on, mp_policy in (
+            ("host", "host", MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+            ("device", "device", MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+            ("fp32", "host", MixedPrecisionPolicy()),
+        ):
+            gc.collect()  # the previous model's group, never homed, would be counted too
+            with mock.patch("torch_fsdp_offload._fsdp2.param_group.check_host_capacity") as check:
+                fully_shard(
+                    nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)),
+                    mp_policy=mp_policy,
+                    offload_policy=CoherentOffload(platform="discrete", cast_on=cast_on),
+                )
+            asked[name] = check.call_args.args[0]
+        self.assertEqual(asked, {"host": 10 * numel, "device": 8 * numel, "fp32": 8 * numel})
 
 
 instantiate_parametrized_tests(CoherentOffloadKnobsTest)

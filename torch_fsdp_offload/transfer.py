@@ -357,6 +357,7 @@ class TransferEngine:
             ValueError: if a tensor is on the wrong device, not contiguous, or ``dst`` differs from
                 ``src`` in number of elements or from ``dtype`` (default ``src``'s) in dtype; nothing
                 is copied then.
+            TypeError: ``src`` or ``dst`` is not a tensor, or ``dtype`` not a ``torch.dtype``.
 
         Example::
 
@@ -365,6 +366,8 @@ class TransferEngine:
         """
         chunk_bytes = self._chunk_bytes(chunk_bytes)
         _check_tensor(src, "cpu", "h2d", "src")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"h2d: dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
         dtype = src.dtype if dtype is None else dtype
         if dst is not None:
             _check_tensor(dst, self.device, "h2d", "dst")
@@ -566,13 +569,16 @@ class TransferEngine:
                 if not allocated:
                     dst.record_stream(stream)
             flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
-            chunk = max(1, chunk_bytes // src.element_size())
+            chunks = _chunks(src.numel(), max(1, chunk_bytes // src.element_size()))
             with _on_stream(stream):
-                landed = torch.empty(min(chunk, src.numel()), dtype=src.dtype, device=self.device)
-                for start in range(0, src.numel(), chunk):
-                    stop = min(start + chunk, src.numel())
-                    landed[: stop - start].copy_(flat_src[start:stop], non_blocking=True)
-                    flat_dst[start:stop].copy_(landed[: stop - start])
+                # Allocated on the copy stream and only used there: when it is dropped below, the
+                # allocator hands it out again only to later work of this stream, which runs after
+                # these casts.
+                landed = torch.empty(chunks[0].stop, dtype=src.dtype, device=self.device)
+                for chunk in chunks:
+                    size = chunk.stop - chunk.start
+                    landed[:size].copy_(flat_src[chunk], non_blocking=True)
+                    flat_dst[chunk].copy_(landed[:size])
             return self._finish(True, stream, reads, writes, [src], dst, [dst], label, nbytes)
 
     def _finish(
@@ -654,10 +660,10 @@ def _check_same(dst: torch.Tensor, src: torch.Tensor, fn: str, dtype: torch.dtyp
     dtype = src.dtype if dtype is None else dtype
     if dst.dtype != dtype or dst.numel() != src.numel():
         cast = "" if dtype == src.dtype else f" cast to {dtype}"
+        hint = ", or pass dtype= to cast on the device" if fn == "h2d" and dst.dtype != dtype == src.dtype else ""
         raise ValueError(
             f"{fn}: dst ({dst.dtype}, {dst.numel()} elements) must match src ({src.dtype}, "
-            f"{src.numel()} elements){cast}; give a dst of that dtype and size"
-            + (", or pass dtype= to cast on the device" if fn == "h2d" and dtype == src.dtype else "")
+            f"{src.numel()} elements){cast}; give a dst of that dtype and size{hint}"
         )
 
 

@@ -147,10 +147,13 @@ class GroupOffload:
         self.numel = offset
 
     def host_bytes(self) -> int:
-        """Host bytes this group will pin: master, gradient buffer and (at most) a mirror."""
-        itemsize = self.group.fsdp_params[0]._sharded_param_data.element_size()
-        mirror_bytes = self.numel * 2 if self.plan.cast_on == "host" else 0
-        return self.numel * itemsize * 2 + mirror_bytes
+        """Host bytes this group will pin: master, gradient buffer and, when the copy-in reads one
+        (``cast_on="host"`` with a compute dtype other than the master's), a mirror."""
+        master_dtype = self.group.fsdp_params[0]._sharded_param_data.dtype
+        # Read from the policy: FSDPParam.param_dtype is set only at lazy init.
+        param_dtype = self.group.mp_policy.param_dtype
+        mirrored = self.plan.cast_on == "host" and param_dtype is not None and param_dtype != master_dtype
+        return self.numel * master_dtype.itemsize * 2 + (self.numel * param_dtype.itemsize if mirrored else 0)
 
     def _param_dtype_to_cast(self) -> torch.dtype | None:
         """The compute dtype the master is cast to for the copy-in, None if it needs no cast."""
@@ -474,7 +477,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
                 sum(g._offload.host_bytes() for g in _live_groups if g._offload.offloaded and not g._offload.homed)
                 + self._offload.host_bytes(),
                 pinned=plan.memory == "pinned",
-                what="CoherentOffload shards, gradients and compute-dtype mirrors",
+                what="CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')",
             )
         _live_groups.add(self)
         optim.register_offloaded_group(self._offload)

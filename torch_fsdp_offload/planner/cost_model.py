@@ -33,7 +33,7 @@ __all__ = [
     "copy_in_bytes_per_param",
     "evaluate",
     "host_step_bytes_per_param",
-    "host_step_rates",
+    "host_step_seconds_per_param",
     "model_dram_bandwidth_GBps",
     "naive_offload_GB",
     "offload_window",
@@ -279,8 +279,8 @@ class TrainingProfile:
             (:func:`~torch_fsdp_offload.planner.profile.measure_host_step` measures all three).
         host_alone_cast_s_per_param (float | None): the compute-dtype cast's part of
             ``host_alone_s_per_param``: what ``TrainingConfig(cast_on="device")`` takes off each
-            host-stepped parameter (:func:`host_step_rates`). None: unknown; the cast's share of the
-            host step's bytes is taken instead.
+            host-stepped parameter (:func:`host_step_seconds_per_param`). None: unknown; the
+            cast's share of the host step's bytes is taken instead.
         host_link_busy_cast_s_per_param (float | None): the cast's part of ``host_step_s_per_param``.
     """
 
@@ -530,7 +530,7 @@ def copy_in_bytes_per_param(profile: TrainingProfile, cast_on: str = "host") -> 
     return profile.param_bytes if cast_on == "device" else profile.compute_bytes
 
 
-def host_step_rates(profile: TrainingProfile, cast_on: str = "host") -> tuple[float | None, float | None]:
+def host_step_seconds_per_param(profile: TrainingProfile, cast_on: str = "host") -> tuple[float | None, float | None]:
     """The measured host step per host-stepped parameter, ``(alone, link busy)``, as the step model
     uses it for ``cast_on``: ``profile.host_alone_s_per_param`` and ``profile.host_step_s_per_param``
     (AdamW plus the compute-dtype cast), less the cast's part with ``cast_on="device"``.
@@ -546,7 +546,7 @@ def host_step_rates(profile: TrainingProfile, cast_on: str = "host") -> tuple[fl
 
     Example::
 
-        >>> host_step_rates(dataclasses.replace(profile, host_alone_s_per_param=0.31e-9,
+        >>> host_step_seconds_per_param(dataclasses.replace(profile, host_alone_s_per_param=0.31e-9,
         ...     host_step_s_per_param=0.59e-9, host_alone_cast_s_per_param=0.08e-9,
         ...     host_link_busy_cast_s_per_param=0.22e-9), cast_on="device")  # (0.23e-9, 0.37e-9)
     """
@@ -629,7 +629,8 @@ def predict_step(
     The host optimizer is bound by host DRAM bandwidth (:func:`host_step_bytes_per_param` bytes per
     parameter at ``profile.host_GBps``, shared with the link's copies; one host DRAM serves all
     ``world_size`` GPUs). With ``cast_on="device"`` the host step is AdamW alone: the cast's bytes
-    (or, with measured rates, its measured time, :func:`host_step_rates`) leave the host step.
+    (or, with measured rates, its measured time, :func:`host_step_seconds_per_param`) leave the
+    host step; the device memory of its one landing chunk (``chunk_bytes``, 64 MiB) is not counted.
     Host-stepped groups are the last in forward order, so their gradients land
     first in backward; host steps start when the first of them landed, run beside the streamed
     steps, and must end before the next forward reaches the host groups (with or without
@@ -691,7 +692,7 @@ def predict_step(
     grad_down = offloaded_blocks * shard * profile.reduce_bytes * copies
     stream_up = streamed_blocks * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes) * copies
     # The streamed step brings back the master and moments, and with cast_on="host" the mirror.
-    mirror_down = profile.compute_bytes if config.cast_on == "host" else 0
+    mirror_down = profile.compute_bytes if config.cast_on == "host" and profile.compute_bytes != profile.param_bytes else 0
     stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + mirror_down) * copies
     act_forward, act_in_flight, reloaded = (
         _activation_traffic(profile, activation_blocks, per_block_saved) if activation_blocks and copies else (0, 0, 0)
@@ -746,7 +747,7 @@ def predict_step(
     d2h_bytes = grad_down + act_forward + act_in_flight + stream_down
     host_params = host_blocks * shard * world_size
     # With cast_on="device" the host work is AdamW alone (the cast runs on the GPU).
-    host_alone, host_busy = host_step_rates(profile, config.cast_on)
+    host_alone, host_busy = host_step_seconds_per_param(profile, config.cast_on)
     if not host_blocks:
         host_time = 0.0
     elif host_alone is not None and host_busy is not None and profile.host_busy_link_GBps:

@@ -717,11 +717,10 @@ def training_profile(
 
 def _host_cast_rates(platform: PlatformProfile, host_rates: HostStepRates | None) -> dict[str, float | None]:
     """The cast's part of the host step, alone and link-busy, for a TrainingProfile: measured with
-    the step's rates when they were (an older ``HostStepRates`` without the cast timed on its own
-    keeps the platform's figures), else the platform profile's."""
-    if host_rates is not None and host_rates.link_busy_s_per_param is not None and (
-        host_rates.alone_cast_s_per_param is not None and host_rates.link_busy_cast_s_per_param is not None
-    ):
+    the step's rates when they were; unknown (None: the step model splits the step by bytes) when
+    the step was measured without its cast apart, since the platform profile's figures are another
+    host's; the platform profile's when nothing was measured (its host step is the profile's too)."""
+    if host_rates is not None and host_rates.link_busy_s_per_param is not None:
         return {"host_alone_cast_s_per_param": host_rates.alone_cast_s_per_param,
                 "host_link_busy_cast_s_per_param": host_rates.link_busy_cast_s_per_param}
     return {"host_alone_cast_s_per_param": platform.host_alone_cast_s_per_param,
