@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -105,6 +106,22 @@ class CoherentOffloadCapacityTest(TestCase):
             with self.assertRaisesRegex(HostMemoryError, "MemAvailable"):
                 fully_shard(model[0], offload_policy=policy)
         self.assertEqual(memory_stats()["host_bytes"], before["host_bytes"])
+
+    def test_a_group_mixing_dtypes_is_refused_before_sharding(self):
+        # One flat host buffer per group: a bf16 layer beside an fp32 one would be converted.
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+        before = memory_stats()
+        with self.assertRaisesRegex(ValueError, r"mix torch.bfloat16, torch.float32\. Cast them to one dtype"):
+            fully_shard(model, offload_policy=CoherentOffload(platform="discrete"))
+        self.assertEqual(memory_stats()["host_bytes"], before["host_bytes"])
+        self.assertEqual(model[1].weight.dtype, torch.bfloat16)
+        self.assertNotIsInstance(model[0].weight, DTensor)
+        # Each dtype in its own group works (on a fresh model: FSDP marks a module it was applied
+        # to, even when that failed).
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+        fully_shard(model[1], offload_policy=CoherentOffload(platform="discrete"))
+        fully_shard(model, offload_policy=CoherentOffload(platform="discrete"))
+        self.assertEqual((model[0].weight.dtype, model[1].weight.dtype), (torch.float32, torch.bfloat16))
 
     def test_capacity_counts_the_mirror_only_where_one_is_made(self):
         # 2 x 256 x 256 + 2 x 256 fp32 parameters: master and gradient buffer 8 bytes each, the

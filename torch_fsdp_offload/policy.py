@@ -180,6 +180,9 @@ class CoherentOffload(CPUOffloadPolicy):
     Raises:
         ValueError: a knob outside its range or of the wrong type, or an unsupported
             combination (for example ``offload_grads=False`` with ``offload_params=True``).
+            ``fully_shard`` with this policy raises it too, before allocating anything, for a
+            group whose parameters mix dtypes (an offloaded group's shards share one host
+            buffer): shard each dtype's submodules as groups of their own first.
 
     Example::
 

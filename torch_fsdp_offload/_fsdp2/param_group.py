@@ -401,6 +401,19 @@ class GroupOffload:
             schedule.prefetch_first(self.plan.prefetch_depth)
 
 
+def _check_one_dtype(params: list[nn.Parameter]) -> None:
+    """An offloaded group's shards live in one flat host buffer of one dtype: a group mixing dtypes
+    would have its parameters silently converted to the first one's. Refused before FSDP shards."""
+    dtypes = sorted({str(param.dtype) for param in params})
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"CoherentOffload keeps an FSDP group's shards in one host buffer of one dtype, but this "
+            f"group's parameters mix {', '.join(dtypes)}. Cast them to one dtype before fully_shard, or "
+            "call fully_shard (with the policy) on the submodules of each dtype first, so that each "
+            "dtype gets its own group"
+        )
+
+
 def _is_host_grad(offload: GroupOffload, fsdp_param: FSDPParam) -> bool:
     if offload.grads is None:
         return False
@@ -457,6 +470,8 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             and plan.platform not in (PlatformKind.UNIFIED, PlatformKind.HOST_ONLY)
             and _next_group_offloaded(policy, plan.module_fraction)
         )
+        if offloaded:
+            _check_one_dtype(args[0] if args else kwargs["params"])
         # FSDP places shards on the host only for a CPUOffloadPolicy; on UNIFIED and HOST_ONLY
         # the shards stay where compute runs, and nothing crosses a link.
         fsdp_policy = policy if offloaded else OffloadPolicy()
