@@ -99,18 +99,21 @@ class CoherentOffloadGPUTest(TestCase):
             OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, overlap_next_forward=overlap_next_forward),
         )
 
+    @staticmethod
+    def _train_step(model, optim, step):
+        """One optimizer step on batch ``step`` (the same batch for every model); its loss."""
+        tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        loss = causal_lm_loss(model(tokens), tokens)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.detach()
+
     def _train_both(self, reference, reference_optim, model, optim, *, rtol):
         """10 steps of each model on the same batches; losses compared at every step."""
         for step in range(10):
-            tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-            losses = []
-            for m, o in ((reference, reference_optim), (model, optim)):
-                loss = causal_lm_loss(m(tokens), tokens)
-                loss.backward()
-                o.step()
-                o.zero_grad()
-                losses.append(loss.detach())
-            self.assertEqual(losses[1], losses[0], atol=0, rtol=rtol)
+            reference_loss = self._train_step(reference, reference_optim, step)
+            self.assertEqual(self._train_step(model, optim, step), reference_loss, atol=0, rtol=rtol)
 
     def _assert_params_close(self, model, reference):
         for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
@@ -215,14 +218,7 @@ class CoherentOffloadGPUTest(TestCase):
                 optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, overlap_next_forward=True)
                 engine.synchronize()
                 engine.stats.reset()
-                losses = []
-                for step in range(10):
-                    tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-                    loss = causal_lm_loss(model(tokens), tokens)
-                    loss.backward()
-                    optim.step()
-                    optim.zero_grad()
-                    losses.append(loss.detach())
+                losses = [self._train_step(model, optim, step) for step in range(10)]
                 optim.synchronize()
                 mirrors = [owner.mirror for owner in optim._inner if owner is not None]
                 trained[cast_on] = (model, torch.stack(losses), engine.stats.h2d_bytes, mirrors)

@@ -45,9 +45,9 @@ class PlatformProfile:
         host_alone_cast_s_per_param (float | None): seconds per parameter the host step's cast of
             the fp32 master into the compute-dtype mirror takes with nothing beside it
             (``CoherentOffload(cast_on="host")``'s share of the host step; ``cast_on="device"``
-            does not pay it). The step model takes it where the host step is timed
-            (:func:`~torch_fsdp_offload.planner.profile.measure_host_step`) without its cast on
-            its own. None: unknown (the model then splits the step by bytes).
+            does not pay it). The step model takes it where the host step was not measured on
+            the machine (:func:`~torch_fsdp_offload.planner.profile.measure_host_step` times the
+            cast itself). None: unknown (the model then splits the step by bytes).
         host_link_busy_cast_s_per_param (float | None): the same while the link copies both ways.
     """
 
