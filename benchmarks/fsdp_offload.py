@@ -32,6 +32,18 @@ bytes keep the link that busy, the host work can take no less than
 work; DMA that runs while the host idles costs as much step time or more). It replaces T_host in
 the host term. (Earlier files' ``LBc``, ``lower_bound_link_busy_s``, charged T_host_busy for the
 whole host work, as if the link copied all the time: steps ran below it, so it bounded nothing.)
+
+``LBd`` (``lower_bound_chain_s``) adds to the host term of ``next-fwd`` rows the GPU work no host
+step can run beside. The next forward needs first the host-stepped group whose gradients landed
+last, so from the end of its step until the next gradients land the host has nothing to step
+while the GPU runs the forward from that group on and at least one group's backward:
+
+    T_chain = T_fwd * P_host / P + T_bwd / N
+
+(the forward counted in proportion to the parameters, P_host of the P stepped on the host; N
+groups), and the host term becomes T_host + T_chain. The issue's LB leaves this chain out; rows
+without next-fwd already count it. ``LBsd`` is LBd with T_host_shared. Neither counts the copies
+on the chain (the last group's gradients down, the first group's parameters up).
 ``--rederive FILE...`` recomputes these columns for stored result files and prints their tables.
 With ``--profile DIR`` each CoherentOffload row at the first batch size also
 writes a chrome trace and a summary of how much copy time ran under compute (``profile_overlap``).
@@ -493,11 +505,24 @@ def host_work_s(host_params: float, link_GB: float, host: dict, *, cast: bool, s
     return shared_dram_host_seconds(alone, host_params / 1e9 * rate(busy_rates), link_GB / busy_rates["link_GBps_meanwhile"])
 
 
-def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict, *, shared_dram: bool = False) -> float:
+def dependency_chain_s(row: dict, resident: dict) -> float:
+    """``T_chain`` of the module docstring: GPU work of ``resident`` that runs while a ``next-fwd``
+    row's host waits, between the step of the group the next forward needs first and the next
+    gradients landing: the forward over the host-stepped parameters' share of the model and one
+    group's share of the backward."""
+    groups = row["n_blocks"] * units_per_block(row["name"]) + 1
+    host_share = row.get("host_stepped_params", 0) / (row["params_M"] * 1e6)
+    return resident["fwd_s"] * host_share + resident["bwd_s"] / groups
+
+
+def lower_bound(
+    row: dict, resident: dict, bandwidth: dict, host: dict, *, shared_dram: bool = False, chain: bool = False
+) -> float:
     """LB of one row from quantities measured in this run (see the module docstring); the host
     term is the measured host work per parameter times the parameters this row steps on the
     host, not the row's own host time. ``shared_dram``: LBs, the host work slowed by the row's
-    link traffic."""
+    link traffic. ``chain``: LBd, the host term of ``next-fwd`` rows plus the GPU work no host
+    step can run beside (:func:`dependency_chain_s`)."""
     t_gpu = resident["fwd_s"] + resident["bwd_s"]
     terms = [
         t_gpu,
@@ -512,8 +537,8 @@ def lower_bound(row: dict, resident: dict, bandwidth: dict, host: dict, *, share
         cast = row["name"].startswith("coherent") and coherent_row_config(row["name"]).get("cast_on", "host") == "host"
         t_host = host_work_s(host_params, row["h2d_GB"] + row["d2h_GB"], host, cast=cast, shared_dram=shared_dram)
         if optimizer_kwargs(row["name"])["overlap_next_forward"]:
-            # Host steps may run under the next forward as well as backward.
-            terms.append(t_host)
+            # Host steps may run under the next forward as well as backward, but for the chain.
+            terms.append(t_host + (dependency_chain_s(row, resident) if chain else 0.0))
         else:
             n = row["n_blocks"] * units_per_block(row["name"]) + 1
             terms.append(t_gpu + t_host - resident["bwd_s"] * (n - 1) / n)
@@ -536,6 +561,12 @@ def add_derived_columns(rows: list[dict], batch_size: int, bandwidth: dict, host
         row["step_over_lb"] = round(row["step_s"] / row["lower_bound_s"], 2)
         row["lower_bound_shared_dram_s"] = round(lower_bound(row, compute, bandwidth, host, shared_dram=True), 4)
         row["step_over_lb_shared_dram"] = round(row["step_s"] / row["lower_bound_shared_dram_s"], 2)
+        row["lower_bound_chain_s"] = round(lower_bound(row, compute, bandwidth, host, chain=True), 4)
+        row["step_over_lb_chain"] = round(row["step_s"] / row["lower_bound_chain_s"], 2)
+        row["lower_bound_shared_dram_chain_s"] = round(
+            lower_bound(row, compute, bandwidth, host, shared_dram=True, chain=True), 4
+        )
+        row["step_over_lb_shared_dram_chain"] = round(row["step_s"] / row["lower_bound_shared_dram_chain_s"], 2)
         row["peak_vs_resident"] = round(row["peak_gpu_GiB"] / resident["peak_gpu_GiB"], 2)
         if stock is not None:
             row["speedup_vs_stock"] = round(stock["step_s"] / row["step_s"], 2)
@@ -545,7 +576,7 @@ def add_derived_columns(rows: list[dict], batch_size: int, bandwidth: dict, host
 
 def print_table(rows: list[dict]) -> None:
     header = (f"{'row':42s} {'bs':>3s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'host opt':>8s} {'peak GiB':>8s} "
-              f"{'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'/LBs':>5s} {'vs stock':>8s}")
+              f"{'H2D GB':>7s} {'D2H GB':>7s} {'LB s':>6s} {'/LB':>5s} {'/LBs':>5s} {'/LBd':>5s} {'/LBsd':>5s} {'vs stock':>8s}")
     print(header)
     for r in rows:
         if "error" in r:
@@ -555,7 +586,8 @@ def print_table(rows: list[dict]) -> None:
             f"{r['name']:42s} {r['batch_size']:>3d} {r['step_s']:7.3f} {r['fwd_s']:6.3f} {r['bwd_s']:6.3f} {r['opt_s']:6.3f} "
             f"{r['host_optimizer_s']:8.3f} {r['peak_gpu_GiB']:8.1f} {r['h2d_GB']:7.2f} {r['d2h_GB']:7.2f} "
             f"{r.get('lower_bound_s', float('nan')):6.3f} {r.get('step_over_lb', float('nan')):5.2f} "
-            f"{r.get('step_over_lb_shared_dram', float('nan')):5.2f} {r.get('speedup_vs_stock', float('nan')):8.2f}"
+            f"{r.get('step_over_lb_shared_dram', float('nan')):5.2f} {r.get('step_over_lb_chain', float('nan')):5.2f} "
+            f"{r.get('step_over_lb_shared_dram_chain', float('nan')):5.2f} {r.get('speedup_vs_stock', float('nan')):8.2f}"
         )
 
 

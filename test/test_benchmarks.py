@@ -386,6 +386,31 @@ class TestFsdpOffloadBenchmark(TestCase):
         # Stock offload casts on the GPU: its host work is the AdamW step alone.
         self.assertAlmostEqual(fsdp_offload.host_work_s(2e9, 0.0, host, cast=False, shared_dram=False), 0.4)
 
+    def test_lower_bound_with_the_dependency_chain(self):
+        # LBd: a next-fwd row's host waits while the GPU runs the forward over the host-stepped
+        # parameters' share (half of 0.05 s) and one group's backward (0.1 s over 8 * 2 + 1 groups).
+        resident = {"fwd_s": 0.05, "bwd_s": 0.1}
+        bandwidth = {"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps": 100.0}
+        host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1,
+                "link_busy": {"adamw_s_per_Gparam": 0.4, "cast_s_per_Gparam": 0.2, "link_GBps_meanwhile": 75.0}}
+        row = {"name": "coherent(host;next-fwd;last=0.5;keep=1;ac;units=2)", "h2d_GB": 10.0, "d2h_GB": 5.0,
+               "host_stepped_params": 1e9, "params_M": 2000.0, "n_blocks": 8}
+        chain = 0.05 * 0.5 + 0.1 / 17
+        self.assertAlmostEqual(fsdp_offload.dependency_chain_s(row, resident), chain)
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.3)
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host, chain=True), 0.3 + chain)
+        # LBsd: the same chain after the host work slowed by the row's own DMA.
+        shared = fsdp_offload.lower_bound(row, resident, bandwidth, host, shared_dram=True)
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host, shared_dram=True, chain=True),
+                               shared + chain)
+        # Without next-fwd the host term already waits for the last group: the chain adds nothing.
+        row["name"] = "coherent(host;last=0.5)"
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host, chain=True),
+                               fsdp_offload.lower_bound(row, resident, bandwidth, host))
+        # Nothing stepped on the host: no chain; the link bounds the row.
+        row.update(name="coherent(stream;next-fwd)", host_stepped_params=0)
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host, chain=True), 0.2)
+
     def test_derived_columns_of_the_rows_measured_so_far(self):
         # The results are written after every row: the columns must come out right whichever rows
         # of a batch size have been measured when a run stops.
@@ -406,6 +431,9 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertEqual(rows[0]["peak_vs_resident"], 0.33)
         self.assertEqual(rows[1]["speedup_vs_stock"], 5.0)
         self.assertEqual(rows[1]["step_over_lb"], round(0.16 / 0.15, 2))
+        # Rows that step nothing on the host have no chain: LBd and LBsd are LB and LBs.
+        self.assertEqual((rows[1]["step_over_lb_chain"], rows[1]["step_over_lb_shared_dram_chain"]),
+                         (rows[1]["step_over_lb"], rows[1]["step_over_lb_shared_dram"]))
         self.assertNotIn("speedup_vs_stock", rows[2])  # another batch size
         self.assertNotIn("step_over_lb", rows[3])
 
