@@ -505,14 +505,18 @@ def host_work_s(host_params: float, link_GB: float, host: dict, *, cast: bool, s
     return shared_dram_host_seconds(alone, host_params / 1e9 * rate(busy_rates), link_GB / busy_rates["link_GBps_meanwhile"])
 
 
+def _groups(row: dict) -> int:
+    """FSDP groups of a row's model: its blocks' (``units=N`` each) and the root."""
+    return row["n_blocks"] * units_per_block(row["name"]) + 1
+
+
 def dependency_chain_s(row: dict, resident: dict) -> float:
     """``T_chain`` of the module docstring: GPU work of ``resident`` that runs while a ``next-fwd``
     row's host waits, between the step of the group the next forward needs first and the next
     gradients landing: the forward over the host-stepped parameters' share of the model and one
     group's share of the backward."""
-    groups = row["n_blocks"] * units_per_block(row["name"]) + 1
     host_share = row.get("host_stepped_params", 0) / (row["params_M"] * 1e6)
-    return resident["fwd_s"] * host_share + resident["bwd_s"] / groups
+    return resident["fwd_s"] * host_share + resident["bwd_s"] / _groups(row)
 
 
 def lower_bound(
@@ -540,7 +544,7 @@ def lower_bound(
             # Host steps may run under the next forward as well as backward, but for the chain.
             terms.append(t_host + (dependency_chain_s(row, resident) if chain else 0.0))
         else:
-            n = row["n_blocks"] * units_per_block(row["name"]) + 1
+            n = _groups(row)
             terms.append(t_gpu + t_host - resident["bwd_s"] * (n - 1) / n)
     return max(terms)
 

@@ -160,6 +160,16 @@ class GroupOffload:
         param_dtype = self.group.fsdp_params[0].param_dtype
         return param_dtype if param_dtype is not None and param_dtype != self.master.dtype else None
 
+    def _mirror_to_write(self) -> torch.Tensor | None:
+        """The pinned compute-dtype mirror the copy-in reads, allocated on first use; None (and no
+        mirror kept) where the copy-in reads the master: no cast, or ``cast_on="device"``."""
+        param_dtype = self._param_dtype_to_cast()
+        if param_dtype is None or self.plan.cast_on != "host":
+            self.mirror = None
+        elif self.mirror is None or self.mirror.dtype != param_dtype:
+            self.mirror = pinned_empty((self.numel,), param_dtype)
+        return self.mirror
+
     # -- placement -------------------------------------------------------------------------
     @torch.no_grad()
     def home(self) -> None:
@@ -206,14 +216,10 @@ class GroupOffload:
         if not self.homed:
             return  # before lazy init: the first copy-in refreshes
         with self.lock:
-            param_dtype = self._param_dtype_to_cast()
-            if param_dtype is not None and self.plan.cast_on == "host":
-                if self.mirror is None or self.mirror.dtype != param_dtype:
-                    self.mirror = pinned_empty((self.numel,), param_dtype)
+            mirror = self._mirror_to_write()
+            if mirror is not None:
                 with torch.profiler.record_function("torch_fsdp_offload::cast_master_to_mirror"):
-                    self.mirror.copy_(self.master)
-            else:
-                self.mirror = None
+                    mirror.copy_(self.master)
             self.dirty = False
             self._inflight = None
 
@@ -381,14 +387,10 @@ class GroupOffload:
             transfers = [
                 self.engine.d2h(master_on_device, self.master[start:stop], label="optimizer_d2h_params")
             ]
-            param_dtype = self._param_dtype_to_cast()
-            if param_dtype is not None and self.plan.cast_on == "host":
-                if self.mirror is None or self.mirror.dtype != param_dtype:
-                    self.mirror = pinned_empty((self.numel,), param_dtype)
+            mirror = self._mirror_to_write()
+            if mirror is not None:
                 transfers.append(
-                    self.engine.d2h(
-                        master_on_device.to(param_dtype), self.mirror[start:stop], label="optimizer_d2h_mirror"
-                    )
+                    self.engine.d2h(master_on_device.to(mirror.dtype), mirror[start:stop], label="optimizer_d2h_mirror")
                 )
             self.dirty = False
             self._inflight = None

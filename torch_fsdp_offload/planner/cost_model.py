@@ -494,7 +494,7 @@ def _adamw_bytes(profile: TrainingProfile) -> int:
 def _host_cast_bytes(profile: TrainingProfile, cast_on: str) -> int:
     # The cast into the compute-dtype mirror reads the master and writes the mirror; there is none
     # with cast_on="device", nor when the compute dtype is the master's.
-    if cast_on != "host" or profile.compute_bytes >= profile.param_bytes:
+    if cast_on != "host" or profile.compute_bytes == profile.param_bytes:
         return 0
     return profile.param_bytes + profile.compute_bytes
 
@@ -692,7 +692,7 @@ def predict_step(
     grad_down = offloaded_blocks * shard * profile.reduce_bytes * copies
     stream_up = streamed_blocks * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes) * copies
     # The streamed step brings back the master and moments, and with cast_on="host" the mirror.
-    mirror_down = profile.compute_bytes if config.cast_on == "host" and profile.compute_bytes != profile.param_bytes else 0
+    mirror_down = profile.compute_bytes if _host_cast_bytes(profile, config.cast_on) else 0
     stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + mirror_down) * copies
     act_forward, act_in_flight, reloaded = (
         _activation_traffic(profile, activation_blocks, per_block_saved) if activation_blocks and copies else (0, 0, 0)
