@@ -50,7 +50,7 @@ from fsdp_offload import (  # noqa: E402
 )
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
-from torch_fsdp_offload.models import _rope_tables, build_model, causal_lm_loss  # noqa: E402
+from torch_fsdp_offload.models import build_model, causal_lm_loss, rope_tables  # noqa: E402
 from torch_fsdp_offload.planner import get_profile, predict_per_gpu, TrainingConfig  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.train import materialize_sharded  # noqa: E402
@@ -104,7 +104,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         else:
             local.copy_(torch.empty(local.shape, device=device).normal_(0.0, 0.02))
     if model.config.rope:
-        cos, sin = _rope_tables(model.config, device)
+        cos, sin = rope_tables(model.config, device)
         model.register_buffer("rope_cos", cos, persistent=False)
         model.register_buffer("rope_sin", sin, persistent=False)
 

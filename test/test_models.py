@@ -24,6 +24,7 @@ from torch_fsdp_offload.models import (
     build_hf_causal_lm,
     build_model,
     causal_lm_loss,
+    find_blocks,
 )
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -125,6 +126,53 @@ class TestTransformer(TestCase):
             model(torch.zeros(1, 257, dtype=torch.long))
         with self.assertRaisesRegex(ValueError, "seq >= 2"):
             causal_lm_loss(torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long))
+
+
+def _stack(n_blocks: int, width: int = 0) -> torch.nn.Module:
+    """A module with ``n_blocks`` blocks, each holding a list of ``width`` experts when ``width``."""
+    blocks = []
+    for _ in range(n_blocks):
+        blocks.append(torch.nn.Module())
+        if width:
+            blocks[-1].experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(width))
+    return torch.nn.ModuleList(blocks)
+
+
+class TestFindBlocks(TestCase):
+    def test_known_layouts(self) -> None:
+        model = build_model("tiny", device="meta")
+        self.assertIs(find_blocks(model), model.blocks)
+        gpt2_like = torch.nn.Module()
+        gpt2_like.transformer = torch.nn.Module()
+        gpt2_like.transformer.h = _stack(3)
+        gpt2_like.head = _stack(1)
+        self.assertIs(find_blocks(gpt2_like), gpt2_like.transformer.h)
+
+    @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers")
+    def test_transformers_model(self) -> None:
+        model = build_hf_causal_lm("llama-tiny", device="meta")
+        self.assertIs(find_blocks(model), model.model.layers)
+
+    def test_longest_outermost_list_elsewhere(self) -> None:
+        # Four blocks of eight experts each under a name no layout uses: the experts are longer but
+        # inside the blocks, so they are not the blocks.
+        model = torch.nn.Module()
+        model.decoder = torch.nn.Module()
+        model.decoder.stack = _stack(4, width=8)
+        model.heads = _stack(2)
+        self.assertIs(find_blocks(model), model.decoder.stack)
+
+    def test_no_or_ambiguous_blocks_are_refused(self) -> None:
+        with self.assertRaisesRegex(ValueError, "Linear has no non-empty nn.ModuleList of blocks.*pass blocks="):
+            find_blocks(torch.nn.Linear(2, 2))
+        empty = torch.nn.Module()
+        empty.blocks = torch.nn.ModuleList()
+        with self.assertRaisesRegex(ValueError, "no non-empty nn.ModuleList"):
+            find_blocks(empty)
+        encoder_decoder = torch.nn.Module()
+        encoder_decoder.encoder, encoder_decoder.decoder = _stack(3), _stack(3)
+        with self.assertRaisesRegex(ValueError, r"2 nn.ModuleLists of 3 modules \(encoder, decoder\).*ambiguous.*blocks="):
+            find_blocks(encoder_decoder)
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers")

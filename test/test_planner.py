@@ -11,8 +11,11 @@ import os
 import tempfile
 import time
 import unittest
+from functools import reduce
+from unittest import mock
 
 import torch
+import torch.nn as nn
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -229,7 +232,55 @@ class TestScenarioValidation(TestCase):
         self.assertEqual(scenario.link_GBps, 450.0)
 
 
+class RelaidTransformer(nn.Module):
+    """A built-in transformer with its blocks at ``path`` instead of ``.blocks``: ``"transformer.h"``
+    is GPT-2's layout in transformers, ``"decoder"`` a list under a name no finder looks for."""
+
+    def __init__(self, name: str, path: str) -> None:
+        super().__init__()
+        model = build_model(name, device="meta")
+        self.config = model.config
+        self.tok_embeddings, self.norm, self.output = model.tok_embeddings, model.norm, model.output
+        self.path = path
+        *parents, leaf = path.split(".")
+        owner: nn.Module = self
+        for part in parents:
+            owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        owner.add_module(leaf, model.blocks)
+
+    @property
+    def moved_blocks(self) -> nn.ModuleList:
+        return reduce(getattr, self.path.split("."), self)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.moved_blocks:
+            h = block(h)
+        return self.output(self.norm(h))
+
+
+@instantiate_parametrized_tests
 class TestRealModel(TestCase):
+    @parametrize("path", ["transformer.h", "decoder"])
+    def test_apply_shards_the_blocks_the_plan_planned(self, path):
+        # The plan and Recommendation.apply find a model's blocks the same way, wherever they are.
+        result = plan(lambda: RelaidTransformer("anchor-1.6b", path), platform="h200-pcie", batch_size=4,
+                      gpu_memory_GiB=14)
+        recommended = result.recommended
+        self.assertEqual(recommended.last_blocks[1], 8)
+        model = RelaidTransformer("anchor-1.6b", path)
+        with mock.patch("torch_fsdp_offload.policy.fully_shard_with_policy") as shard, mock.patch(
+            "torch_fsdp_offload.activations.offload_activations"
+        ):
+            recommended.apply(model)
+        (sharded, blocks, policy), kwargs = shard.call_args
+        self.assertIs(sharded, model)
+        self.assertEqual(len(blocks), 8)
+        for block, expected in zip(blocks, model.moved_blocks):
+            self.assertIs(block, expected)
+        self.assertEqual(kwargs["last_blocks"], recommended.last_blocks[0])
+
     def test_tiny_breakdown_on_cpu(self):
         model = build_model("tiny")
         breakdown = model_breakdown("tiny", batch_size=2, seq_len=64, compute_dtype=torch.float32)

@@ -3,12 +3,14 @@
 One ``Transformer`` class covers two families, chosen by :class:`TransformerConfig`:
 
 * Llama style: RMSNorm, SwiGLU MLP, rotary position embeddings (RoPE), optional grouped-query attention.
-* The benchmark model of ``reference/anchors.md`` (``"anchor-1.6b"``): LayerNorm, 4x GELU MLP, no
+* The benchmark model (``"anchor-1.6b"``, see docs/benchmarks.md): LayerNorm, 4x GELU MLP, no
   position embedding, SDPA causal attention.
 
 Every layer is one entry of ``Transformer.blocks`` (an ``nn.ModuleList``): that is the unit to pass to
-``fully_shard`` (or to FSDP1's ``ModuleWrapPolicy({TransformerBlock})``). Models can be built on the
-``meta`` device and materialised later with ``to_empty`` + :meth:`Transformer.init_weights`, which is
+``fully_shard`` (or to FSDP1's ``ModuleWrapPolicy({TransformerBlock})``). :func:`find_blocks` finds
+that unit in this model and in other layouts (transformers' Llama and GPT-2 models, any
+``nn.ModuleList`` of layers): the planner plans, and ``Recommendation.apply`` shards, the blocks it
+finds. Models can be built on the ``meta`` device and materialised later with ``to_empty`` + :meth:`Transformer.init_weights`, which is
 deterministic for a given seed whatever the device, dtype or sharding of the parameters.
 
 This module imports only torch (``build_hf_causal_lm`` imports transformers lazily).
@@ -30,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
+    "BLOCK_LIST_PATHS",
     "HF_CONFIGS",
     "MODEL_CONFIGS",
     "Transformer",
@@ -38,6 +41,8 @@ __all__ = [
     "build_hf_causal_lm",
     "build_model",
     "causal_lm_loss",
+    "find_blocks",
+    "rope_tables",
 ]
 
 
@@ -55,7 +60,7 @@ class TransformerConfig:
         norm (str): ``"rms"`` (RMSNorm, Llama) or ``"layer"`` (LayerNorm with bias).
         mlp (str): ``"swiglu"`` (Llama) or ``"gelu"`` (two projections with a GELU between).
         rope (bool): apply rotary position embeddings to queries and keys. Without it the model has no
-            position signal other than the causal mask, like the anchors.md benchmark model.
+            position signal other than the causal mask, like the ``anchor-1.6b`` benchmark model.
         n_kv_heads (int | None): key/value heads for grouped-query attention; ``None`` means ``n_heads``.
         norm_eps (float): epsilon of the normalisation layers.
         rope_theta (float): RoPE base frequency.
@@ -137,8 +142,8 @@ MODEL_CONFIGS: dict[str, TransformerConfig] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
-    # The measured baseline of reference/anchors.md and h200-measured.json ("8 blocks, d_model 4096, SDPA
-    # causal attention + 4x GELU MLP, LayerNorm", params_M 1611.0). Its blocks alone hold 8 x 12 x 4096^2
+    # The benchmark model of docs/benchmarks.md: 8 blocks, d_model 4096, SDPA causal attention + 4x
+    # GELU MLP, LayerNorm, 1611.0M parameters. Its blocks alone hold 8 x 12 x 4096^2
     # = 1610.6M bias-free projection weights plus 0.13M LayerNorm weights/biases; a 32-token vocabulary
     # (untied embedding and head, 0.26M) brings the total to 1,611,014,144 = 1611.0M, so the time and
     # memory profile is the benchmark's blocks, not a large vocabulary. 32 heads of 128.
@@ -162,7 +167,16 @@ def _make_norm(config: TransformerConfig) -> nn.Module:
     return nn.LayerNorm(config.dim, eps=config.norm_eps)
 
 
-def _rope_tables(config: TransformerConfig, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: TransformerConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding tables ``(cos, sin)`` of ``config``, ``(max_seq_len, head_dim // 2)`` in fp32:
+    the ``rope`` argument of :class:`TransformerBlock` for a block called on its own.
+
+    Example::
+
+        >>> cos, sin = rope_tables(MODEL_CONFIGS["tiny"])
+        >>> TransformerBlock(MODEL_CONFIGS["tiny"])(torch.randn(1, 8, 64), (cos, sin)).shape
+        torch.Size([1, 8, 64])
+    """
     # Computed in fp32 whatever the model dtype: bf16 angles lose the position signal at long range.
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float32, device=device) / half))
@@ -265,7 +279,7 @@ class Transformer(nn.Module):
             self.norm = _make_norm(config)
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
             if config.rope:
-                cos, sin = _rope_tables(config, None)
+                cos, sin = rope_tables(config, None)
                 # Not persistent: derived from the config, so checkpoints carry only trained state.
                 self.register_buffer("rope_cos", cos, persistent=False)
                 self.register_buffer("rope_sin", sin, persistent=False)
@@ -319,7 +333,7 @@ class Transformer(nn.Module):
                 full = torch.empty(param.shape).normal_(0.0, std, generator=generator)
             _copy_full_into(param, full)
         if self.config.rope:
-            cos, sin = _rope_tables(self.config, self.rope_cos.device)
+            cos, sin = rope_tables(self.config, self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -331,6 +345,67 @@ class Transformer(nn.Module):
     def param_count(self) -> int:
         """Number of parameters (global counts for sharded ``DTensor`` parameters; works on ``meta``)."""
         return sum(p.numel() for p in self.parameters())
+
+
+# Where common layouts keep their layers, looked up in this order: this module's Transformer,
+# Llama-like transformers models (``model.model.layers``), plain stacks, GPT-2-like ones.
+BLOCK_LIST_PATHS = ("blocks", "model.layers", "layers", "transformer.h")
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of ``model``: the per-layer modules, in forward order, that are sharded
+    (one FSDP group each), offloaded and prefetched one by one.
+
+    The first non-empty ``nn.ModuleList`` at one of :data:`BLOCK_LIST_PATHS`; else the longest
+    non-empty ``nn.ModuleList`` that is not inside another one (a block's own list, such as the
+    experts of a mixture-of-experts layer, is never taken for the blocks).
+
+    Args:
+        model (nn.Module): the model, sharded or not, on any device (``meta`` included).
+
+    Returns:
+        nn.ModuleList: the blocks.
+
+    Raises:
+        ValueError: no non-empty ``nn.ModuleList``, or two equally long ones not inside one another
+            (an encoder and a decoder, say), which leaves the blocks ambiguous; the message says to
+            pass ``blocks=[...]``.
+
+    Example::
+
+        >>> model = build_model("tiny", device="meta")
+        >>> find_blocks(model) is model.blocks
+        True
+        >>> len(find_blocks(build_hf_causal_lm("llama-tiny", device="meta")))  # its model.layers
+        2
+    """
+    for path in BLOCK_LIST_PATHS:
+        owner: Any = model
+        for part in path.split("."):
+            owner = getattr(owner, part, None)
+        if isinstance(owner, nn.ModuleList) and len(owner) > 0:
+            return owner
+    outermost: list[tuple[str, nn.ModuleList]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        # named_modules() lists a parent before its children.
+        if not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in outermost):
+            outermost.append((name, module))
+    if not outermost:
+        raise ValueError(
+            f"{type(model).__name__} has no non-empty nn.ModuleList of blocks (looked at "
+            f"{', '.join(BLOCK_LIST_PATHS)} and every submodule); keep the layers in an nn.ModuleList, "
+            "or pass blocks=[...] in forward order"
+        )
+    longest = max(len(module) for _, module in outermost)
+    candidates = [name or "the model itself" for name, module in outermost if len(module) == longest]
+    if len(candidates) > 1:
+        raise ValueError(
+            f"{type(model).__name__} has {len(candidates)} nn.ModuleLists of {longest} modules "
+            f"({', '.join(candidates)}), so its blocks are ambiguous; pass blocks=[...] in forward order"
+        )
+    return next(module for _, module in outermost if len(module) == longest)
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

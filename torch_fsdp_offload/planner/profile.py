@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+from torch_fsdp_offload import models
 from torch_fsdp_offload.planner.cost_model import TrainingProfile
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 
@@ -142,8 +143,6 @@ def resolve_model(model: Any) -> tuple[nn.Module, str]:
         ValueError: unknown name.
         TypeError: anything else.
     """
-    from torch_fsdp_offload import models
-
     if isinstance(model, str):
         if model in models.MODEL_CONFIGS:
             return models.build_model(model, device="meta"), model
@@ -168,22 +167,6 @@ def resolve_model(model: Any) -> tuple[nn.Module, str]:
         f"cannot plan for a {type(model).__name__}; pass a model name, a TransformerConfig, a module "
         "factory or an nn.Module"
     )
-
-
-def _find_blocks(model: nn.Module) -> nn.ModuleList:
-    for path in ("blocks", "model.layers", "layers", "transformer.h"):
-        owner: Any = model
-        for part in path.split("."):
-            owner = getattr(owner, part, None)
-        if isinstance(owner, nn.ModuleList) and len(owner):
-            return owner
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        raise ValueError(
-            f"{type(model).__name__} has no nn.ModuleList of blocks; the planner offloads per block "
-            "(FSDP group), so expose them as .blocks or .model.layers"
-        )
-    return max(lists, key=len)
 
 
 class _FusedAttentionAccounting(TorchFunctionMode):
@@ -268,7 +251,7 @@ def model_breakdown(
         raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
     module, name = resolve_model(model)
     module = module.to(compute_dtype)
-    blocks = _find_blocks(module)
+    blocks = models.find_blocks(module)
     block_params = [sum(p.numel() for p in block.parameters()) for block in blocks]
     total_params = sum(p.numel() for p in module.parameters())
     recorder = _SavedTensorRecorder([*module.parameters(), *module.buffers()])
@@ -434,8 +417,6 @@ def measure_block_timings(
 
         >>> [t.forward_s for t in measure_block_timings("anchor-1.6b", [1, 2, 4, 8], 2048)]
     """
-    from torch_fsdp_offload import models
-
     if not torch.cuda.is_available():
         raise RuntimeError("measure_block_timings needs a CUDA GPU; on CPU use a platform profile or a scenario")
     config = models.MODEL_CONFIGS[model] if isinstance(model, str) else model
@@ -445,7 +426,7 @@ def measure_block_timings(
     block = models.TransformerBlock(config).to(device=device, dtype=compute_dtype)
     rope = None
     if config.rope:
-        rope = tuple(t.to(device) for t in models._rope_tables(config, None))
+        rope = tuple(t.to(device) for t in models.rope_tables(config))
     timings = []
     for batch_size in batch_sizes:
         estimate = 40 * batch_size * seq_len * config.dim * 2

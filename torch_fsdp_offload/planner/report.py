@@ -85,7 +85,7 @@ class Recommendation:
         Args:
             model (nn.Module): the model, not yet sharded.
             blocks (Sequence[nn.Module] | None): the per-layer modules in forward order. Default:
-                the model's ``nn.ModuleList`` of blocks, found as ``offload_activations`` finds it.
+                :func:`~torch_fsdp_offload.models.find_blocks`, the blocks the planner planned.
             **fully_shard_kwargs: passed to every ``fully_shard`` call (``mesh``, ``mp_policy``,
                 ...), never ``offload_policy``.
 
@@ -105,10 +105,11 @@ class Recommendation:
             >>> rec.apply(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
             >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
         """
-        from torch_fsdp_offload.activations import _find_blocks, offload_activations
+        from torch_fsdp_offload.activations import offload_activations
+        from torch_fsdp_offload.models import find_blocks
         from torch_fsdp_offload.policy import fully_shard_with_policy
 
-        blocks = list(_find_blocks(model) if blocks is None else blocks)
+        blocks = list(find_blocks(model) if blocks is None else blocks)
         if self.last_blocks is not None and self.last_blocks[1] != len(blocks):
             raise ValueError(
                 f"the plan is for a model of {self.last_blocks[1]} blocks, this one has {len(blocks)}: "
