@@ -78,8 +78,8 @@ from rounds import median_of_rounds, round_order  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
-from torch_fsdp_offload.planner.cost_model import shared_dram_host_seconds  # noqa: E402
-from torch_fsdp_offload.planner.profile import measure_host_step  # noqa: E402
+from torch_fsdp_offload.planner.host_step_probe import measure_host_step  # noqa: E402
+from torch_fsdp_offload.planner.traffic import shared_dram_host_seconds  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
 

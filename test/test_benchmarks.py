@@ -268,7 +268,7 @@ class TestFsdpOffloadBenchmark(TestCase):
         # The benchmark's host rates are measure_host_step's (one timing of the host step in the
         # library), at the thread count that ran fastest alone, then with the link busy at that
         # count, in the per-Gparam layout its files and --rederive read.
-        from torch_fsdp_offload.planner.profile import HostStepRates
+        from torch_fsdp_offload.planner.host_step_probe import HostStepRates
 
         calls = []
 

@@ -16,7 +16,6 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
-from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -35,16 +34,17 @@ from torch_fsdp_offload.planner import (
     ScenarioError,
     TrainingConfig,
 )
-from torch_fsdp_offload.optim import _STREAM_RUN_BYTES, _STREAM_RUNS_IN_FLIGHT
-from torch_fsdp_offload.planner.cost_model import (
+from torch_fsdp_offload.planner._library_facts import DEFAULT_MAX_INFLIGHT_BYTES, STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
+from torch_fsdp_offload.planner.memory_breakdown import model_breakdown
+from torch_fsdp_offload.planner.peak_memory import phase_peaks
+from torch_fsdp_offload.planner.search import default_training_configs, search_training
+from torch_fsdp_offload.planner.traffic import (
     copy_in_bytes_per_param,
     host_step_bytes_per_param,
     host_step_seconds_per_param,
-    phase_peaks,
     shared_dram_host_seconds,
 )
-from torch_fsdp_offload.planner.profile import model_breakdown, training_profile
-from torch_fsdp_offload.planner.search import default_training_configs, search_training
+from torch_fsdp_offload.planner.training_profile import training_profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TALK = os.path.join(REPO, "docs", "examples", "talk_gh200.json")
@@ -390,7 +390,7 @@ class TestRealModel(TestCase):
         self.assertEqual([f for f, _ in result.scenario.microbatch_scaling], [1.0, 2.0])
 
     def test_host_bandwidth_from_the_step_with_the_link_busy(self):
-        from torch_fsdp_offload.planner.profile import (
+        from torch_fsdp_offload.planner.host_step_probe import (
             HOST_BYTES_PER_LINK_BUSY_PARAM, host_GBps_from_link_busy, measure_host_step,
         )
 
@@ -405,7 +405,7 @@ class TestRealModel(TestCase):
                 measure_host_step(1 << 16, link_busy=True)
 
     def test_host_step_rates_into_the_profile(self):
-        from torch_fsdp_offload.planner.profile import HostStepRates, measure_host_step
+        from torch_fsdp_offload.planner.host_step_probe import HostStepRates, measure_host_step
 
         rates = measure_host_step(1 << 16, threads=1, repeats=1, link_busy=False)
         self.assertGreater(rates.alone_s_per_param, 0)
@@ -425,7 +425,7 @@ class TestRealModel(TestCase):
 
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_host_bandwidth_measured_with_the_link_busy_on_gpu(self):
-        from torch_fsdp_offload.planner.profile import host_GBps_from_link_busy, LinkBusy, measure_host_step
+        from torch_fsdp_offload.planner.host_step_probe import host_GBps_from_link_busy, LinkBusy, measure_host_step
 
         with LinkBusy(64 << 20) as link:
             time.sleep(0.2)
@@ -580,7 +580,7 @@ class TestStepModel(TestCase):
         self.assertEqual(host_step_seconds_per_param(plain_bf16, "device"), (alone, busy))
 
     def test_profile_carries_the_cast_share(self):
-        from torch_fsdp_offload.planner.profile import HostStepRates
+        from torch_fsdp_offload.planner.host_step_probe import HostStepRates
 
         breakdown = model_breakdown("anchor-1.6b", batch_size=4, seq_len=2048)
         # Measured: measure_host_step's cast figures fill the profile.
@@ -688,14 +688,14 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
                                8 * self.profile.block_activation_bytes - expected, delta=1)
 
     def test_streamed_state_in_transit_is_bounded(self):
-        # At most _STREAM_RUNS_IN_FLIGHT runs on the GPU at once, whatever is streamed, of which the
+        # At most STREAM_RUNS_IN_FLIGHT runs on the GPU at once, whatever is streamed, of which the
         # one copying down is freed (held by the allocator, not counted as allocated); the streamed
         # gradients went down in backward (FSDP's reduce output) and come up with their run.
         peaks = phase_peaks(self.profile, TrainingConfig(module_fraction=1.0, optimizer="stream"),
                             offloaded_blocks=8, streamed_blocks=8, activation_blocks=0)
         resident_state = self.profile.other_params * (self.profile.param_bytes + self.profile.optimizer_state_bytes
                                                       + self.profile.reduce_bytes)
-        self.assertAlmostEqual(peaks["optimizer"], resident_state + (_STREAM_RUNS_IN_FLIGHT - 1) * _STREAM_RUN_BYTES, delta=1)
+        self.assertAlmostEqual(peaks["optimizer"], resident_state + (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES, delta=1)
 
     def test_streamed_groups_are_whole_groups_and_their_gradients_go_down(self):
         # OffloadOptimizer streams round(split * offloaded) whole groups: split=0.25 of 5 offloaded

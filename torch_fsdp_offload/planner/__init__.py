@@ -7,10 +7,12 @@ to use. ``python -m torch_fsdp_offload plan`` is its command line. See docs/plan
 """
 
 from torch_fsdp_offload.planner.api import plan, predict_per_gpu
-from torch_fsdp_offload.planner.cost_model import TrainingConfig, TrainingProfile, predict_step
 from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfile, get_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation
 from torch_fsdp_offload.planner.scenario import Scenario, ScenarioError, load_scenario
+from torch_fsdp_offload.planner.step_time import predict_step
+from torch_fsdp_offload.planner.training_config import TrainingConfig
+from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
 __all__ = [
     "PLATFORM_PROFILES",

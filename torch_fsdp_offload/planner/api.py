@@ -9,19 +9,17 @@ from typing import Any
 
 import torch
 
-from torch_fsdp_offload.planner.cost_model import Candidate, predict_step, StepPrediction, TrainingConfig
-from torch_fsdp_offload.planner.profile import (
-    host_GBps_from_link_busy,
-    measure_block_timings,
-    measure_host_step,
-    ModelBreakdown,
-    model_breakdown,
-    training_profile,
-)
+from torch_fsdp_offload.planner.block_timing import measure_block_timings
+from torch_fsdp_offload.planner.host_step_probe import host_GBps_from_link_busy, measure_host_step
+from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, model_breakdown
 from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
 from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
+from torch_fsdp_offload.planner.scenario_cost import Candidate
 from torch_fsdp_offload.planner.search import search_scenario, search_training
+from torch_fsdp_offload.planner.step_time import predict_step, StepPrediction
+from torch_fsdp_offload.planner.training_config import TrainingConfig
+from torch_fsdp_offload.planner.training_profile import training_profile
 
 __all__ = ["plan", "predict_per_gpu"]
 

@@ -6,17 +6,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_fsdp_offload.planner.cost_model import (
+from torch_fsdp_offload.planner.scenario import Scenario
+from torch_fsdp_offload.planner.scenario_cost import (
     Candidate,
-    StepPrediction,
-    TrainingProfile,
     evaluate,
     model_dram_bandwidth_GBps,
     naive_offload_GB,
     time_factor,
 )
-from torch_fsdp_offload.planner.scenario import Scenario
 from torch_fsdp_offload.planner.search import ScenarioSearch, throughput_curves
+from torch_fsdp_offload.planner.step_time import StepPrediction
+from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
 __all__ = ["PlanResult", "Recommendation", "TrainingPlan"]
 

@@ -19,19 +19,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from torch_fsdp_offload.planner.cost_model import (
+from torch_fsdp_offload.planner.profiles import PlatformProfile
+from torch_fsdp_offload.planner.scenario import Scenario
+from torch_fsdp_offload.planner.scenario_cost import (
     Candidate,
-    StepPrediction,
-    TECHNIQUES,
-    TrainingConfig,
-    TrainingProfile,
     evaluate,
     model_dram_bandwidth_GBps,
     offload_window,
-    predict_step,
+    TECHNIQUES,
 )
-from torch_fsdp_offload.planner.profiles import PlatformProfile
-from torch_fsdp_offload.planner.scenario import Scenario
+from torch_fsdp_offload.planner.step_time import predict_step, StepPrediction
+from torch_fsdp_offload.planner.training_config import TrainingConfig
+from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
 __all__ = [
     "DRAM_BOUND_UTILIZATION",

@@ -1,0 +1,27 @@
+"""What the planner's cost model takes from the library: the one place it imports library internals.
+
+The step model must predict what the library does, so it reads the library's own constants rather
+than copies of them. The names the library keeps private are imported here only, under the public
+names they are to get, so that giving them those names in the library changes this file alone.
+"""
+
+import inspect
+
+from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, offload_activations
+from torch_fsdp_offload.optim import _STREAM_RUN_BYTES as STREAM_RUN_BYTES
+from torch_fsdp_offload.optim import _STREAM_RUNS_IN_FLIGHT as STREAM_RUNS_IN_FLIGHT
+from torch_fsdp_offload.policy import _CAST_PLACEMENTS as CAST_PLACEMENTS
+from torch_fsdp_offload.policy import spread_group_offloaded
+
+__all__ = [
+    "ACTIVATION_PREFETCH_BLOCKS",
+    "CAST_PLACEMENTS",
+    "DEFAULT_MAX_INFLIGHT_BYTES",
+    "STREAM_RUNS_IN_FLIGHT",
+    "STREAM_RUN_BYTES",
+    "spread_group_offloaded",
+]
+
+# Blocks ahead of the one in backward whose offloaded activations are reloaded: offload_activations'
+# default, which Recommendation.apply uses.
+ACTIVATION_PREFETCH_BLOCKS: int = inspect.signature(offload_activations).parameters["prefetch_blocks"].default

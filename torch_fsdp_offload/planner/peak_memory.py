@@ -1,0 +1,117 @@
+"""Peak GPU memory of one FSDP2 training step under an offload setting, phase by phase."""
+
+from __future__ import annotations
+
+from torch_fsdp_offload.planner._library_facts import (
+    ACTIVATION_PREFETCH_BLOCKS,
+    DEFAULT_MAX_INFLIGHT_BYTES,
+    STREAM_RUN_BYTES,
+    STREAM_RUNS_IN_FLIGHT,
+)
+from torch_fsdp_offload.planner.training_config import TrainingConfig
+from torch_fsdp_offload.planner.training_profile import TrainingProfile
+
+__all__ = ["phase_peaks"]
+
+
+def phase_peaks(
+    profile: TrainingProfile,
+    config: TrainingConfig,
+    *,
+    offloaded_blocks: int,
+    streamed_blocks: int,
+    activation_blocks: int,
+    world_size: int = 1,
+    copies: bool = True,
+) -> dict[str, float]:
+    """Peak GPU bytes of each phase of one step: what is live when, before ``fixed_bytes``.
+
+    * forward: resident state, the saved activations of the blocks not offloaded, the copies to
+      the host still in flight (at most ``DEFAULT_MAX_INFLIGHT_BYTES``), the unsharded groups.
+    * backward: the largest of the moments just before each block's backward (last block
+      first). Resident blocks' activations live until their block's backward; an offloaded block's
+      reload lives from when backward reaches the block ``prefetch`` blocks after it until its own
+      backward has unpacked it. (How far the CPU runs ahead of the GPU does not count: allocated
+      bytes are freed when the host drops them, and the copy stream keeps their memory until
+      used.) Gradients of resident groups accumulate on the GPU; an offloaded group's gradient
+      (host-stepped or streamed) goes down from FSDP's reduce output and is on its way down while
+      the next block runs. A checkpointed block re-creates its full activations once. The backward peak is therefore not
+      always at its start: with activations offloaded it comes when gradients have piled up
+      beside the reloads.
+    * optimizer: resident state and gradients, and the streamed runs on the device: of the
+      ``STREAM_RUNS_IN_FLIGHT`` runs of ``STREAM_RUN_BYTES`` in transit (each run uploads
+      parameters, gradients and state), the one being stepped and the next one's upload; the run
+      still copying down was freed by the host, and the allocator keeps its memory (reserved)
+      without counting it as allocated, which is what peaks are measured in.
+
+    Every offloaded group's compute-dtype shard is copied into a staging buffer before its
+    all-gather: ``prefetch_depth`` of them live beside the unsharded groups. Blocks kept unsharded
+    after forward (``config.keep_unsharded``) hold their unsharded parameters from their forward
+    to their backward: at the end of forward and before each block's backward, those of them
+    beyond the groups counted as unsharded anyway.
+
+    Args:
+        profile (TrainingProfile): the model at one micro-batch (per GPU).
+        config (TrainingConfig): the knobs (prefetch depth, checkpointing).
+        offloaded_blocks (int): blocks whose state lives on the host (the last in forward order).
+        streamed_blocks (int): offloaded blocks stepped on the GPU (the first offloaded ones;
+            ``OffloadOptimizer`` streams whole groups).
+        activation_blocks (int): blocks whose activations are offloaded (the first ones).
+        world_size (int): GPUs the parameters are sharded over.
+        copies (bool): offloaded state crosses a link (False on UNIFIED: read in place).
+
+    Returns:
+        dict[str, float]: ``{"forward", "backward", "optimizer"}`` peak bytes.
+
+    Example::
+
+        >>> phase_peaks(profile, TrainingConfig(activations=1.0), offloaded_blocks=0,
+        ...             streamed_blocks=0, activation_blocks=8)["backward"]
+    """
+    n_blocks = profile.n_blocks
+    shard = profile.block_params / world_size
+    grad_shard = shard * profile.reduce_bytes
+    resident_blocks = n_blocks - offloaded_blocks
+    resident_params = (profile.total_params - offloaded_blocks * profile.block_params) / world_size
+    resident_state = resident_params * (profile.param_bytes + profile.optimizer_state_bytes)
+    live_groups = 1 + max(config.prefetch_depth, 1)
+    unsharded = live_groups * profile.block_params * profile.compute_bytes
+    staging = min(config.prefetch_depth, offloaded_blocks) * shard * profile.compute_bytes if copies else 0.0
+    saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
+    offloaded_acts = activation_blocks if copies else 0
+
+    kept = config.kept_blocks(n_blocks)
+    block_unsharded = profile.block_params * profile.compute_bytes
+
+    in_flight = min(offloaded_acts * saved, DEFAULT_MAX_INFLIGHT_BYTES)
+    forward = (resident_state + unsharded + staging + (n_blocks - offloaded_acts) * saved + in_flight
+               + profile.other_activation_bytes + max(0, len(kept) - live_groups) * block_unsharded)
+
+    # Blocks 0 .. offloaded_acts-1 have offloaded activations; blocks resident_blocks .. n-1 have
+    # offloaded state; of those, the first streamed_blocks are stepped on the GPU.
+    reload_window = 1 + ACTIVATION_PREFETCH_BLOCKS
+    backward = 0.0
+    for block in range(n_blocks - 1, -1, -1):
+        saved_here = sum(saved for j in range(offloaded_acts, block + 1))
+        reloaded = saved * sum(1 for j in range(max(0, block - reload_window + 1), min(block, offloaded_acts - 1) + 1))
+        later = range(block + 1, n_blocks)
+        on_device = [j for j in later if j < resident_blocks or not copies]
+        grads = grad_shard * len(on_device)
+        if block + 1 < n_blocks and block + 1 not in on_device:
+            grads += grad_shard  # the offloaded group just finished: its gradient on its way down
+        recompute = profile.block_activation_bytes if config.checkpointing else 0.0
+        # Kept blocks before this one, beyond the prefetched groups counted in `unsharded`.
+        kept_params = max(0, sum(1 for j in kept if j < block) - (live_groups - 1)) * block_unsharded
+        backward = max(backward, saved_here + reloaded + grads + recompute + kept_params)
+    backward += resident_state + unsharded + staging + profile.other_activation_bytes
+
+    resident_grads = resident_params * profile.reduce_bytes
+    optimizer = resident_state + resident_grads
+    if streamed_blocks and copies:
+        # Streamed gradients went down in backward like the host groups'; each run uploads its
+        # parameters, gradients and optimizer state.
+        run_bytes = shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes)
+        optimizer += min(streamed_blocks * run_bytes, (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES)
+    elif streamed_blocks:
+        optimizer += streamed_blocks * grad_shard
+    return {"forward": forward, "backward": backward, "optimizer": optimizer}

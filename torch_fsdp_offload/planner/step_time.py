@@ -1,0 +1,287 @@
+"""The FSDP2 step model: time and peak GPU memory of one training step under an offload setting.
+
+A :class:`~torch_fsdp_offload.planner.training_profile.TrainingProfile` of a real model and a
+:class:`~torch_fsdp_offload.planner.training_config.TrainingConfig` (the ``CoherentOffload``
+knobs) give the forward, backward and optimizer phases, each the slowest of its compute, its copy
+streams and its collectives, the host optimizer step beside them, and the peak of
+:func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torch_fsdp_offload.planner._library_facts import DEFAULT_MAX_INFLIGHT_BYTES
+from torch_fsdp_offload.planner.peak_memory import phase_peaks
+from torch_fsdp_offload.planner.profiles import PlatformProfile
+from torch_fsdp_offload.planner.traffic import (
+    copy_in_bytes_per_param,
+    host_cast_bytes_per_param,
+    host_step_bytes_per_param,
+    host_step_seconds_per_param,
+    shared_dram_host_seconds,
+)
+from torch_fsdp_offload.planner.training_config import TrainingConfig
+from torch_fsdp_offload.planner.training_profile import TrainingProfile
+
+__all__ = ["StepPrediction", "predict_step"]
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted cost of one training step (all bytes per step).
+
+    Attributes:
+        config (TrainingConfig): the setting predicted.
+        step_s (float): predicted step time; forward_s + backward_s + optimizer_s.
+        forward_s, backward_s, optimizer_s (float): the phases, copies overlapped.
+        peak_gpu_bytes (int): predicted peak of allocated GPU memory.
+        h2d_bytes (int), d2h_bytes (int): link traffic.
+        host_optimizer_s (float): host optimizer work (overlapped with backward).
+        link_bound (bool): a copy stream, not compute, set the forward or backward time.
+        host_bound (bool): the host optimizer step, not the GPU, ends the step.
+        peak_phase (str): ``"forward"``, ``"backward"`` or ``"optimizer"``: where the peak is
+            (:func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks`).
+    """
+
+    config: TrainingConfig
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    peak_gpu_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    host_optimizer_s: float
+    link_bound: bool
+    host_bound: bool = False
+    peak_phase: str = "backward"
+
+    @property
+    def peak_gpu_GiB(self) -> float:
+        return self.peak_gpu_bytes / 2**30
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["config"] = dataclasses.asdict(self.config)
+        data["label"] = self.config.label
+        data["peak_gpu_GiB"] = self.peak_gpu_GiB
+        return data
+
+
+def _copy_time(h2d_bytes: float, d2h_bytes: float, platform: PlatformProfile) -> float:
+    # Each direction has its own copy engine, but both share the link's total.
+    return max(
+        h2d_bytes / (platform.h2d_GBps * 1e9),
+        d2h_bytes / (platform.d2h_GBps * 1e9),
+        (h2d_bytes + d2h_bytes) / (platform.bidirectional_GBps * 1e9),
+    )
+
+
+def _activation_traffic(profile: TrainingProfile, activation_blocks: int, per_block: int) -> tuple[float, float, float]:
+    """``(bytes sent down in forward, bytes still in flight when backward starts, bytes reloaded)``.
+
+    Blocks are offloaded from the first; the forward waits rather than let more than
+    ``DEFAULT_MAX_INFLIGHT_BYTES`` of copies pile up, so the copies down are on the forward's
+    critical path except the last in-flight window, which drains during backward. When every
+    block is offloaded, backward starts with the last block and uses its device copy in place.
+    """
+    down = activation_blocks * per_block
+    in_flight = min(down, DEFAULT_MAX_INFLIGHT_BYTES)
+    kept_on_device = 1 if activation_blocks == profile.n_blocks else 0
+    return down - in_flight, in_flight, (activation_blocks - kept_on_device) * per_block
+
+
+def predict_step(
+    profile: TrainingProfile, config: TrainingConfig, platform: PlatformProfile, *, world_size: int = 1
+) -> StepPrediction:
+    """Predict one FSDP2 training step per GPU under ``config`` on ``platform``.
+
+    Per step the offloaded blocks' parameter shards cross host-to-device twice in the compute
+    dtype (forward and the backward re-gather; once for blocks kept unsharded after forward,
+    ``config.keep_unsharded``), or in the master's dtype with ``config.cast_on="device"``;
+    gradients of offloaded groups cross device-to-host in the reduce dtype; streamed parameters
+    then move their fp32 parameter, gradient and moments up and parameter, moments and (with
+    ``cast_on="host"``) mirror down as one pipeline over runs of parameters, both directions at
+    once, after one run's upload fills it. Offloaded activations go down in forward
+    with at most ``DEFAULT_MAX_INFLIGHT_BYTES`` in flight (the forward waits for the link beyond
+    that) and are reloaded in backward. Each phase takes the longest of its compute and its copy
+    streams (their sum with ``prefetch_depth=0``); at ``world_size > 1`` FSDP's all-gathers and
+    reduce-scatters over ``platform.gpu_interconnect_GBps`` are one more overlapped stream.
+
+    The host optimizer is bound by host DRAM bandwidth
+    (:func:`~torch_fsdp_offload.planner.traffic.host_step_bytes_per_param` bytes per parameter at
+    ``profile.host_GBps``, shared with the link's copies; one host DRAM serves all ``world_size``
+    GPUs). With ``cast_on="device"`` the host step is AdamW alone: the cast's bytes (or, with
+    measured rates, its measured time,
+    :func:`~torch_fsdp_offload.planner.traffic.host_step_seconds_per_param`) leave the host step;
+    the device memory of its one landing chunk (``chunk_bytes``) is not counted. Host-stepped
+    groups are the last in forward order, so their gradients land first in backward; host steps start when the first of them landed, run beside the streamed
+    steps, and must end before the next forward reaches the host groups (with or without
+    ``overlap_next_forward``). What outlasts the GPU work is exposed.
+
+    Host DRAM serves the host step and the link's DMA at once (parameters copied in, gradients
+    down, streamed state, activations), so link traffic slows the host step. When the profile has
+    the host step timed alone and beside a busy link (``host_alone_s_per_param``,
+    ``host_step_s_per_param``, ``host_busy_link_GBps``), the host work of P parameters takes
+
+        P * alone + min(T_dma, P * busy) * (1 - alone / busy)
+
+    with T_dma the step's link bytes (of every GPU of the host) at ``host_busy_link_GBps``: every
+    second the DMA runs beside the host step costs it ``1 - alone / busy`` seconds of work, up to
+    the whole step running at the busy rate. With only ``host_step_s_per_param`` the whole host
+    work runs at that rate; with neither, the host step's and the DMA's bytes share
+    ``profile.host_GBps``.
+
+    Peak GPU memory is the largest of the phase peaks of
+    :func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks` (forward end, each block's
+    backward, the optimizer phase) plus ``fixed_bytes``.
+
+    Args:
+        profile (TrainingProfile): the model at one micro-batch (per GPU).
+        config (TrainingConfig): the knobs.
+        platform (PlatformProfile): link bandwidths and kind (no copies on UNIFIED).
+        world_size (int): GPUs the parameters are sharded over (one host).
+
+    Returns:
+        StepPrediction: step time, phases, peak GPU memory and link traffic per GPU.
+
+    Raises:
+        ValueError: ``world_size < 1``.
+
+    Example::
+
+        >>> predict_step(profile, TrainingConfig(module_fraction=1.0), get_profile("h200-pcie")).step_s
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n_blocks = profile.n_blocks
+    offloaded = config.offloaded_blocks(n_blocks)
+    offloaded_blocks = len(offloaded)
+    # Blocks kept unsharded after forward are not gathered (nor copied in) again in backward.
+    kept = config.kept_blocks(n_blocks)
+    regathered_offloaded = sum(1 for index in offloaded if index not in kept)
+    activation_blocks = round(config.activations * n_blocks)
+    # OffloadOptimizer streams whole groups, the first round(fraction * offloaded) in forward order.
+    streamed_blocks = round(config.optimizer_gpu_fraction * offloaded_blocks)
+    host_indices = offloaded[streamed_blocks:]
+    host_blocks = len(host_indices)
+    shard = profile.block_params / world_size
+    per_block_saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
+    # On one physical memory the offloaded state is read in place: nothing crosses a link.
+    copies = 0.0 if platform.kind in ("unified", "host_only") else 1.0
+
+    copy_in = copy_in_bytes_per_param(profile, config.cast_on)
+    weight_bytes = offloaded_blocks * shard * copy_in * copies
+    backward_weight_bytes = regathered_offloaded * shard * copy_in * copies
+    grad_down = offloaded_blocks * shard * profile.reduce_bytes * copies
+    stream_up = streamed_blocks * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes) * copies
+    # The streamed step brings back the master and moments, and with cast_on="host" the mirror.
+    mirror_down = profile.compute_bytes if host_cast_bytes_per_param(profile, config.cast_on) else 0
+    stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + mirror_down) * copies
+    act_forward, act_in_flight, reloaded = (
+        _activation_traffic(profile, activation_blocks, per_block_saved) if activation_blocks and copies else (0, 0, 0)
+    )
+
+    gather_s = reduce_s = backward_gather_s = 0.0
+    if world_size > 1:
+        wire = (world_size - 1) / world_size * profile.total_params / (platform.gpu_interconnect_GBps * 1e9)
+        gather_s, reduce_s = wire * profile.compute_bytes, wire * profile.reduce_bytes
+        backward_gather_s = gather_s * (n_blocks - len(kept)) / n_blocks
+
+    def phase(compute: float, h2d: float, d2h: float, collectives: float) -> tuple[float, bool]:
+        link = _copy_time(h2d, d2h, platform)
+        if config.prefetch_depth == 0:
+            return compute + link + collectives, link > 0
+        return max(compute, link, collectives), link > max(compute, collectives)
+
+    backward_compute = profile.backward_s + (profile.forward_s * profile.recompute_fraction if config.checkpointing else 0.0)
+    forward, forward_bound = phase(profile.forward_s, weight_bytes, act_forward, gather_s)
+    if offloaded_blocks == n_blocks and copies and config.prefetch_depth > 0:
+        # The first group's copy has nothing to hide behind.
+        forward += shard * copy_in / (platform.h2d_GBps * 1e9)
+    backward, backward_bound = phase(
+        backward_compute, backward_weight_bytes + reloaded, grad_down + act_in_flight, backward_gather_s + reduce_s
+    )
+    if act_forward:
+        # The copies start after the first block's forward and must be down (but for the in-flight
+        # window) before the last offloaded block's forward ends; the reloads, one block ahead,
+        # cannot start before backward does.
+        forward = max(forward, profile.forward_s / n_blocks + act_forward / (platform.d2h_GBps * 1e9)
+                      + profile.forward_s * (n_blocks - activation_blocks) / n_blocks)
+        backward = max(backward, backward_compute / n_blocks + (backward_weight_bytes + reloaded) / (platform.h2d_GBps * 1e9))
+
+    params_offloaded = offloaded_blocks * profile.block_params
+    gpu_optimizer = profile.gpu_optimizer_s * (profile.total_params - params_offloaded) / profile.total_params / world_size
+    stream_time = 0.0
+    if streamed_blocks:
+        # One pipeline over parameter runs, both link directions at once; the first run's copy up
+        # fills it.
+        run_up = stream_up / max(1.0, streamed_blocks)
+        stream_time = max(
+            profile.gpu_optimizer_s * streamed_blocks * profile.block_params / profile.total_params / world_size,
+            run_up / (platform.h2d_GBps * 1e9) + _copy_time(stream_up, stream_down, platform),
+        )
+    gpu_path_optimizer = max(gpu_optimizer, stream_time)
+
+    # The host steps run beside everything else, on one host DRAM shared by all GPUs of the host
+    # and by the link's DMA. They start when the first host group's gradients have landed (host
+    # groups are the last in forward order, so the first in backward) and must end before the
+    # next forward reaches the host groups (with or without overlap_next_forward).
+    h2d_bytes = weight_bytes + backward_weight_bytes + reloaded + stream_up
+    d2h_bytes = grad_down + act_forward + act_in_flight + stream_down
+    host_params = host_blocks * shard * world_size
+    # With cast_on="device" the host work is AdamW alone (the cast runs on the GPU).
+    host_alone, host_busy = host_step_seconds_per_param(profile, config.cast_on)
+    if not host_blocks:
+        host_time = 0.0
+    elif host_alone is not None and host_busy is not None and profile.host_busy_link_GBps:
+        # Shared host DRAM (see the docstring); one host DRAM serves the DMA of every GPU of the host.
+        host_time = shared_dram_host_seconds(
+            host_params * host_alone,
+            host_params * host_busy,
+            (h2d_bytes + d2h_bytes) * world_size / (profile.host_busy_link_GBps * 1e9),
+        )
+    elif host_busy is not None:
+        host_time = host_params * host_busy
+    else:
+        # One bandwidth for the host step's bytes and the DMA's: the parameters' copies in, the
+        # streamed state and the activations both ways (the host groups' gradients landing are
+        # already in host_step_bytes_per_param).
+        streamed_grads_down = streamed_blocks * shard * profile.reduce_bytes * copies
+        link_dram_bytes = (weight_bytes + backward_weight_bytes + streamed_grads_down + stream_up + stream_down
+                           + act_forward + act_in_flight + reloaded)
+        host_bytes = host_blocks * shard * host_step_bytes_per_param(profile, config.cast_on) + link_dram_bytes
+        host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
+    host_tail = 0.0
+    if host_blocks:
+        # From the start of backward: block i's gradients land after the backward of the blocks
+        # behind it; one worker steps the host groups in landing order (the reverse of forward).
+        grad_copy = shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
+        done = 0.0
+        for index in reversed(host_indices):
+            done = max(done, backward * (n_blocks - index) / n_blocks + grad_copy) + host_time / host_blocks
+        # The next forward needs the first host group in forward order, whose step ends last.
+        needed = backward + gpu_path_optimizer + forward * host_indices[0] / n_blocks
+        host_tail = max(0.0, done - needed)
+    optimizer = gpu_path_optimizer + host_tail
+
+    peaks = phase_peaks(profile, config, offloaded_blocks=offloaded_blocks, streamed_blocks=streamed_blocks,
+                        activation_blocks=activation_blocks, world_size=world_size, copies=bool(copies))
+    peak = max(peaks.values()) + profile.fixed_bytes
+    return StepPrediction(
+        config=config,
+        step_s=forward + backward + optimizer,
+        forward_s=forward,
+        backward_s=backward,
+        optimizer_s=optimizer,
+        peak_gpu_bytes=int(peak),
+        peak_phase=max(peaks, key=peaks.__getitem__),
+        h2d_bytes=int(h2d_bytes),
+        d2h_bytes=int(d2h_bytes),
+        host_optimizer_s=host_time,
+        link_bound=forward_bound or backward_bound,
+        host_bound=host_tail > 0,
+    )

@@ -1,0 +1,138 @@
+"""The ``CoherentOffload`` setting the FSDP2 step model predicts: which blocks are offloaded, where
+their optimizer steps, which activations go to the host, and the copy knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch_fsdp_offload.planner._library_facts import CAST_PLACEMENTS, spread_group_offloaded
+
+__all__ = ["TrainingConfig"]
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """One setting of the ``CoherentOffload`` knobs the training-level model predicts.
+
+    Attributes:
+        module_fraction (float): fraction of the blocks whose params, grads and optimizer state are
+            offloaded, placed as ``block_placement`` says.
+        optimizer (str | float): ``"host"``, ``"stream"``, or the fraction of offloaded groups
+            stepped on the GPU (``CoherentOffload.optimizer``).
+        activations (float): fraction of the blocks whose saved activations are offloaded.
+        checkpointing (bool): activation checkpointing per block.
+        prefetch_depth (int): groups copied ahead (0 = each copy waits for its use).
+        block_placement (str): which blocks are offloaded. ``"last"``: the last
+            ``round(module_fraction * n)`` in forward order (the policy given per module to them,
+            as :meth:`~torch_fsdp_offload.planner.report.Recommendation.apply` does); ``"spread"``: spread evenly, as
+            ``CoherentOffload(module_fraction=...)`` on every block places them.
+        keep_unsharded (int): the last ``keep_unsharded`` blocks are not resharded after forward
+            (``fully_shard_with_policy(keep_unsharded_last=...)``): the offloaded ones among them
+            copy their parameters in once per step, and every one holds its unsharded parameters
+            from its forward to its backward.
+        cast_on (str): where the fp32 master is cast to the compute dtype for the copy-in
+            (``CoherentOffload.cast_on``). ``"host"``: into a pinned mirror after each host step
+            (the cast is host work; compute-dtype bytes cross the link; a streamed step brings the
+            mirror back too). ``"device"``: the master's bytes cross the link and are cast on the
+            GPU as they land (no cast on the host, twice the copy-in bytes, no mirror to bring back).
+
+    Raises:
+        ValueError: a knob outside its range, naming the knob and what it accepts.
+
+    Example::
+
+        >>> TrainingConfig(module_fraction=0.5, cast_on="device").coherent_offload_kwargs()
+        {'module_fraction': 0.5, 'optimizer': 'host', 'cast_on': 'device'}
+    """
+
+    module_fraction: float = 0.0
+    optimizer: str | float = "host"
+    activations: float = 0.0
+    checkpointing: bool = False
+    prefetch_depth: int = 1
+    block_placement: str = "last"
+    keep_unsharded: int = 0
+    cast_on: str = "host"
+
+    def __post_init__(self) -> None:
+        for name in ("module_fraction", "activations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"TrainingConfig.{name} must be a fraction in [0, 1], got {value!r}")
+        if not (self.optimizer in ("host", "stream") or (
+            isinstance(self.optimizer, (int, float)) and not isinstance(self.optimizer, bool)
+            and 0.0 <= self.optimizer <= 1.0
+        )):
+            raise ValueError(
+                f"TrainingConfig.optimizer must be 'host', 'stream' or a GPU fraction in [0, 1], got {self.optimizer!r}"
+            )
+        if self.prefetch_depth < 0:
+            raise ValueError(f"TrainingConfig.prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.block_placement not in ("last", "spread"):
+            raise ValueError(f"TrainingConfig.block_placement must be 'last' or 'spread', got {self.block_placement!r}")
+        if isinstance(self.keep_unsharded, bool) or not isinstance(self.keep_unsharded, int) or self.keep_unsharded < 0:
+            raise ValueError(f"TrainingConfig.keep_unsharded must be an int >= 0, got {self.keep_unsharded!r}")
+        if self.cast_on not in CAST_PLACEMENTS:
+            raise ValueError(
+                f"TrainingConfig.cast_on must be 'host' (the master cast into a pinned mirror on the host) or "
+                f"'device' (the master copied in and cast on the GPU), got {self.cast_on!r}"
+            )
+
+    def kept_blocks(self, n_blocks: int) -> range:
+        """Indices (forward order) of the blocks kept unsharded after forward, out of ``n_blocks``.
+
+        Raises:
+            ValueError: ``keep_unsharded`` above ``n_blocks``.
+        """
+        if self.keep_unsharded > n_blocks:
+            raise ValueError(f"TrainingConfig.keep_unsharded={self.keep_unsharded} exceeds the model's {n_blocks} blocks")
+        return range(n_blocks - self.keep_unsharded, n_blocks)
+
+    def offloaded_blocks(self, n_blocks: int) -> list[int]:
+        """Indices (forward order) of the blocks this setting offloads, out of ``n_blocks``."""
+        if self.block_placement == "last":
+            return list(range(n_blocks - round(self.module_fraction * n_blocks), n_blocks))
+        return [i for i in range(n_blocks) if spread_group_offloaded(i, self.module_fraction)]
+
+    @property
+    def optimizer_gpu_fraction(self) -> float:
+        return {"host": 0.0, "stream": 1.0}.get(self.optimizer, self.optimizer)  # type: ignore[arg-type]
+
+    @property
+    def label(self) -> str:
+        optimizer = self.optimizer if isinstance(self.optimizer, str) else f"split{self.optimizer:.2f}"
+        parts = [f"modules={self.module_fraction:.2f}"]
+        if self.module_fraction > 0:
+            parts.append(f"opt={optimizer}")
+        if self.activations > 0:
+            parts.append(f"act={self.activations:.2f}")
+        if self.checkpointing:
+            parts.append("ckpt")
+        if self.prefetch_depth != 1:
+            parts.append(f"depth={self.prefetch_depth}")
+        if self.block_placement != "last" and 0 < self.module_fraction < 1:
+            parts.append(self.block_placement)
+        if self.keep_unsharded:
+            parts.append(f"keep={self.keep_unsharded}")
+        if self.cast_on != "host" and self.module_fraction > 0:
+            parts.append(f"cast={self.cast_on}")
+        return " ".join(parts)
+
+    def coherent_offload_kwargs(self) -> dict[str, Any] | None:
+        """The ``CoherentOffload(...)`` keyword arguments of this setting (None: no offload at all)."""
+        if self.module_fraction == 0 and self.activations == 0:
+            return None
+        kwargs: dict[str, Any] = {}
+        if self.module_fraction == 0:
+            kwargs.update(offload_params=False, offload_grads=False, offload_optimizer_state=False)
+        else:
+            kwargs["module_fraction"] = round(self.module_fraction, 4)
+            # Explicit even for "host": CoherentOffload's default ("auto") streams half the groups
+            # on a discrete GPU, which is not what this setting predicted.
+            kwargs["optimizer"] = self.optimizer
+            if self.cast_on != "host":
+                kwargs["cast_on"] = self.cast_on
+        if self.prefetch_depth != 1:
+            kwargs["prefetch_depth"] = self.prefetch_depth
+        return kwargs
