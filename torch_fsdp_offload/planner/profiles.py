@@ -1,9 +1,9 @@
 """Built-in platform profiles: the bandwidths and capacities the planner assumes for machines we
 cannot measure from here.
 
-Figures come from ``reference/platforms.md`` (NVIDIA specs, public reports, and our own x86 + H200
-PCIe measurement). Measured figures of the machine the planner runs on replace them (see
-:func:`measured_profile`).
+Figures come from docs/platforms.md (NVIDIA specs, public reports, and an x86 + H200 PCIe host
+measured with ``detect_platform(bandwidth=True)``). Measured figures of the machine the planner
+runs on replace them (see :func:`measured_profile`).
 """
 
 from __future__ import annotations
@@ -71,27 +71,19 @@ class PlatformProfile:
             raise ValueError(f"PlatformProfile.kind must be one of {_KINDS}, got {self.kind!r}")
 
 
-# Our x86 + H200 host (16 cores), in CoherentOffload's own path: with every group offloaded, the
-# time from the start of backward to the end of the host step was 0.634 / 0.628 / 0.633 s at bs 4 /
-# 8 / 16 (fsdp_offload*.json, bwd_s + opt_s); the first group's gradients land ~0.03 s into
-# backward, leaving 0.60 s in which host DRAM served 1.611e9 params x 38 bytes of host step (AdamW,
-# mirror cast, gradient landing) and 1.611e9 x 4 bytes of parameter copies read by the link's DMA:
-# 67.7 GB, 113 GB/s. The host step alone is faster (fused AdamW + cast, 34 bytes per param in
-# 0.27 s on 15 threads: 126 GB/s) and slower while the link runs both ways (0.47 s: the DMA takes
-# its share of the same DRAM), which is why the DMA bytes count against this figure.
-# Other hosts: assumed the same until measured.
+# Host DRAM bandwidth the host step shares with the link's DMA, fitted to CoherentOffload's own
+# path with every group offloaded: the host step's 38 bytes and the DMA's 4 bytes per parameter over
+# the time from the first gradients landing to the end of the host step (measured on an x86 + H200
+# PCIe host, see docs/planner.md, "Calibration"). The DMA's bytes count against it because the host
+# step slows while the link copies. Other hosts: assumed the same until measured.
 _H200_HOST_GBPS = 113.0
-# The cast of the fp32 master into the bf16 mirror on the same host, timed on its own at 16 threads
-# (fsdp_offload_bs4_cast_session13.json, host_optimizer_measured): 0.0763 ns per parameter alone,
-# 0.2248 with the link copying both ways at 93.2 GB/s (fused AdamW: 0.2345 and 0.3668). Its share
-# of the host step's time (25% alone, 38% link-busy) is larger than its share of the bytes (6 of 34).
-# Other hosts: assumed the same until measured.
+# The cast of the fp32 master into the bf16 mirror, timed on its own, alone and with the link
+# copying both ways, on the same host (see docs/planner.md, "Calibration"). Its share of the host
+# step's time is larger than its share of the bytes. Other hosts: assumed the same until measured.
 _H200_HOST_CAST = {"host_alone_cast_s_per_param": 0.0763e-9, "host_link_busy_cast_s_per_param": 0.2248e-9}
-# NCCL all-gather / reduce-scatter per GPU on our 2 x H200 host, from multi_gpu.json: resident
-# llama-8b at bs 1 is the one run whose backward is bound by its collectives (0.315 s/step against
-# 0.28 s of compute and optimizer); 4.0e9 params x 6 bytes (bf16 gather, fp32 reduce) over that
-# backward gives ~150 GB/s. (40 GB/s, the PCIe guess it replaces, predicted 0.895 s/step at bs 2
-# where 0.491 s was measured.)
+# NCCL all-gather / reduce-scatter bandwidth per GPU between the GPUs of one PCIe host: the model's
+# bytes over the backward of a multi-GPU run bound by its collectives (measured on two H200s, see
+# docs/benchmarks.md).
 _PCIE_GPU_GPU_GBPS = 150.0
 
 PLATFORM_PROFILES: dict[str, PlatformProfile] = {
@@ -103,13 +95,13 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         link_GBps=55.0,
         h2d_GBps=55.0,
         d2h_GBps=55.0,
-        # Same PCIe Gen5 x16 link as our H200 host; its both-ways figure is assumed.
+        # Same PCIe Gen5 x16 link as the h200-pcie profile; its both-ways figure is assumed.
         bidirectional_GBps=98.5,
         host_GBps=_H200_HOST_GBPS,
         **_H200_HOST_CAST,
         gpu_interconnect_GBps=_PCIE_GPU_GPU_GBPS,
         gpu_bf16_TFLOPS=756.0,
-        source="platforms.md: x86 + H100 PCIe Gen5 (~55 GB/s each way); both-ways and host figures from our H200 host",
+        source="docs/platforms.md: x86 + H100 PCIe Gen5 (~55 GB/s each way); both-ways and host figures from h200-pcie",
     ),
     "h200-pcie": PlatformProfile(
         name="h200-pcie",
@@ -124,7 +116,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         **_H200_HOST_CAST,
         gpu_interconnect_GBps=_PCIE_GPU_GPU_GBPS,
         gpu_bf16_TFLOPS=835.0,
-        source="h200-measured.json: x86 + H200 PCIe Gen5 x16, measured 2026-11-29 (DRAM = device copy read+write)",
+        source="docs/platforms.md: x86 + H200 PCIe Gen5 x16, measured (DRAM = device copy read+write)",
     ),
     "gh200": PlatformProfile(
         name="gh200",
@@ -140,7 +132,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         **_H200_HOST_CAST,
         gpu_interconnect_GBps=450.0,
         gpu_bf16_TFLOPS=989.0,
-        source="platforms.md: GH200 96 GB HBM3, NVLink-C2C 450 GB/s each way, public copy measurements",
+        source="docs/platforms.md: GH200 96 GB HBM3, NVLink-C2C 450 GB/s each way, public copy measurements",
     ),
     "gb200": PlatformProfile(
         name="gb200",
@@ -156,7 +148,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         **_H200_HOST_CAST,
         gpu_interconnect_GBps=900.0,
         gpu_bf16_TFLOPS=2500.0,
-        source="platforms.md: GB200 8 TB/s HBM3e, C2C 900 GB/s shared by 2 GPUs (estimate; GB300 measured ~211/~193)",
+        source="docs/platforms.md: GB200 8 TB/s HBM3e, C2C 900 GB/s shared by 2 GPUs (estimate; GB300 measured ~211/~193)",
     ),
     "dgx-spark": PlatformProfile(
         name="dgx-spark",
@@ -171,7 +163,7 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         **_H200_HOST_CAST,
         gpu_interconnect_GBps=273.0,
         gpu_bf16_TFLOPS=125.0,
-        source="platforms.md: DGX Spark GB10, one 128 GB LPDDR5X memory at 273 GB/s shared by CPU and GPU",
+        source="docs/platforms.md: DGX Spark GB10, one 128 GB LPDDR5X memory at 273 GB/s shared by CPU and GPU",
     ),
 }
 

@@ -51,8 +51,8 @@ DRAM_BOUND_UTILIZATION = 0.85
 # Predictions closer than this are treated as equal; the plan that moves fewer bytes wins.
 _TIE = 0.02
 # A plan that offloads must beat a fitting plan that moves nothing by this much to be recommended:
-# the step model's own error (docs/planner.md, "Validation"); offload pays only when it buys
-# something.
+# the step model's own error against measured steps (see docs/planner.md); offload pays only when
+# it buys something.
 OFFLOAD_MARGIN = 0.10
 _T = TypeVar("_T")
 
@@ -185,8 +185,8 @@ def throughput_curves(scenario: Scenario, points: int = 101) -> dict[str, list[t
 
 
 # Optimizer placements of the offloaded groups the default grid tries: all on the host, or a
-# quarter or half of the groups streamed through the GPU (on our H200 the measured best placements;
-# streaming everything was slower than either).
+# quarter or half of the groups streamed through the GPU (the best placements measured on an H200,
+# where streaming every group was slower than either; see docs/benchmarks.md).
 _DEFAULT_PLACEMENTS: tuple[str | float, ...] = ("host", 0.25, 0.5)
 
 
@@ -318,7 +318,7 @@ def search_training(
         ``(predictions, best)``: every ``(factor, prediction)``, and the fitting one with the most
         samples per second (within 2%, the one that moves the fewest bytes), or None if none fits.
         A plan that offloads is picked over a fitting plan that moves nothing only if it is faster
-        by :data:`OFFLOAD_MARGIN` (the step model's error on our measurements).
+        by :data:`OFFLOAD_MARGIN` (the step model's error against measured steps).
 
     Example::
 
