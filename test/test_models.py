@@ -89,7 +89,7 @@ class TestTransformer(TestCase):
     def test_anchor_param_count_on_meta(self) -> None:
         model = build_model("anchor-1.6b", device="meta")
         self.assertTrue(all(p.is_meta for p in model.parameters()))
-        # h200-measured.json reports params_M 1611.0 for the benchmark model.
+        # The benchmark model of docs/benchmarks.md: 1611.0M parameters.
         self.assertEqual(model.param_count(), 1_611_014_144)
         config = model.config
         self.assertEqual((config.n_layers, config.dim, config.norm, config.mlp), (8, 4096, "layer", "gelu"))

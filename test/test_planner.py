@@ -394,7 +394,7 @@ class TestRealModel(TestCase):
             HOST_BYTES_PER_LINK_BUSY_PARAM, host_GBps_from_link_busy, measure_host_step,
         )
 
-        # Our H200 runs: 0.57 ns per parameter with the link busy is the profile's 113 GB/s.
+        # 0.57 ns per parameter with the link busy gives the h200-pcie profile's host bandwidth.
         self.assertAlmostEqual(host_GBps_from_link_busy(0.57e-9), HOST_BYTES_PER_LINK_BUSY_PARAM / 0.57)
         self.assertAlmostEqual(host_GBps_from_link_busy(0.57e-9), get_profile("h200-pcie").host_GBps, delta=2)
         with self.assertRaisesRegex(ValueError, "seconds_per_param must be positive"):
@@ -587,8 +587,7 @@ class TestStepModel(TestCase):
         rates = HostStepRates(0.3e-9, 0.6e-9, 90.0, 0.08e-9, 0.2e-9)
         profile = training_profile(breakdown, self.platform, host_rates=rates)
         self.assertEqual((profile.host_alone_cast_s_per_param, profile.host_link_busy_cast_s_per_param), (0.08e-9, 0.2e-9))
-        # Not measured: the platform profile's (h200-pcie: fsdp_offload_bs4_cast_session13.json's
-        # 0.0763 ns alone, 0.2248 ns link-busy), as its host step is.
+        # Not measured: the platform profile's, as its host step is.
         profile = training_profile(breakdown, self.platform)
         self.assertEqual((profile.host_alone_cast_s_per_param, profile.host_link_busy_cast_s_per_param),
                          (0.0763e-9, 0.2248e-9))
@@ -622,8 +621,7 @@ class TestStepModel(TestCase):
 
     def test_recommendation_carries_cast_on(self):
         # anchor-1.6b at bs 4 in 13.7 GiB on h200-pcie: half the blocks offloaded and kept, host
-        # steps, cast on the GPU (in the session-13 run such a plan measured 0.284 s against
-        # 0.349 s with the cast on the host).
+        # steps, cast on the GPU (the host step binds, and casting on the GPU takes the cast off it).
         recommended = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=13.7).recommended
         self.assertEqual(recommended.kwargs, {"optimizer": "host", "cast_on": "device"})
         self.assertEqual(recommended.policy.cast_on, "device")

@@ -369,7 +369,8 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     Raises:
         ValueError: no non-empty ``nn.ModuleList``, or two equally long ones not inside one another
             (an encoder and a decoder, say), which leaves the blocks ambiguous; the message says to
-            pass ``blocks=[...]``.
+            keep the blocks at ``model.blocks`` or pass ``blocks=[...]`` (``Recommendation.apply``
+            and ``offload_activations`` take it).
 
     Example::
 
@@ -395,15 +396,16 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     if not outermost:
         raise ValueError(
             f"{type(model).__name__} has no non-empty nn.ModuleList of blocks (looked at "
-            f"{', '.join(BLOCK_LIST_PATHS)} and every submodule); keep the layers in an nn.ModuleList, "
-            "or pass blocks=[...] in forward order"
+            f"{', '.join(BLOCK_LIST_PATHS)} and every submodule); keep its layers in an nn.ModuleList at "
+            "model.blocks, or pass blocks=[...] in forward order where the call takes it"
         )
     longest = max(len(module) for _, module in outermost)
     candidates = [name or "the model itself" for name, module in outermost if len(module) == longest]
     if len(candidates) > 1:
         raise ValueError(
             f"{type(model).__name__} has {len(candidates)} nn.ModuleLists of {longest} modules "
-            f"({', '.join(candidates)}), so its blocks are ambiguous; pass blocks=[...] in forward order"
+            f"({', '.join(candidates)}), so its blocks are ambiguous; keep the blocks at model.blocks, or pass "
+            "blocks=[...] in forward order where the call takes it"
         )
     return next(module for _, module in outermost if len(module) == longest)
 

@@ -94,8 +94,10 @@ class Recommendation:
 
         Raises:
             ValueError: ``offload_policy`` among ``fully_shard_kwargs`` (or ``reshard_after_forward``
-                with a :attr:`keep_unsharded_last`), or a model whose number of blocks differs from
-                the planned one; raised before anything is sharded.
+                with a :attr:`keep_unsharded_last`), a model whose number of blocks differs from
+                the planned one, or, without ``blocks``, a model whose blocks
+                :func:`~torch_fsdp_offload.models.find_blocks` cannot tell; raised before anything
+                is sharded.
 
         Example::
 
