@@ -311,7 +311,7 @@ def validate_file(path: str, args) -> dict | None:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     if not isinstance(data, dict):
-        # host_step_gil.py's A/B lists bare rows: no link, no resident row to calibrate from.
+        # A bare list of rows has no link and no resident row to calibrate from.
         raise ValueError(f"a JSON {type(data).__name__}, not a benchmark's result object")
     kind = str(data.get("benchmark", ""))
     if kind == "multi_gpu":
