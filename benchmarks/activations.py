@@ -1,8 +1,8 @@
 """Activation offload on one GPU: resident vs save_on_cpu vs checkpointing vs offload_activations,
 plain and through FSDP2 with ``CoherentOffload(activations=...)``.
 
-The model of ``shared/reference/anchors.md`` (``anchor-1.6b``: 8 blocks, d 4096, SDPA + 4x GELU MLP,
-LayerNorm, 1.61B params), GPU-resident with bf16 weights (so the weights autograd saves are
+The built-in benchmark model ``anchor-1.6b`` (8 blocks, d 4096, 32 heads, SDPA attention, 4x GELU
+MLP, LayerNorm, 1.61B params), GPU-resident with bf16 weights (so the weights autograd saves are
 parameters, never copied), fused AdamW. Configs: ``--batch-sizes`` (default 4 and 8) at ``--seq-len``
 (default 2048), and ``--long-context BxS`` (default 2x8192), where activations outweigh the weights,
 gradients and optimizer state.
@@ -32,7 +32,7 @@ with T_base (F, B, O: forward, backward, optimizer) the baseline row's step, and
 GiB pinned copy each way and both ways at once, measured here. ``LB`` is the bound if copies could
 run anywhere in the step; ``LB_phased`` holds when the peak must fall by the offloaded bytes: the D2H
 copies must land within the forward and the reloads within the backward.
-Targets (issue 5): ``offload(all)`` at least 3x faster than ``save_on_cpu`` at batch 4, at least 80%
+Targets: ``offload(all)`` at least 3x faster than ``save_on_cpu`` at batch 4, at least 80%
 of the activation bytes copied off the GPU, and a step within 1.15 x LB; ``checkpoint+offload`` is
 checked the same way, its 80% counted of what checkpointing still saves.
 

@@ -1,6 +1,6 @@
 """FSDP2 training step: GPU-resident vs stock CPUOffloadPolicy vs CoherentOffload, one process.
 
-The model of ``shared/reference/anchors.md`` (``anchor-1.6b``: 8 blocks, d 4096, SDPA + 4x GELU
+The built-in benchmark model ``anchor-1.6b`` (8 blocks, d 4096, 32 heads, SDPA attention, 4x GELU
 MLP, LayerNorm, 1.61B params), bf16 compute (MixedPrecisionPolicy(param bf16, reduce fp32)),
 AdamW, FSDP2 at world size 1, micro-batches 4, 8 and 16 x 2048 tokens.
 
@@ -30,8 +30,7 @@ bytes keep the link that busy, the host work can take no less than
 
 (every second the DMA runs beside the host step costs it 1 - T_host / T_host_busy seconds of
 work; DMA that runs while the host idles costs as much step time or more). It replaces T_host in
-the host term. (Earlier files' ``LBc``, ``lower_bound_link_busy_s``, charged T_host_busy for the
-whole host work, as if the link copied all the time: steps ran below it, so it bounded nothing.)
+the host term.
 
 ``LBd`` (``lower_bound_chain_s``) adds to the host term of ``next-fwd`` rows the GPU work no host
 step can run beside. The next forward needs first the host-stepped group whose gradients landed
@@ -41,8 +40,8 @@ while the GPU runs the forward from that group on and at least one group's backw
     T_chain = T_fwd * P_host / P + T_bwd / N
 
 (the forward counted in proportion to the parameters, P_host of the P stepped on the host; N
-groups), and the host term becomes T_host + T_chain. The issue's LB leaves this chain out; rows
-without next-fwd already count it. ``LBsd`` is LBd with T_host_shared. Neither counts the copies
+groups), and the host term becomes T_host + T_chain. LB leaves this chain out; rows without
+next-fwd already count it. ``LBsd`` is LBd with T_host_shared. Neither counts the copies
 on the chain (the last group's gradients down, the first group's parameters up).
 ``--rederive FILE...`` recomputes these columns for stored result files and prints their tables.
 With ``--profile DIR`` each CoherentOffload row at the first batch size also
@@ -110,7 +109,7 @@ _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "ho
 #                              norms join the root's group); last=F and keep=N still count blocks.
 #                              Groups of a third and two thirds of a block land, step and copy in
 #                              sooner, so less of the step waits on one group's gradients or the
-#                              next forward on one group's step (docs/benchmarks.md, twelfth session)
+#                              next forward on one group's step
 _ROW_ITEM = re.compile(
     r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units)=([0-9]+)|cast=(host|device)"
 )
@@ -606,7 +605,7 @@ def rederive(paths: list[str]) -> int:
         if not isinstance(data, dict) or data.get("benchmark") != "fsdp_offload":
             reason = "not a benchmarks/fsdp_offload.py result"
         else:
-            # Files of the first sessions measured no host rates: their LB cannot be recomputed.
+            # A file without the host rates measured beside it cannot have its LB recomputed.
             missing = [key for key in ("rows", "link_GBps", "host_optimizer_measured") if key not in data]
             reason = f"no {', '.join(missing)} to recompute from" if missing else None
         if reason is not None:

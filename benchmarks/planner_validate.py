@@ -71,11 +71,10 @@ _LEFTOVER_GiB = 0.25
 def leftover_before(rows: list[dict], index: int, kind: str) -> str | None:
     """Why row ``index``'s measured peak may include memory the row before it left allocated, or None.
 
-    benchmarks/fsdp_offload.py records ``allocated_after_teardown_GiB`` per row since the fourth
-    session. Before, a row whose OffloadOptimizer still ran host steps (``next-fwd``) when it was
-    torn down kept its GPU-resident groups (``modules=`` below 1) allocated into the next row: 9.07
-    GiB measured after ``coherent(host;next-fwd;modules=0.5)`` at bs 4; the row after it peaked
-    3.0 GiB higher than alone. Such rows are shown but not counted in the peak statistic.
+    benchmarks/fsdp_offload.py records ``allocated_after_teardown_GiB`` per row. For a file without
+    it, a row whose OffloadOptimizer may still have run host steps (``next-fwd``) when it was torn
+    down with GPU-resident groups (``modules=`` below 1) is taken to have left them allocated into
+    the next row. Such rows are shown but not counted in the peak statistic.
     """
     if kind != "fsdp_offload" or index == 0:
         return None
@@ -309,7 +308,7 @@ def validate_file(path: str, args) -> dict | None:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     if not isinstance(data, dict):
-        # host_step_gil.py's A/B lists bare rows: no link, no resident row to calibrate from.
+        # A bare list of rows has no link and no resident row to calibrate from.
         raise ValueError(f"a JSON {type(data).__name__}, not a benchmark's result object")
     kind = str(data.get("benchmark", ""))
     if kind == "multi_gpu":
@@ -395,7 +394,7 @@ def validate_file(path: str, args) -> dict | None:
             if len(pool) >= 2 and pool_fit:
                 agreements.append(agreement(os.path.basename(path), label, batch_size, scope, pool, pool_fit))
     # The planner's question when the resident run does not fit: a GPU budget of half the resident
-    # peak at the file's smallest micro-batch (the core issue's memory target), any micro-batch
+    # peak at the file's smallest micro-batch (the half-memory target), any micro-batch
     # the file measured, ranked by tokens per second.
     measured = [e for e in results if "predicted_step_s" in e]
     smallest = min((e for e in measured if e["calibration"]), key=lambda e: e["tokens"], default=None)

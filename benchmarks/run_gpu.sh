@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: GPU tests (also under the CUDA stream sanitizer), the platform report with
+# On one GPU machine: GPU tests (also under the CUDA stream sanitizer), the platform report with
 # bandwidths, and the benchmarks. Results land in ${OUT:-benchmarks/results}.
 #   bash benchmarks/run_gpu.sh [tests|bench|all]
 set -u

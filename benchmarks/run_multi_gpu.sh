@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-GPU session (issue 7): NCCL tests, two torchrun agents acting as two nodes, the 8B benchmark.
+# On a multi-GPU machine: NCCL tests, two torchrun agents acting as two nodes, the 8B benchmark.
 # Logs and JSON land in ${OUT:-benchmarks/results}; each stage ends with a short summary.
 #   bash benchmarks/run_multi_gpu.sh [tests] [multinode] [bench]      (no argument: all three)
 # Expected on 2 x H200: tests ~1.5 min, multinode ~1 min, bench ~6.5 min (--time-budget BENCH_BUDGET

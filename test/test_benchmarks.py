@@ -1,6 +1,7 @@
 """The benchmarks' own arithmetic (row names, lower bounds, the memory-at-peak breakdown): CPU only.
 
-The benchmarks run on a GPU; what they compute from their measurements is checked here.
+The benchmarks run on a GPU; what they compute from their measurements is checked here, on result
+files the tests write themselves (the committed results are data, not fixtures).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 import sys
 import tempfile
+import unittest
 import weakref
 from unittest import mock
 
@@ -23,12 +25,41 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import activations  # noqa: E402
 import fsdp_offload  # noqa: E402
+import multi_gpu  # noqa: E402
 import planner_validate  # noqa: E402
+import transfer  # noqa: E402
 from memory_snapshot import peak_breakdown  # noqa: E402
 from common_offload import GlooMultiProcessTestCase  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig  # noqa: E402
+
+
+def _fsdp_offload_result() -> dict:
+    """A small ``benchmarks/fsdp_offload.py`` result: the resident row, stock offload and one
+    CoherentOffload row of anchor-1.6b at bs 4, with the link and host rates measured beside them."""
+    host = {"adamw_s_per_Gparam": 0.25, "cast_s_per_Gparam": 0.08, "threads": 2,
+            "link_busy": {"adamw_s_per_Gparam": 0.4, "cast_s_per_Gparam": 0.15, "link_GBps_meanwhile": 90.0}}
+
+    def row(name: str, step_s: float, peak: float, **measured) -> dict:
+        return {"name": name, "batch_size": 4, "params_M": 1611.0, "step_s": step_s, "fwd_s": 0.045, "bwd_s": 0.1,
+                "opt_s": 0.013, "host_optimizer_s": 0.0, "peak_gpu_GiB": peak, "h2d_GB": 0.0, "d2h_GB": 0.0,
+                "n_blocks": 8, "allocated_after_teardown_GiB": 0.06, **measured}
+
+    offloaded = {"h2d_GB": 6.4, "d2h_GB": 6.4, "host_stepped_params": 1611014144, "offloaded_params": 1611014144}
+    rows = [row("resident", 0.158, 27.4),
+            row("stock_cpu_offload+fused_cpu_adamw", 0.8, 8.9, **{**offloaded, "h2d_GB": 12.9}),
+            row("coherent(host;next-fwd)", 0.69, 10.0, host_optimizer_s=0.68, **offloaded)]
+    return {"benchmark": "fsdp_offload", "torch": torch.__version__, "gpu": "NVIDIA H200", "model": "anchor-1.6b",
+            "seq_len": 2048, "link_GBps": {"h2d_GBps": 55.0, "d2h_GBps": 55.0, "both_GBps": 97.0},
+            "host_optimizer_measured": host, "rows": rows}
+
+
+def _write_json(directory: str, name: str, content) -> str:
+    path = os.path.join(directory, name)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(content, handle)
+    return path
 
 
 def _event(action: str, addr: int, size: int, filename: str = "x.py", line: int = 1) -> dict:
@@ -168,9 +199,8 @@ class TestPlannerValidate(TestCase):
         self.assertFalse(planner_validate.measured_tie({"measured_step_s_rounds": None}, best))
 
     def test_host_step_measured_here_for_every_file(self):
-        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
-        path = os.path.join(results, "fsdp_offload_bs4_session8.json")
         with tempfile.TemporaryDirectory() as tmp:
+            path = _write_json(tmp, "fsdp_offload.json", _fsdp_offload_result())
             out = os.path.join(tmp, "v.json")
             with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
                 planner_validate.main([path, "--measure-host", "--host-GBps", "100", "--out", out])
@@ -186,26 +216,35 @@ class TestPlannerValidate(TestCase):
             self.assertIsNone(measured["link_busy_s_per_param"])
             self.assertIsNone(validated["files"][0]["host_step_ns_per_param"])
 
+    def test_offline_validation_of_a_result_file(self):
+        # The resident row calibrates, stock offload is skipped, the CoherentOffload row is predicted.
+        with tempfile.TemporaryDirectory() as tmp:
+            path = _write_json(tmp, "fsdp_offload.json", _fsdp_offload_result())
+            out = os.path.join(tmp, "v.json")
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.assertEqual(planner_validate.main([path, "--offline", "--out", out]), 0)
+            with open(out, encoding="utf-8") as handle:
+                validated = json.load(handle)
+        self.assertEqual(validated["summary"]["rows_predicted"], 1)
+        self.assertEqual(len(validated["files"]), 1)
+
     def test_a_file_that_is_not_a_result_object_is_skipped(self):
         # The default run reads every JSON under benchmarks/results; one that is not an object
-        # (host_step_gil.py's A/B lists bare rows) is named and skipped, the others validated.
-        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+        # (a bare list of rows) is named and skipped, the others validated.
         with tempfile.TemporaryDirectory() as tmp:
-            listed = os.path.join(tmp, "rows.json")
-            with open(listed, "w", encoding="utf-8") as handle:
-                json.dump([{"name": "resident", "step_s": 0.1}], handle)
+            listed = _write_json(tmp, "rows.json", [{"name": "resident", "step_s": 0.1}])
+            good = _write_json(tmp, "fsdp_offload.json", _fsdp_offload_result())
             out = os.path.join(tmp, "v.json")
-            argv = [listed, os.path.join(results, "fsdp_offload_bs4_session5.json"), "--offline", "--out", out]
+            argv = [listed, good, "--offline", "--out", out]
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
                 self.assertEqual(planner_validate.main(argv), 0)
             self.assertIn("rows.json: cannot validate (ValueError: a JSON list, not a benchmark's result object)", err.getvalue())
             with open(out, encoding="utf-8") as handle:
                 self.assertEqual(len(json.load(handle)["files"]), 1)
 
-    def test_plot_of_the_committed_round(self):
-        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+    def test_plot_of_a_result_file(self):
         with tempfile.TemporaryDirectory() as tmp:
-            argv = [os.path.join(results, "fsdp_offload_bs4_session5.json"), "--offline",
+            argv = [_write_json(tmp, "fsdp_offload.json", _fsdp_offload_result()), "--offline",
                     "--out", os.path.join(tmp, "v.json"), "--plot", os.path.join(tmp, "v.png")]
             try:
                 import matplotlib  # noqa: F401
@@ -245,24 +284,19 @@ class TestFsdpOffloadSharding(GlooMultiProcessTestCase):
 
 class TestFsdpOffloadBenchmark(TestCase):
     def test_rederive_skips_files_it_cannot_recompute(self):
-        # Result files of the first sessions measured no host rates, and other benchmarks'
-        # files are no fsdp_offload results: each is named and skipped, the others printed.
-        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
-        good = os.path.join(results, "fsdp_offload_bs4_units_session12.json")
+        # A file without the host rates cannot have its bounds recomputed, and another benchmark's
+        # file is no fsdp_offload result: each is named and skipped, the others printed.
+        data = _fsdp_offload_result()
         with tempfile.TemporaryDirectory() as tmp:
-            older, other = os.path.join(tmp, "older.json"), os.path.join(tmp, "other.json")
-            with open(good, encoding="utf-8") as handle:
-                data = json.load(handle)
-            del data["host_optimizer_measured"]
-            for path, content in ((older, data), (other, [data["rows"][0]])):
-                with open(path, "w", encoding="utf-8") as handle:
-                    json.dump(content, handle)
+            good = _write_json(tmp, "good.json", data)
+            other = _write_json(tmp, "other.json", [data["rows"][0]])
+            older = _write_json(tmp, "older.json", {k: v for k, v in data.items() if k != "host_optimizer_measured"})
             with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
                 self.assertEqual(fsdp_offload.main(["--rederive", older, other, good]), 2)
         self.assertIn("older.json: no host_optimizer_measured to recompute from; skipped", err.getvalue())
         self.assertIn("other.json: not a benchmarks/fsdp_offload.py result; skipped", err.getvalue())
         self.assertIn(f"== {good}", out.getvalue())
-        self.assertIn("units=2", out.getvalue())
+        self.assertIn("coherent(host;next-fwd)", out.getvalue())
 
     def test_host_rates_from_the_planners_measurement(self):
         # The benchmark's host rates are measure_host_step's (one timing of the host step in the
@@ -436,6 +470,56 @@ class TestFsdpOffloadBenchmark(TestCase):
                          (rows[1]["step_over_lb"], rows[1]["step_over_lb_shared_dram"]))
         self.assertNotIn("speedup_vs_stock", rows[2])  # another batch size
         self.assertNotIn("step_over_lb", rows[3])
+
+
+class TestMultiGpuBenchmark(TestCase):
+    def test_predicted_peak_extrapolates_the_measured_batches(self):
+        one = {"batch_size": 2, "peak_reserved_GiB": 30.0, "peak_gpu_GiB": 28.0, "between_steps_GiB": 10.0}
+        # One batch size: what the step allocated beyond the memory held between steps grows with the batch.
+        self.assertAlmostEqual(multi_gpu._predicted_peak([one], 4), 30.0 + 9.0 * 2)
+        # Two: the line through them.
+        two = {"batch_size": 4, "peak_reserved_GiB": 50.0, "peak_gpu_GiB": 48.0, "between_steps_GiB": 10.0}
+        self.assertAlmostEqual(multi_gpu._predicted_peak([one, two], 8), 90.0)
+
+    def test_table_marks_each_rows_best_batch(self):
+        def measured(batch_size: int, tokens_per_s: int) -> dict:
+            return {"batch_size": batch_size, "step_s": 1.0, "tokens_per_s_per_gpu": tokens_per_s,
+                    "peak_gpu_GiB": 20.0, "host_optimizer_s": 0.5}
+
+        result = {"model": "llama-8b", "params_B": 8.03, "seq_len": 2048, "world_size": 2, "gpu": "H200",
+                  "rows": {"resident": [measured(1, 6000), measured(2, 8000), {"batch_size": 4, "skipped": "does not fit"}]}}
+        lines = multi_gpu.format_table(result).splitlines()
+        self.assertIn("world size 2", lines[0])
+        self.assertEqual([("*" in line) for line in lines[2:]], [False, True, False])
+        self.assertIn("does not fit", lines[4])
+
+
+class TestTransferBenchmark(TestCase):
+    @unittest.skipIf(torch.cuda.is_available(), "checks a machine without a GPU")
+    def test_refuses_a_machine_without_a_link(self):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            self.assertEqual(transfer.main(["--out", os.devnull]), 1)
+        self.assertIn("needs a CUDA GPU", err.getvalue())
+
+
+class TestPlotResults(TestCase):
+    def test_plots_the_cited_result_files(self):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            self.skipTest("needs matplotlib")
+        import plot_results
+
+        rows = _fsdp_offload_result()
+        activation_rows = [{"row": name, "step_s": step, "peak_gib": peak}
+                           for name, step, peak in (("resident", 0.15, 17.5), ("offload(all)", 0.3, 13.8))]
+        with tempfile.TemporaryDirectory() as tmp:
+            _write_json(tmp, "fsdp_offload_bs4_default_rows.json", rows)
+            _write_json(tmp, "activations_default_rows.json",
+                        {"configs": [{"batch_size": 4, "seq_len": 2048, "rows": activation_rows}] * 2})
+            for plot in (plot_results.plot_fsdp_bs4, plot_results.plot_activations):
+                with open(plot(tmp, tmp), "rb") as handle:
+                    self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
 
 
 if __name__ == "__main__":
