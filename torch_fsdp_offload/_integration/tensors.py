@@ -1,0 +1,59 @@
+"""Private tensor, autograd and allocator internals the library reads, each behind one function."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "current_graph_task_id",
+    "disable_torch_function_subclass",
+    "host_empty_cache",
+    "in_backward",
+    "local_tensor",
+    "parse_to_device",
+    "version_counter",
+]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard a DTensor wraps (the tensor itself for a plain tensor), aliasing its storage:
+    writes through it change the DTensor. ``DTensor.to_local()`` would be the public spelling, but
+    under autograd it returns a new view whose in-place changes autograd tracks separately."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: bumped by every in-place change that goes through autograd's
+    in-place handling (including under ``torch.no_grad()``)."""
+    return tensor._version
+
+
+def current_graph_task_id() -> int:
+    """An id of the backward pass running on this thread, or -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    """Whether this thread is inside an autograd backward pass."""
+    return current_graph_task_id() != -1
+
+
+def disable_torch_function_subclass() -> Any:
+    """A context manager in which a tensor subclass's ``__torch_function__`` is not consulted, so its
+    methods act on it as on a plain tensor."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def parse_to_device(*args: Any, **kwargs: Any) -> torch.device | None:
+    """The target device of ``Tensor.to(*args, **kwargs)``, parsed the way ``Tensor.to`` parses it."""
+    return torch._C._nn._parse_to(*args, **kwargs)[0]
+
+
+def host_empty_cache() -> None:
+    """Give the blocks cached by torch's pinned-host allocator back to the system, where this torch
+    release exposes it; a no-op elsewhere."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
