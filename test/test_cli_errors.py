@@ -13,10 +13,11 @@ import tempfile
 import warnings
 from unittest import mock
 
+import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_fsdp_offload.__main__ import main as dispatch
-from torch_fsdp_offload.train import main as train_main, parse_args
+from torch_fsdp_offload.train import _check_checkpoint_fits, main as train_main, parse_args
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TALK = os.path.join(REPO_ROOT, "docs", "examples", "talk_gh200.json")
@@ -118,6 +119,14 @@ class TestResume(CLITestCase):
             "Resume with the --model or --hf-config that wrote it, or give this model another --checkpoint-dir "
             "(or drop --resume) to train it from scratch", message,
         )
+        # Entries only the checkpoint has are named too; a folder without DCP metadata is no checkpoint.
+        with self.assertRaisesRegex(
+            ValueError, re.escape("1 of this model's entries are missing from it: head.bias; 21 of its entries are "
+                                  "not in this model: tok_embeddings.weight, ")
+        ):
+            _check_checkpoint_fits(checkpoint, {"head.bias": torch.zeros(256)})
+        with self.assertRaisesRegex(FileNotFoundError, re.escape(f"{self.tmp} holds no checkpoint (no DCP metadata)")):
+            _check_checkpoint_fits(self.tmp, {})
 
 
 if __name__ == "__main__":
