@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import re
 import sys
 import types
 import unittest
@@ -217,6 +218,25 @@ class TestPlatformProperties(PlatformTestCase):
         self.assertEqual(unified.usable_device_bytes, 100)  # MemAvailable, not cudaMemGetInfo
         self.assertEqual(discrete.usable_device_bytes, 10)
 
+    def test_attribute_sets_refuse_unknown_names_and_impossible_values(self) -> None:
+        # A misspelt name would otherwise read as "unknown" and an impossible value as plain
+        # evidence: both classified silently. Every name a Platform records is accepted.
+        for attributes, _, _ in MACHINES.values():
+            platform_from_attributes(attributes)
+        cases = {
+            "PageableMemoryAcessUsesHostPageTables": (
+                1, "'PageableMemoryAcessUsesHostPageTables' is not a known attribute (did you mean "
+                "'PageableMemoryAccessUsesHostPageTables'?); the known attributes are DeviceCount, ",
+            ),
+            "Integrated": (2, "attribute Integrated=2 is out of range: Integrated takes an integer in [0, 1]"),
+            "DeviceCount": (-1, "DeviceCount=-1 is out of range: DeviceCount takes an integer >= 0"),
+            "NumaId": (-2, "NumaId=-2 is out of range: NumaId takes an integer >= -1"),
+            "NvmlAddressingMode": (3, "NvmlAddressingMode takes an integer in [0, 2], or null for unknown"),
+        }
+        for name, (value, message) in cases.items():
+            with self.assertRaisesRegex(ValueError, re.escape(message)):
+                platform_from_attributes({**X86_H200, name: value})
+
     def test_forced_kind_on_attributes(self) -> None:
         platform = platform_from_attributes(X86_H200, kind="coherent")
         self.assertEqual(platform.kind, PlatformKind.COHERENT)
@@ -291,6 +311,13 @@ class TestDetection(PlatformTestCase):
     def test_unsupported_device_type(self) -> None:
         with self.assertRaisesRegex(ValueError, "'meta' is not supported"):
             detect_platform("meta")
+
+    def test_not_a_device(self) -> None:
+        for device in ("banana", "cuda:x", "", 1.5):
+            with self.assertRaisesRegex(
+                ValueError, re.escape(f"device {device!r} is not a device: pass a CUDA device as cuda:N or its index N")
+            ):
+                detect_platform(device)
 
     def test_attributes_cached_capacities_fresh(self) -> None:
         with mock.patch.object(torch.cuda, "device_count", wraps=torch.cuda.device_count) as count, \

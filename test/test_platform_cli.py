@@ -177,11 +177,26 @@ GPU-DRAM : link ratio: 77 -> ~80 (discrete-class link): offload only what the pl
             os.path.join(self.directory, "missing.json"): "cannot read attributes from",
             self._write_json("list.json", [1, 2]): "must hold a JSON object",
             self._write_json("string.json", {"Integrated": "yes"}): "'Integrated' is 'yes'; values must be integers",
+            self._write_json("unknown.json", {**GH200_ATTRIBUTES, "Bogus": 1}): (
+                "unknown.json: attribute 'Bogus' is not a known attribute; the known attributes are DeviceCount, "
+            ),
+            self._write_json("range.json", {**GH200_ATTRIBUTES, "NumaConfig": 7}): (
+                "range.json: attribute NumaConfig=7 is out of range: NumaConfig takes an integer in [0, 1]"
+            ),
         }
         for path, message in cases.items():
             status, out, err = self._run("--attributes", path)
             self.assertEqual((status, out), (2, ""), path)
             self.assertIn(message, err)
+
+    def test_bad_device(self) -> None:
+        for device in ("banana", "cuda:x", "-1"):
+            status, out, err = self._run("--device", device)
+            self.assertEqual((status, out), (2, ""), device)
+            self.assertIn(
+                f"error: device {device!r} is not a device: pass a CUDA device as cuda:N or its index N (N >= 0), "
+                "or 'cpu'", err,
+            )
 
     def test_bandwidth_needs_this_machine(self) -> None:
         path = self._write_json("gh200.json", GH200_ATTRIBUTES)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import difflib
 import enum
 import os
 import statistics
@@ -81,6 +82,29 @@ _COHERENCE_EVIDENCE = (
     "PageableMemoryAccessUsesHostPageTables",
     "HostNativeAtomicSupported",
     _NVML_C2C_ENABLED,
+)
+
+# The values each attribute can take, as inclusive (low, high) bounds (high None: unbounded). An
+# attribute set given by hand (platform_from_attributes) is checked against them: a misspelt name
+# or an impossible value would otherwise be classified as "unknown" or as plain evidence.
+_ATTRIBUTE_RANGES: Mapping[str, tuple[int, int | None]] = types.MappingProxyType(
+    {
+        **dict.fromkeys((_DEVICE_COUNT, "L2CacheSize", "AsyncEngineCount", "MaxPersistingL2CacheSize"), (0, None)),
+        **dict.fromkeys(
+            (
+                "Integrated", "CanMapHostMemory", "UnifiedAddressing", "ManagedMemory",
+                "HostNativeAtomicSupported", "PageableMemoryAccess", "ConcurrentManagedAccess",
+                "CanUseHostPointerForRegisteredMem", "HostRegisterSupported",
+                "PageableMemoryAccessUsesHostPageTables", "DirectManagedMemAccessFromHost",
+                "MemoryPoolsSupported", "GPUDirectRDMASupported", _TORCH_IS_INTEGRATED, _NVML_C2C_ENABLED,
+            ),
+            (0, 1),
+        ),
+        "NumaConfig": (0, 1),  # cudaDeviceNumaConfigNone, cudaDeviceNumaConfigNumaNode
+        "NumaId": (-1, None),  # -1: the GPU's memory is no NUMA node
+        "HostNumaId": (-1, None),  # -1: the host has no NUMA
+        _NVML_ADDRESSING_MODE: (0, 2),  # none, HMM, ATS
+    }
 )
 
 _MiB = 1 << 20
@@ -642,7 +666,13 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    try:
+        resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device {device!r} is not a device: pass a CUDA device as cuda:N or its index N (N >= 0), "
+            "or 'cpu'"
+        ) from None
     if resolved.type == "cpu":
         return torch.device("cpu")
     if resolved.type != "cuda":
@@ -709,7 +739,8 @@ def detect_platform(
 
     Raises:
         ValueError: if ``kind`` or the environment variable names no kind (the message lists the
-            valid ones), or ``device`` is not a CPU or an existing CUDA device.
+            valid ones), or ``device`` is not a device (e.g. ``"banana"``), a CPU or an existing
+            CUDA device.
 
     Example::
 
@@ -772,7 +803,9 @@ def platform_from_attributes(
 
     Raises:
         TypeError: if a value is neither an int nor None.
-        ValueError: if ``kind`` names no kind.
+        ValueError: if ``kind`` names no kind, an attribute name is not one :func:`classify` and
+            :attr:`Platform.attributes` know, or a value is outside the attribute's range (e.g.
+            ``Integrated=2``); the message names the attribute and what it accepts.
 
     Example::
 
@@ -781,6 +814,7 @@ def platform_from_attributes(
     """
     forced = None if kind is None else _parse_kind(kind, "kind")
     classification = classify(attributes)
+    _check_attribute_values(attributes)
     if forced is None:
         platform_kind, reason, source = classification.kind, classification.reason, "attributes"
     else:
@@ -801,6 +835,22 @@ def platform_from_attributes(
         host_available_bytes=None,
         locked_memory_limit_bytes=None,
     )
+
+
+def _check_attribute_values(attributes: Mapping[str, int | None]) -> None:
+    """Refuse names outside :data:`_ATTRIBUTE_RANGES` and values outside their range."""
+    for name, value in attributes.items():
+        if name not in _ATTRIBUTE_RANGES:
+            close = difflib.get_close_matches(name, list(_ATTRIBUTE_RANGES), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"attribute {name!r} is not a known attribute{hint}; the known attributes are "
+                f"{', '.join(_ATTRIBUTE_RANGES)} (each an integer, or null for unknown)"
+            )
+        low, high = _ATTRIBUTE_RANGES[name]
+        if value is not None and (value < low or (high is not None and value > high)):
+            accepted = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+            raise ValueError(f"attribute {name}={value} is out of range: {name} takes {accepted}, or null for unknown")
 
 
 # ---------------------------------------------------------------------------------------------

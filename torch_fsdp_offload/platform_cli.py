@@ -234,7 +234,11 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(
                     "--bandwidth measures this machine; it cannot be combined with --attributes"
                 )
-            platform = platform_from_attributes(load_attributes(args.attributes), kind=args.kind)
+            attributes = load_attributes(args.attributes)
+            try:
+                platform = platform_from_attributes(attributes, kind=args.kind)
+            except ValueError as exc:
+                raise ValueError(f"{args.attributes}: {exc}") from exc
             origin: str | None = f"from {args.attributes}"
         else:
             platform = detect_platform(

@@ -11,8 +11,8 @@ mesh. The data is a seeded synthetic token stream whose every sample is a functi
 
 Checkpoints (``--checkpoint-dir``) hold the model, the optimizer, the step and the data position,
 written with ``torch.distributed.checkpoint``; ``--resume`` continues from the latest one (and
-starts from scratch when there is none, so a job restarted by ``torchrun --max-restarts`` uses the
-same command line).
+starts from scratch, with a warning, when there is none, so a job restarted by
+``torchrun --max-restarts`` uses the same command line).
 
 Examples::
 
@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,7 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     offload = parser.add_argument_group("offload (CoherentOffload knobs)")
     offload.add_argument("--offload", choices=("on", "off"), default="on",
                          help="shard with CoherentOffload (on, default) or keep everything on the device")
-    offload.add_argument("--memory", choices=("auto", "pinned", "managed"), default=None)
     offload.add_argument("--offload-optimizer", default=None, metavar="host|stream|auto|FRACTION",
                          type=_optimizer_placement, help="where the optimizer step runs")
     offload.add_argument("--cast-on", choices=("host", "device"), default=None,
@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                     help="save every N steps (and at the end); needs --checkpoint-dir")
     io.add_argument("--resume", action="store_true",
-                    help="continue from the latest checkpoint in --checkpoint-dir, if there is one")
+                    help="continue from the latest checkpoint in --checkpoint-dir; with none there, warn "
+                    "and start from scratch")
     io.add_argument("--json-log", default=None, metavar="FILE",
                     help="append one JSON record per step to FILE (rank 0)")
     io.add_argument("--fail-at-step", type=int, default=None, metavar="N",
@@ -131,7 +132,7 @@ def _optimizer_placement(text: str) -> str | float:
         ) from None
 
 
-_OFFLOAD_KNOBS = ("memory", "offload_optimizer", "cast_on", "prefetch_depth", "chunk_mb", "module_fraction",
+_OFFLOAD_KNOBS = ("offload_optimizer", "cast_on", "prefetch_depth", "chunk_mb", "module_fraction",
                   "offload_activations", "platform")
 
 
@@ -148,10 +149,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.seq_len < 2:
         parser.error(f"--seq-len must be >= 2 (the loss predicts token t+1 from t), got {args.seq_len}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
-    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
-        parser.error(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
+    if not 0 < args.lr < math.inf:
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < math.inf:
+        parser.error(
+            f"--clip-grad-norm must be a finite number > 0, got {args.clip_grad_norm} (leave it out to not clip)"
+        )
+    if args.offload_activations is not None and not 0 <= args.offload_activations <= 1:
+        parser.error(
+            f"--offload-activations is the fraction of blocks whose activations are offloaded: a number in "
+            f"[0, 1], got {args.offload_activations}"
+        )
     if args.model is not None and args.hf_config is not None:
         parser.error("--model and --hf-config are alternatives: pass one of them")
     if args.model in HF_CONFIGS:
@@ -165,6 +173,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--checkpoint-every and --resume need --checkpoint-dir")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         parser.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    # Both are opened only after the process group and the model exist.
+    if args.checkpoint_dir is not None and os.path.isfile(args.checkpoint_dir):
+        parser.error(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a folder: pass a folder (created if missing)")
+    log_folder = None if args.json_log is None else os.path.dirname(os.path.abspath(args.json_log))
+    if log_folder is not None and not os.path.isdir(log_folder):
+        parser.error(f"--json-log {args.json_log}: the folder {log_folder} does not exist; create it or log elsewhere")
+    args.resume_from = None
+    if args.resume:
+        try:
+            args.resume_from = _latest_checkpoint(args.checkpoint_dir)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
+        if args.resume_from is None and int(os.environ.get("RANK", "0")) == 0:
+            warnings.warn(
+                f"--resume: no checkpoint found in {args.checkpoint_dir} (no {LATEST_FILE!r} file there): "
+                "training starts from scratch",
+                stacklevel=2,
+            )
     if args.offload == "off":
         given = [f"--{name.replace('_', '-')}" for name in _OFFLOAD_KNOBS if getattr(args, name) is not None]
         if given:
@@ -186,7 +212,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _offload_policy(args: argparse.Namespace) -> CoherentOffload:
     knobs = {
-        "memory": args.memory,
         "optimizer": args.offload_optimizer,
         "cast_on": args.cast_on,
         "prefetch_depth": args.prefetch_depth,
@@ -374,11 +399,25 @@ class SyntheticTokens:
 
 
 def _latest_checkpoint(checkpoint_dir: str) -> str | None:
+    """The step folder ``checkpoint_dir``'s ``latest`` names, or None when there is no ``latest``.
+
+    Raises:
+        FileNotFoundError: ``latest`` names a folder that does not exist (deleted, or moved).
+    """
     try:
         with open(os.path.join(checkpoint_dir, LATEST_FILE), encoding="utf-8") as latest:
-            return os.path.join(checkpoint_dir, latest.read().strip())
+            name = latest.read().strip()
     except FileNotFoundError:
         return None
+    path = os.path.join(checkpoint_dir, name)
+    if name and os.path.isdir(path):
+        return path
+    steps = sorted(entry for entry in os.listdir(checkpoint_dir) if entry.startswith("step_"))
+    raise FileNotFoundError(
+        f"{os.path.join(checkpoint_dir, LATEST_FILE)} names the checkpoint {name!r}, but {path} does not exist "
+        f"(deleted?); the step folders there: {', '.join(steps) or 'none'}. Write the name of an existing one "
+        f"into {LATEST_FILE}, or delete {LATEST_FILE} to train from scratch"
+    )
 
 
 def save_checkpoint(
@@ -400,9 +439,54 @@ def save_checkpoint(
     return path
 
 
+def _listed(names: Sequence[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _check_checkpoint_fits(path: str, model_state: dict) -> None:
+    """Refuse a checkpoint whose model entries differ from ``model_state``'s names or shapes."""
+    try:
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} holds no checkpoint (no DCP metadata): point {LATEST_FILE} at a folder written by "
+            "save_checkpoint, or drop --resume to train from scratch"
+        ) from None
+    saved_model = {key.removeprefix("model."): entry for key, entry in saved.items() if key.startswith("model.")}
+    missing = [name for name in model_state if name not in saved_model]
+    unexpected = [name for name in saved_model if name not in model_state]
+    resized = [
+        f"{name} (checkpoint {list(saved_model[name].size)}, this model {list(value.shape)})"
+        for name, value in model_state.items()
+        if name in saved_model and isinstance(value, torch.Tensor)
+        and tuple(getattr(saved_model[name], "size", ())) != tuple(value.shape)
+    ]
+    mismatches = []
+    if resized:
+        mismatches.append(f"{len(resized)} shape(s) differ: {_listed(resized)}")
+    if missing:
+        mismatches.append(f"{len(missing)} of this model's entries are missing from it: {_listed(missing)}")
+    if unexpected:
+        mismatches.append(f"{len(unexpected)} of its entries are not in this model: {_listed(unexpected)}")
+    if mismatches:
+        raise ValueError(
+            f"the checkpoint {path} was written by another model: {'; '.join(mismatches)}. Resume with the "
+            "--model or --hf-config that wrote it, or give this model another --checkpoint-dir (or drop "
+            "--resume) to train it from scratch"
+        )
+
+
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """Load a checkpoint written by :func:`save_checkpoint`; returns ``(step, data_position)``."""
+    """Load a checkpoint written by :func:`save_checkpoint`; returns ``(step, data_position)``.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no checkpoint.
+        ValueError: the checkpoint was written by another model (the message names the entries
+            whose names or shapes differ); nothing is loaded.
+    """
     model_state, optim_state = get_state_dict(model, optimizer)
+    _check_checkpoint_fits(path, model_state)
     train_state = {"step": torch.tensor(0), "data_position": torch.tensor(0)}
     state = {"model": model_state, "optim": optim_state, "train": train_state}
     dcp.load(state, checkpoint_id=path)
@@ -481,11 +565,10 @@ def train(args: argparse.Namespace, dist_env: _Distributed) -> list[dict]:
     start_step, data_position = 0, 0
     if args.checkpoint_dir is not None:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
-        latest = _latest_checkpoint(args.checkpoint_dir) if args.resume else None
-        if latest is not None:
-            start_step, data_position = load_checkpoint(latest, model, optimizer)
+        if args.resume_from is not None:
+            start_step, data_position = load_checkpoint(args.resume_from, model, optimizer)
             if is_rank0:
-                print(f"resumed from {latest}: step {start_step}, data position {data_position}", flush=True)
+                print(f"resumed from {args.resume_from}: step {start_step}, data position {data_position}", flush=True)
     data = SyntheticTokens(vocab_size, args.seq_len, seed=args.seed, rank=dist_env.rank, position=data_position)
     engine = get_transfer_engine(dist_env.device)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dist_env.world_size

@@ -19,7 +19,10 @@ from torch_fsdp_offload.planner.api import plan
 from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES
 from torch_fsdp_offload.planner.scenario import ScenarioError
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "check_arguments", "run"]
+
+# Flags that describe a --model run; a --scenario file holds its own figures instead.
+_MODEL_ONLY_FLAGS = ("batch_size", "seq_len", "world_size", "microbatch_factors")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,13 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PLATFORM_PROFILES),
         help="plan for this built-in profile instead of measuring this machine",
     )
-    parser.add_argument("--batch-size", type=int, default=1, help="today's micro-batch in sequences (model only)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (model only)")
-    parser.add_argument("--world-size", type=int, default=1, help="GPUs of one host FSDP shards over; per-GPU predictions (model only)")
+    parser.add_argument("--batch-size", type=int, help="today's micro-batch in sequences (model only; default 1)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (model only; default 2048)")
+    parser.add_argument(
+        "--world-size", type=int, help="GPUs of one host FSDP shards over; per-GPU predictions (model only; default 1)"
+    )
     parser.add_argument(
         "--microbatch-factors",
-        default="1,2,4,8",
-        help="comma-separated micro-batch multiples to time on the GPU (model only)",
+        help="comma-separated micro-batch multiples to time on the GPU (model only; default 1,2,4,8)",
     )
     parser.add_argument(
         "--gpu-memory-GiB",
@@ -53,26 +57,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="write throughput against offloaded fraction (needs matplotlib)")
 
 
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, through ``parser.error``, model-only flags given with ``--scenario``, which would ignore them.
+
+    Args:
+        parser: the ``plan`` sub-command's parser (its usage heads the error).
+        args: what ``parser`` parsed.
+
+    Raises:
+        SystemExit: (status 2) naming the flags and the fix.
+    """
+    given = [f"--{name.replace('_', '-')}" for name in _MODEL_ONLY_FLAGS if getattr(args, name) is not None]
+    if args.scenario is not None and given:
+        parser.error(
+            f"{', '.join(given)} only apply to --model; --scenario {args.scenario} takes the micro-batch, "
+            "sequence and timings from the file (memory_GB, iteration_time_s, microbatch_scaling): drop "
+            f"{', '.join(given)}, or plan with --model"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the planner; print the report (or JSON); return the exit status."""
-    try:
-        factors = [int(part) for part in args.microbatch_factors.split(",") if part.strip()]
-    except ValueError:
-        print(f"error: --microbatch-factors must be integers separated by commas, got {args.microbatch_factors!r}", file=sys.stderr)
-        return 2
+    model_options = {
+        name: getattr(args, name) for name in ("batch_size", "seq_len", "world_size") if getattr(args, name) is not None
+    }
+    if args.microbatch_factors is not None:
+        try:
+            model_options["microbatch_factors"] = [
+                int(part) for part in args.microbatch_factors.split(",") if part.strip()
+            ]
+        except ValueError:
+            print(f"error: --microbatch-factors must be integers separated by commas, got {args.microbatch_factors!r}", file=sys.stderr)
+            return 2
     try:
         if args.scenario:
             result = plan(scenario=args.scenario, platform=args.platform, gpu_memory_GiB=args.gpu_memory_GiB)
         else:
-            result = plan(
-                args.model,
-                platform=args.platform,
-                batch_size=args.batch_size,
-                seq_len=args.seq_len,
-                microbatch_factors=factors,
-                world_size=args.world_size,
-                gpu_memory_GiB=args.gpu_memory_GiB,
-            )
+            result = plan(args.model, platform=args.platform, gpu_memory_GiB=args.gpu_memory_GiB, **model_options)
     except (ScenarioError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,133 @@
+"""Refused inputs of the command lines (``train``, ``plan``): each is refused when it is given, with a
+message naming the flag or the mismatch and the fix. Every CLI runs in-process through its ``main``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from unittest import mock
+
+import torch
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+from torch_fsdp_offload.__main__ import main as dispatch
+from torch_fsdp_offload.train import _check_checkpoint_fits, main as train_main, parse_args
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TALK = os.path.join(REPO_ROOT, "docs", "examples", "talk_gh200.json")
+# One quick step of the tiny model in this process (gloo, world size 1).
+QUICK = ["--seq-len", "16", "--batch-size", "2", "--device", "cpu", "--steps", "1"]
+
+
+class CLITestCase(TestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        env = mock.patch.dict(os.environ)
+        env.start()
+        self.addCleanup(env.stop)
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCH_FSDP_OFFLOAD_PLATFORM"):
+            os.environ.pop(name, None)
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp)
+
+    def assertRefused(self, parse, argv: list[str], message: str) -> None:
+        """``parse(argv)`` exits with argparse's status 2 and ``message`` on stderr."""
+        stderr = io.StringIO()
+        with self.assertRaises(SystemExit) as raised, contextlib.redirect_stderr(stderr):
+            parse(argv)
+        self.assertEqual(raised.exception.code, 2, argv)
+        self.assertIn(message, stderr.getvalue(), argv)
+
+
+class TestPlanArguments(CLITestCase):
+    def test_scenario_refuses_model_only_flags(self) -> None:
+        # The scenario file carries its own micro-batch and timings: these flags were ignored.
+        self.assertRefused(
+            dispatch, ["plan", "--scenario", TALK, "--batch-size", "4", "--world-size", "2"],
+            f"error: --batch-size, --world-size only apply to --model; --scenario {TALK} takes the micro-batch, "
+            "sequence and timings from the file",
+        )
+        for flag, value in (("--seq-len", "512"), ("--microbatch-factors", "1,2")):
+            self.assertRefused(dispatch, ["plan", "--scenario", TALK, flag, value], f"drop {flag}, or plan with --model")
+
+
+class TestTrainArguments(CLITestCase):
+    def test_refused_before_the_process_group(self) -> None:
+        # Each of these used to be accepted here and fail (or train silently wrong) only after the
+        # process group and the model were built.
+        cases = {
+            ("--offload-activations", "2"): "--offload-activations is the fraction of blocks whose activations are "
+            "offloaded: a number in [0, 1], got 2.0",
+            ("--offload-activations", "nan"): "a number in [0, 1], got nan",
+            ("--lr", "inf"): "--lr must be a finite number > 0, got inf",
+            ("--clip-grad-norm", "inf"): "--clip-grad-norm must be a finite number > 0, got inf (leave it out to not clip)",
+            ("--json-log", os.path.join(self.tmp, "missing", "log.jsonl")): (
+                f"the folder {os.path.join(self.tmp, 'missing')} does not exist; create it or log elsewhere"
+            ),
+            ("--checkpoint-dir", TALK): f"--checkpoint-dir {TALK} is a file, not a folder",
+            # Managed memory is not a placement the policy has: the flag is gone.
+            ("--memory", "managed", "--platform", "discrete"): "unrecognized arguments: --memory managed",
+        }
+        for flags, message in cases.items():
+            self.assertRefused(parse_args, list(flags), message)
+
+    def test_latest_names_a_deleted_step(self) -> None:
+        os.makedirs(os.path.join(self.tmp, "step_00000002"))
+        with open(os.path.join(self.tmp, "latest"), "w", encoding="utf-8") as latest:
+            latest.write("step_00000004")
+        self.assertRefused(
+            parse_args, ["--checkpoint-dir", self.tmp, "--resume"],
+            f"{os.path.join(self.tmp, 'latest')} names the checkpoint 'step_00000004', but "
+            f"{os.path.join(self.tmp, 'step_00000004')} does not exist (deleted?); the step folders there: "
+            "step_00000002. Write the name of an existing one into latest, or delete latest to train from scratch",
+        )
+
+    def test_resume_without_checkpoint_warns(self) -> None:
+        message = f"--resume: no checkpoint found in {self.tmp} (no 'latest' file there): training starts from scratch"
+        with self.assertWarnsRegex(UserWarning, re.escape(message)):
+            args = parse_args(["--checkpoint-dir", self.tmp, "--resume"])
+        self.assertIsNone(args.resume_from)
+        # Only rank 0 says it, once for the job.
+        os.environ["RANK"] = "1"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            parse_args(["--checkpoint-dir", self.tmp, "--resume"])
+        self.assertEqual(caught, [])
+
+
+class TestResume(CLITestCase):
+    def test_checkpoint_of_another_model(self) -> None:
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            self.assertEqual(train_main(["--model", "tiny", *QUICK, "--checkpoint-dir", self.tmp]), 0)
+            with self.assertRaisesRegex(ValueError, "was written by another model") as raised:
+                train_main(["--model", "small", *QUICK, "--steps", "2", "--checkpoint-dir", self.tmp, "--resume"])
+        message = str(raised.exception)
+        checkpoint = os.path.join(self.tmp, "step_00000001")
+        self.assertIn(
+            f"the checkpoint {checkpoint} was written by another model: 21 shape(s) differ: tok_embeddings.weight "
+            "(checkpoint [256, 64], this model [8192, 512]), blocks.0.attention_norm.weight", message,
+        )
+        self.assertIn("and 17 more; 36 of this model's entries are missing from it: blocks.2.", message)
+        self.assertIn(
+            "Resume with the --model or --hf-config that wrote it, or give this model another --checkpoint-dir "
+            "(or drop --resume) to train it from scratch", message,
+        )
+        # Entries only the checkpoint has are named too; a folder without DCP metadata is no checkpoint.
+        with self.assertRaisesRegex(
+            ValueError, re.escape("1 of this model's entries are missing from it: head.bias; 21 of its entries are "
+                                  "not in this model: tok_embeddings.weight, ")
+        ):
+            _check_checkpoint_fits(checkpoint, {"head.bias": torch.zeros(256)})
+        with self.assertRaisesRegex(FileNotFoundError, re.escape(f"{self.tmp} holds no checkpoint (no DCP metadata)")):
+            _check_checkpoint_fits(self.tmp, {})
+
+
+if __name__ == "__main__":
+    run_tests()
