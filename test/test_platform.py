@@ -1,4 +1,5 @@
-"""Tests for platform detection and bandwidth measurement (torch_fsdp_offload.platform)."""
+"""Tests for platform detection and bandwidth measurement (torch_fsdp_offload.platform and the
+platform_kinds, platform_readers and platform_bandwidth modules it is built from)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
-from torch_fsdp_offload import platform as platform_module
+from torch_fsdp_offload import platform as platform_module, platform_readers
 from torch_fsdp_offload.platform import (
     CUDA_DEVICE_ATTRIBUTES,
     ENV_PLATFORM,
@@ -343,11 +344,12 @@ class TestAttributeReaders(PlatformTestCase):
             self.assertIsNone(attributes[name], name)
 
     def test_readers_raising_give_unknown_never_zero(self) -> None:
-        with mock.patch.object(platform_module, "_read_attributes_cuda_bindings", side_effect=RuntimeError("no driver")), \
-                mock.patch.object(platform_module, "_read_attributes_libcuda", side_effect=OSError("no libcuda")), \
+        no_driver = RuntimeError("no driver")
+        with mock.patch.object(platform_readers, "_read_attributes_cuda_bindings", side_effect=no_driver), \
+                mock.patch.object(platform_readers, "_read_attributes_libcuda", side_effect=OSError("no libcuda")), \
                 mock.patch.object(torch.cuda, "device_count", return_value=1), \
                 mock.patch.object(torch.cuda, "get_device_properties", side_effect=RuntimeError("no GPU")):
-            attributes, reader, name = platform_module._read_device_attributes(0)
+            attributes, reader, name = platform_readers.read_device_attributes(0)
         self._all_cuda_unknown(attributes)
         self.assertIsNone(attributes["TorchIsIntegrated"])
         self.assertEqual((reader, name, attributes["DeviceCount"]), (None, None, 1))
@@ -357,18 +359,18 @@ class TestAttributeReaders(PlatformTestCase):
 
     def test_falls_back_to_libcuda(self) -> None:
         values = {name: 0 for name in CUDA_DEVICE_ATTRIBUTES}
-        with mock.patch.object(platform_module, "_read_attributes_cuda_bindings", side_effect=ImportError("cuda")), \
-                mock.patch.object(platform_module, "_read_attributes_libcuda", return_value=values):
-            self.assertEqual(platform_module._read_cuda_attributes(0), (values, "libcuda"))
+        with mock.patch.object(platform_readers, "_read_attributes_cuda_bindings", side_effect=ImportError("cuda")), \
+                mock.patch.object(platform_readers, "_read_attributes_libcuda", return_value=values):
+            self.assertEqual(platform_readers._read_cuda_attributes(0), (values, "libcuda"))
         # A reader that knows nothing does not win either.
         unknown = dict.fromkeys(CUDA_DEVICE_ATTRIBUTES)
-        with mock.patch.object(platform_module, "_read_attributes_cuda_bindings", return_value=unknown), \
-                mock.patch.object(platform_module, "_read_attributes_libcuda", return_value=values):
-            self.assertEqual(platform_module._read_cuda_attributes(0)[1], "libcuda")
+        with mock.patch.object(platform_readers, "_read_attributes_cuda_bindings", return_value=unknown), \
+                mock.patch.object(platform_readers, "_read_attributes_libcuda", return_value=values):
+            self.assertEqual(platform_readers._read_cuda_attributes(0)[1], "libcuda")
 
     @unittest.skipIf(HAS_CUDA, "checks a machine without a GPU")
     def test_real_readers_without_gpu(self) -> None:
-        attributes, reader = platform_module._read_cuda_attributes(0)
+        attributes, reader = platform_readers._read_cuda_attributes(0)
         self.assertIsNone(reader)
         self._all_cuda_unknown(attributes)
 
@@ -391,7 +393,7 @@ class TestAttributeReaders(PlatformTestCase):
                 return 0
 
         with mock.patch.object(ctypes, "CDLL", return_value=FakeLibcuda()):
-            values = platform_module._read_attributes_libcuda(3)
+            values = platform_readers._read_attributes_libcuda(3)
         self.assertIsNone(values["HostNumaId"])
         self.assertEqual(values["Integrated"], 18)
         self.assertEqual(set(calls), {3})
@@ -400,7 +402,7 @@ class TestAttributeReaders(PlatformTestCase):
         fake = types.SimpleNamespace(cuInit=lambda flags: 100)  # CUDA_ERROR_NO_DEVICE
         with mock.patch.object(ctypes, "CDLL", return_value=fake):
             with self.assertRaisesRegex(OSError, "cuInit failed with CUresult 100"):
-                platform_module._read_attributes_libcuda(0)
+                platform_readers._read_attributes_libcuda(0)
 
     def _fake_cuda_bindings(self, missing_id: int, failing_id: int) -> dict[str, types.ModuleType]:
         runtime = types.ModuleType("cuda.bindings.runtime")
@@ -424,7 +426,7 @@ class TestAttributeReaders(PlatformTestCase):
     def test_cuda_bindings_reader(self) -> None:
         fake = self._fake_cuda_bindings(CUDA_DEVICE_ATTRIBUTES["HostNumaId"], CUDA_DEVICE_ATTRIBUTES["NumaId"])
         with mock.patch.dict(sys.modules, fake):
-            values = platform_module._read_attributes_cuda_bindings(1)
+            values = platform_readers._read_attributes_cuda_bindings(1)
         self.assertIsNone(values["HostNumaId"])  # bindings too old to name it
         self.assertIsNone(values["NumaId"])  # the call failed: unknown, not the 0 it returned
         self.assertEqual(values["PageableMemoryAccess"], 1088)
@@ -438,7 +440,7 @@ class TestAttributeReaders(PlatformTestCase):
         nvml.nvmlDeviceGetAddressingMode = mock.Mock(side_effect=RuntimeError("NVML_ERROR_NOT_SUPPORTED"))
         with mock.patch.dict(sys.modules, {"pynvml": nvml}), \
                 mock.patch.object(torch.cuda, "get_device_properties", return_value=_fake_props()):
-            values = platform_module._read_nvml_attributes(0)
+            values = platform_readers._read_nvml_attributes(0)
         self.assertEqual(values, {"NvmlC2cEnabled": 1, "NvmlAddressingMode": None})
         nvml.nvmlDeviceGetHandleByPciBusId.assert_called_once_with("00000000:00:06.0")
         nvml.nvmlShutdown.assert_called_once()
@@ -447,7 +449,7 @@ class TestAttributeReaders(PlatformTestCase):
         nvml = types.ModuleType("pynvml")
         nvml.nvmlInit = mock.Mock(side_effect=RuntimeError("NVML_ERROR_DRIVER_NOT_LOADED"))
         with mock.patch.dict(sys.modules, {"pynvml": nvml}):
-            values = platform_module._read_nvml_attributes(0)
+            values = platform_readers._read_nvml_attributes(0)
         self.assertEqual(values, {"NvmlC2cEnabled": None, "NvmlAddressingMode": None})
 
 
@@ -503,7 +505,7 @@ class TestOnGPU(PlatformTestCase):
         self.assertGreater(platform.gpu_free_bytes, 0)
         self.assertEqual(platform.device_name, torch.cuda.get_device_name())
         if "H200" in platform.device_name and not torch.cuda.get_device_properties(0).is_integrated:
-            # x86 + H200 over PCIe (reference/h200-measured.json).
+            # An x86 + H200 over PCIe reports the values X86_H200 holds.
             self.assertEqual(platform.kind, PlatformKind.DISCRETE)
             for name in ("Integrated", "PageableMemoryAccessUsesHostPageTables", "HostNativeAtomicSupported"):
                 self.assertEqual(platform.attributes[name], X86_H200[name], name)
@@ -512,10 +514,10 @@ class TestOnGPU(PlatformTestCase):
 
     def test_libcuda_agrees_with_cuda_bindings(self) -> None:
         try:
-            from_bindings = platform_module._read_attributes_cuda_bindings(0)
+            from_bindings = platform_readers._read_attributes_cuda_bindings(0)
         except ImportError:
             self.skipTest("cuda.bindings is not installed")
-        from_libcuda = platform_module._read_attributes_libcuda(0)
+        from_libcuda = platform_readers._read_attributes_libcuda(0)
         for name in ("Integrated", "PageableMemoryAccess", "PageableMemoryAccessUsesHostPageTables",
                      "HostNativeAtomicSupported", "ConcurrentManagedAccess"):
             self.assertIsNotNone(from_libcuda[name], name)

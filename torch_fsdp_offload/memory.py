@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from torch_fsdp_offload.platform import (
-    _resolve_device,
     detect_platform,
     read_host_available_bytes,
     read_locked_memory_limit_bytes,
+    resolve_device,
 )
 
 __all__ = [
@@ -374,7 +374,7 @@ def _normalize_shape(shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]
 
 def _resolve_pin_device(device: torch.device | str | int | None) -> torch.device | None:
     """The CUDA device to pin for, or None for plain host memory."""
-    resolved = _resolve_device(device)
+    resolved = resolve_device(device)
     return resolved if resolved.type == "cuda" else None
 
 
@@ -514,7 +514,7 @@ def _wrap_device_bytes(ptr: int, nbytes: int, owner: Any, device: torch.device) 
 
 
 def _cuda_device(device: torch.device | str | int, fn: str) -> torch.device:
-    resolved = _resolve_device(device)
+    resolved = resolve_device(device)
     if resolved.type != "cuda":
         raise ValueError(f"{fn}: device must be a CUDA device, got {resolved}")
     return resolved
@@ -783,7 +783,7 @@ def prefetch_managed(
         >>> buffer = managed_empty(1 << 20, torch.float32, "cuda")
         >>> prefetch_managed(buffer.device_tensor, "cuda")
     """
-    device = _resolve_device(device)
+    device = resolve_device(device)
     ptr, nbytes = _managed_range(tensor, "prefetch_managed")
     if nbytes == 0:
         return
@@ -823,7 +823,7 @@ def advise_managed(tensor: torch.Tensor, advice: str, device: torch.device | str
     """
     if advice not in _MANAGED_ADVICE:
         raise ValueError(f"advise_managed: advice must be one of {_MANAGED_ADVICE}, got {advice!r}")
-    device = _resolve_device(device)
+    device = resolve_device(device)
     ptr, nbytes = _managed_range(tensor, "advise_managed")
     if nbytes == 0:
         return

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from torch_fsdp_offload.platform import _resolve_device
+from torch_fsdp_offload.platform import resolve_device
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -310,7 +310,7 @@ class TransferEngine:
     """
 
     def __init__(self, device: torch.device | str | int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         _check_chunk_bytes(chunk_bytes)
         self.chunk_bytes = chunk_bytes
         self.stats = TransferStats()
@@ -723,7 +723,7 @@ def get_transfer_engine(device: torch.device | str | int | None = None) -> Trans
         >>> engine is get_transfer_engine(local_rank)
         True
     """
-    resolved = _resolve_device(device)
+    resolved = resolve_device(device)
     with _engines_lock:
         engine = _engines.get(resolved)
         if engine is None:
