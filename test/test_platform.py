@@ -38,8 +38,9 @@ from torch_fsdp_offload.platform import (
 HAS_CUDA = torch.cuda.is_available()
 MiB = 1 << 20
 
-# Attribute sets of real machines (reference/platforms.md); keys left out are unknown there.
-X86_H200 = {  # measured, driver 580, CUDA 13
+# Attribute sets of real machines, as their drivers report them; keys left out are not known for
+# that machine, so they stay unknown.
+X86_H200 = {  # read on an x86 + H200 over PCIe (driver 580, CUDA 13)
     "DeviceCount": 1,
     "Integrated": 0,
     "CanMapHostMemory": 1,
@@ -61,7 +62,7 @@ X86_H200 = {  # measured, driver 580, CUDA 13
     "NvmlAddressingMode": 0,
 }
 # The same PCIe machine with HMM (open driver, kernel >= 6.1.24): pageable access by software page
-# faulting, not coherence. Values not in the reference table are unknown.
+# faulting, not coherence. Values this machine is not known to report are unknown.
 X86_H100_HMM = {
     **X86_H200,
     "DeviceCount": 8,
