@@ -260,8 +260,6 @@ class TestFSDP1Errors(TestCase):
             (dict(cpu_offload=CPUOffload(True), offload_policy=CoherentOffload()), ValueError,
              "both cpu_offload= and offload_policy="),
             (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction < 1"),
-            (dict(offload_policy=CoherentOffload(memory="managed", platform="discrete")), ValueError,
-             "memory='managed'"),
             (dict(offload_policy="cpu"), TypeError, "takes an OffloadPolicy"),
         ]
         for kwargs, error, message in cases:
@@ -279,8 +277,6 @@ class TestFSDP1Errors(TestCase):
         self.assertEqual(cpu_offload, CPUOffload(offload_params=True))
         # On a unified-memory machine nothing is offloaded: the GPU's memory is the host's.
         self.assertEqual(_plan(CoherentOffload(platform="unified"), None, torch.device("cpu")), (None, None))
-        managed = CoherentOffload(platform="unified", memory="managed")
-        self.assertEqual(_plan(managed, None, torch.device("cpu")), (None, None))
 
 
 @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")

@@ -195,10 +195,6 @@ class TestPinnedEmptyOnHost(TestCase):
         # Without CUDA, device=None means plain host memory.
         self.assertFalse(pinned_empty(4, torch.float32).is_pinned())
 
-    def test_advise_rejects_unknown_advice_first(self) -> None:
-        with self.assertRaisesRegex(ValueError, "advice must be one of"):
-            memory.advise_managed(torch.ones(4), "prefer_gpu", "cpu")
-
 
 class TestCapacityChecks(TestCase):
     def setUp(self) -> None:
@@ -225,7 +221,7 @@ class TestCapacityChecks(TestCase):
             check_host_capacity(32 << 10, pinned=True, what="gradients")  # exactly fits
         self.assertExpectedInline(
             str(caught.exception),
-            """Cannot pin 1.0 MiB of host memory for gradients: the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK) is 64.0 KiB and torch_fsdp_offload already holds 32.0 KiB pinned. Raise the limit (`ulimit -l unlimited`; in docker `--ulimit memlock=-1`), lower the offload fraction, or use memory="managed".""",
+            """Cannot pin 1.0 MiB of host memory for gradients: the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK) is 64.0 KiB and torch_fsdp_offload already holds 32.0 KiB pinned. Raise the limit (`ulimit -l unlimited`; in docker `--ulimit memlock=-1`) or lower the offload fraction.""",
         )
 
     def test_unknown_or_unlimited_means_no_limit(self) -> None:
@@ -394,7 +390,7 @@ class TestPinningBookkeeping(TestCase):
             pinned_empty(2 * PAGE_SIZE, torch.uint8)
         self.assertExpectedInline(
             str(caught.exception),
-            """cudaHostRegister of 8.0 KiB failed: out of memory (error 2). Check `ulimit -l`, lower the offload fraction, or use memory="managed".""",
+            """cudaHostRegister of 8.0 KiB failed: out of memory (error 2). Check `ulimit -l` or lower the offload fraction.""",
         )
         self.assertEqual(memory_stats(), before)
 
@@ -493,11 +489,6 @@ class TestManagedOnGPU(TestCase):
         buffer.host_view[0].fill_(5.0)
         self.assertEqual(buffer.device_tensor[0].sum().item(), 5.0 * 1024)  # and the reverse
 
-        memory.prefetch_managed(buffer.device_tensor, "cuda")
-        memory.prefetch_managed(buffer.host_view, "cpu", stream=torch.cuda.current_stream())
-        for advice, device in (("read_mostly", "cuda"), ("preferred_location", "cpu"), ("accessed_by", "cuda")):
-            memory.advise_managed(buffer.device_tensor, advice, device)
-        torch.cuda.synchronize()
         self.assertEqual(buffer.device_tensor[1].sum().item(), 3.0 * 1024)
 
         del buffer
@@ -516,10 +507,6 @@ class TestManagedOnGPU(TestCase):
         del host_view
         gc.collect()
         self.assertEqual(memory_stats()["managed_count"], before["managed_count"])
-
-    def test_prefetch_refuses_other_memory(self) -> None:
-        with self.assertRaisesRegex(ValueError, "not managed memory"):
-            memory.prefetch_managed(torch.ones(16, device="cuda"), "cuda")
 
     def test_more_than_free_gpu_memory_is_refused_before_allocating(self) -> None:
         free_bytes, _ = torch.cuda.mem_get_info()

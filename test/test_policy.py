@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -28,7 +29,6 @@ class CoherentOffloadKnobsTest(TestCase):
     @parametrize(
         "knobs, message",
         [
-            ({"memory": "gpu"}, "is not a memory kind"),
             ({"prefetch_depth": -1}, "must be an int >= 0"),
             ({"prefetch_depth": 1.5}, "must be an int >= 0"),
             ({"chunk_bytes": 1024}, ">= 1 MiB"),
@@ -76,10 +76,71 @@ class CoherentOffloadKnobsTest(TestCase):
         self.assertEqual(plan.cast_on, "device")
         self.assertIn("cast to the compute dtype on the device", plan.describe())
 
-    def test_managed_memory_only_on_unified(self):
-        with self.assertRaisesRegex(ValueError, "managed memory where the GPU has its own memory"):
-            CoherentOffload(platform="discrete", memory="managed").resolve()
-        self.assertEqual(CoherentOffload(platform="unified", memory="managed").resolve().memory, "device")
+    @parametrize("memory", ["managed", "pinned", "auto"])
+    def test_memory_knob_is_removed(self, memory):
+        # The platform decides the memory ("auto" and "pinned" resolved alike; "managed" was never
+        # built for parameters): the knob is refused, saying so, instead of raising only later.
+        with self.assertRaisesRegex(TypeError, "the memory knob was removed.*drop the argument"):
+            CoherentOffload(memory=memory)
+
+    @parametrize("placement", [{"optimizer": "stream"}, {"optimizer": "host"}, {"optimizer": 0.5}, {"cast_on": "device"}])
+    @parametrize(
+        "nothing_offloaded",
+        [
+            {"offload_params": False, "offload_grads": False, "offload_optimizer_state": False},
+            {"module_fraction": 0},
+        ],
+    )
+    def test_placement_with_nothing_offloaded_is_refused_at_construction(self, placement, nothing_offloaded):
+        with self.assertRaisesRegex(ValueError, r"but nothing is offloaded .*Drop (optimizer|cast_on)="):
+            CoherentOffload(**placement, **nothing_offloaded)
+
+    @parametrize("placement", [{"optimizer": "stream"}, {"optimizer": "host"}, {"optimizer": 0.5}, {"cast_on": "device"}])
+    @parametrize("platform", ["unified", "host_only"])
+    def test_placement_on_a_platform_that_copies_nothing_is_refused(self, placement, platform):
+        policy = CoherentOffload(platform=platform, **placement)
+        with self.assertRaisesRegex(ValueError, f"but a {platform} platform copies nothing.*platform='discrete'"):
+            policy.resolve()
+
+    @parametrize("platform", ["unified", "host_only"])
+    def test_defaults_never_raise_where_nothing_is_copied(self, platform):
+        # The same script runs on every machine: with the default knobs the policy is a no-op there.
+        self.assertFalse(CoherentOffload(platform=platform).resolve().copies)
+        activations_only = CoherentOffload(offload_params=False, offload_grads=False, offload_optimizer_state=False,
+                                           activations=True, platform=platform)
+        self.assertFalse(activations_only.resolve().copies)
+
+    @parametrize(
+        "name, value, message",
+        [
+            ("prefetch_depth", -1, "must be an int >= 0"),
+            ("module_fraction", 2.0, r"in\s+\[0, 1\]"),
+            ("offload_grads", False, "needs offload_grads=True"),
+            ("optimizer", "gpu", "is not a placement"),
+            ("pin_memory", True, "allocates exact-size pinned memory itself"),
+        ],
+    )
+    def test_assignment_is_validated_and_a_refusal_changes_nothing(self, name, value, message):
+        policy = CoherentOffload(prefetch_depth=2)
+        before = dict(vars(policy))
+        with self.assertRaisesRegex(ValueError, message):
+            setattr(policy, name, value)
+        self.assertEqual(vars(policy), before)
+
+    def test_assignment_of_a_valid_knob_and_of_a_non_knob(self):
+        policy = CoherentOffload()
+        policy.prefetch_depth = 3
+        self.assertEqual(policy.prefetch_depth, 3)
+        with self.assertRaisesRegex(AttributeError, "has no knob 'prefetch_dept'"):
+            policy.prefetch_dept = 2
+        self.assertNotIn("prefetch_dept", vars(policy))
+
+    def test_replace_validates(self):
+        self.assertEqual(CoherentOffload().replace(prefetch_depth=2).prefetch_depth, 2)
+        with self.assertRaisesRegex(ValueError, "must be an int >= 0"):
+            CoherentOffload().replace(prefetch_depth=-1)
+        with self.assertRaisesRegex(ValueError, "but nothing is offloaded"):
+            CoherentOffload(optimizer="host").replace(module_fraction=0)
 
     def test_unsupported_torch_is_refused_with_the_range(self):
         with mock.patch.object(torch, "__version__", "2.10.0"):
@@ -95,7 +156,9 @@ class CoherentOffloadCapacityTest(TestCase):
 
     def tearDown(self):
         dist.destroy_process_group()
-        os.unlink(self._store)
+        # gloo's FileStore deletes its file once no process group or mesh holds it.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._store)
         super().tearDown()
 
     def test_not_enough_host_memory_fails_before_allocating(self):
@@ -142,6 +205,82 @@ class CoherentOffloadCapacityTest(TestCase):
                 )
             asked[name] = check.call_args.args[0]
         self.assertEqual(asked, {"host": 10 * numel, "device": 8 * numel, "fp32": 8 * numel})
+
+
+class SharedPolicyTest(TestCase):
+    """One policy object shards any number of models, each as a fresh object would, and is not
+    written to by sharding."""
+
+    def setUp(self):
+        super().setUp()
+        self._store = tempfile.NamedTemporaryFile(delete=False).name
+        dist.init_process_group("gloo", init_method=f"file://{self._store}", rank=0, world_size=1)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._store)
+        super().tearDown()
+
+    @staticmethod
+    def _blocks_model() -> nn.Module:
+        return nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
+
+    @staticmethod
+    def _offloaded(modules: list[nn.Module]) -> list[bool]:
+        return [module._get_fsdp_state()._fsdp_param_groups[0]._offload.offloaded for module in modules]
+
+    def _shard(self, model: nn.Module, policy: CoherentOffload) -> list[bool]:
+        """Shard each block, then the root (no parameters of its own, so no group); which of the
+        blocks' groups are offloaded, in order."""
+        for block in model:
+            fully_shard(block, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+        return self._offloaded(list(model))
+
+    def test_sharding_leaves_the_policy_unchanged(self):
+        policy = CoherentOffload(platform="discrete", module_fraction=0.5, activations=True)
+        before = dict(vars(policy))
+        self._shard(self._blocks_model(), policy)
+        self.assertEqual(vars(policy), before)
+
+    def test_shared_policy_places_each_model_like_a_fresh_one(self):
+        shared = CoherentOffload(platform="discrete", module_fraction=0.5)
+        fresh = self._shard(self._blocks_model(), shared.replace())
+        # Three groups a model: a count carried over would place the next model's True, False, True.
+        self.assertEqual(fresh, [False, True, False])
+        models = [self._blocks_model() for _ in range(3)]  # kept alive: each is a model of its own
+        for model in models:
+            self.assertEqual(self._shard(model, shared), fresh)
+
+    def test_models_sharded_in_one_call_each_and_run_place_like_fresh_ones(self):
+        shared = CoherentOffload(platform="discrete", module_fraction=0.5)
+        placements = []
+        models = []
+        for _ in range(2):
+            model = nn.Linear(8, 8)
+            fully_shard(model, offload_policy=shared)
+            model(torch.randn(2, 8))  # its first forward completes the model
+            placements.extend(self._offloaded([model]))
+            models.append(model)
+        self.assertEqual(placements, [False, False])
+
+    def test_outer_wrapper_of_a_sharded_root_continues_its_model(self):
+        # Blocks, an inner root (the encoder, no group), then the model containing it (a head of
+        # its own): one model of 3 groups, the head the third (index 2, offloaded under 0.75), not a
+        # new model's first (resident); then a second model like it is placed the same.
+        policy = CoherentOffload(platform="discrete", module_fraction=0.75)
+        placements, models = [], []
+        for _ in range(2):
+            encoder = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            model = nn.Sequential(encoder, nn.Linear(8, 8))
+            for block in encoder:
+                fully_shard(block, offload_policy=policy)
+            fully_shard(encoder, offload_policy=policy)
+            fully_shard(model, offload_policy=policy)
+            placements.append(self._offloaded([*encoder, model]))
+            models.append(model)
+        self.assertEqual(placements, [[False, True, True]] * 2)
 
 
 instantiate_parametrized_tests(CoherentOffloadKnobsTest)

@@ -9,7 +9,7 @@ Without an accelerator the same code returns page-aligned, unpinned host tensors
 CPU tests.
 
 :func:`managed_empty` hands out ``cudaMallocManaged`` memory as a CUDA tensor plus a CPU view of the same
-bytes; :func:`prefetch_managed` and :func:`advise_managed` move it and hint where it should live.
+bytes (``TransferTensor(memory="managed")`` is built on it).
 :func:`device_view` turns pinned host memory into a CUDA tensor that reads it over the link, no copy.
 
 Every allocation is checked against what the machine can give (``MemAvailable``, ``ulimit -l``, free GPU
@@ -43,7 +43,6 @@ __all__ = [
     "ENV_HOST_MEMORY",
     "HostMemoryError",
     "ManagedBuffer",
-    "advise_managed",
     "check_host_capacity",
     "device_view",
     "empty_cache",
@@ -51,7 +50,6 @@ __all__ = [
     "managed_empty",
     "memory_stats",
     "pinned_empty",
-    "prefetch_managed",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -71,7 +69,6 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_MEM_ATTACH_GLOBAL = 1
 # Linux capability that lets a process lock memory beyond RLIMIT_MEMLOCK (include/uapi/linux/capability.h).
 _CAP_IPC_LOCK = 14
-_MANAGED_ADVICE = ("read_mostly", "preferred_location", "accessed_by")
 
 
 class HostMemoryError(MemoryError):
@@ -207,7 +204,7 @@ def check_host_capacity(nbytes: int, *, pinned: bool, what: str) -> None:
             f"Cannot pin {_format_bytes(nbytes)} of host memory for {what}: the locked-memory limit "
             f"(ulimit -l, RLIMIT_MEMLOCK) is {_format_bytes(limit)} and torch_fsdp_offload already "
             f"holds {_format_bytes(already_locked)} pinned. Raise the limit (`ulimit -l unlimited`; "
-            "in docker `--ulimit memlock=-1`), lower the offload fraction, or use memory=\"managed\"."
+            "in docker `--ulimit memlock=-1`) or lower the offload fraction."
         )
 
 
@@ -325,7 +322,7 @@ class _HostPool:
             block.mapping.close()
             raise HostMemoryError(
                 f"cudaHostRegister of {_format_bytes(block.capacity)} failed: {_cuda_error_string(result)}. "
-                "Check `ulimit -l`, lower the offload fraction, or use memory=\"managed\"."
+                "Check `ulimit -l` or lower the offload fraction."
             )
 
     def _give_back(self, block: _HostBlock, nbytes: int) -> None:
@@ -631,7 +628,7 @@ class ManagedBuffer:
     Attributes:
         device_tensor (torch.Tensor): the bytes as a tensor on the CUDA device.
         host_view (torch.Tensor): the same bytes as a CPU tensor (the CPU touches them in place; the
-            driver migrates pages on demand or after :func:`prefetch_managed`).
+            driver migrates pages on demand).
         nbytes (int): size of the allocation in bytes.
 
     The memory is freed with ``cudaFree`` when both tensors (and every view of them) are gone.
@@ -728,114 +725,3 @@ def _require_managed_support(device: torch.device) -> None:
             f"(needs ManagedMemory=1 and ConcurrentManagedAccess=1, read {found}); "
             "use memory=\"pinned\"."
         )
-
-
-def _managed_range(tensor: torch.Tensor, fn: str) -> tuple[int, int]:
-    """(pointer, bytes) of a contiguous tensor over managed memory, or a clear error."""
-    if not tensor.is_contiguous():
-        raise ValueError(f"{fn}: the tensor must be contiguous")
-    runtime = _cuda_runtime()
-    ptr = tensor.data_ptr()
-    (attributes,) = _check_cuda(runtime, runtime.cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes")
-    if attributes.type != runtime.cudaMemoryType.cudaMemoryTypeManaged:
-        raise ValueError(f"{fn}: the tensor is not managed memory (use managed_empty)")
-    return ptr, tensor.numel() * tensor.element_size()
-
-
-def _memory_location(runtime, device: torch.device):
-    """``cudaMemLocation`` for ``device`` (CUDA 12.2+ signatures; the only ones in CUDA 13)."""
-    location = runtime.cudaMemLocation()
-    if device.type == "cpu":
-        location.type = runtime.cudaMemLocationType.cudaMemLocationTypeHost
-        location.id = 0
-    else:
-        location.type = runtime.cudaMemLocationType.cudaMemLocationTypeDevice
-        location.id = device.index
-    return location
-
-
-# cudaCpuDeviceId of the CUDA 12 signatures that take a device ordinal.
-_CUDA_CPU_DEVICE_ID = -1
-
-
-def prefetch_managed(
-    tensor: torch.Tensor,
-    device: torch.device | str | int,
-    stream: torch.cuda.Stream | None = None,
-) -> None:
-    """Migrate the managed pages behind ``tensor`` to ``device`` (a GPU or ``"cpu"``) asynchronously.
-
-    Prefetching moves pages at close to link speed (48 GB/s measured on an H200 over PCIe, against
-    8.4 GB/s by page fault). The migration is ordered on ``stream`` like a kernel.
-
-    Args:
-        tensor (torch.Tensor): a contiguous tensor over :func:`managed_empty` memory (either view).
-        device (torch.device | str | int): destination: a CUDA device or ``"cpu"``.
-        stream (torch.cuda.Stream | None): stream to order the migration on; default: the current
-            stream of the destination (or, for ``"cpu"``, of the current CUDA device).
-
-    Raises:
-        ValueError: if ``tensor`` is not contiguous managed memory.
-        RuntimeError: if cuda.bindings is missing or the CUDA call fails.
-
-    Example::
-
-        >>> buffer = managed_empty(1 << 20, torch.float32, "cuda")
-        >>> prefetch_managed(buffer.device_tensor, "cuda")
-    """
-    device = resolve_device(device)
-    ptr, nbytes = _managed_range(tensor, "prefetch_managed")
-    if nbytes == 0:
-        return
-    if stream is None:
-        stream = torch.cuda.current_stream(device if device.type == "cuda" else None)
-    runtime = _cuda_runtime()
-    call = f"cudaMemPrefetchAsync(to {device})"
-    try:  # CUDA 13 signature: (ptr, count, cudaMemLocation, flags, stream)
-        result = runtime.cudaMemPrefetchAsync(ptr, nbytes, _memory_location(runtime, device), 0, stream.cuda_stream)
-    except TypeError:  # CUDA 12 signature: (ptr, count, device ordinal, stream)
-        ordinal = _CUDA_CPU_DEVICE_ID if device.type == "cpu" else device.index
-        result = runtime.cudaMemPrefetchAsync(ptr, nbytes, ordinal, stream.cuda_stream)
-    _check_cuda(runtime, result, call)
-
-
-def advise_managed(tensor: torch.Tensor, advice: str, device: torch.device | str | int) -> None:
-    """Give the driver a placement hint for the managed pages behind ``tensor`` (``cudaMemAdvise``).
-
-    Hints are per range and cost host time: apply them once per large buffer, not per step.
-
-    Args:
-        tensor (torch.Tensor): a contiguous tensor over :func:`managed_empty` memory (either view).
-        advice (str): ``"preferred_location"`` (keep the pages on ``device``; others map them
-            remotely instead of migrating), ``"accessed_by"`` (keep ``device``'s mapping up to date so
-            it never faults), or ``"read_mostly"`` (replicate read-only copies; ``device`` unused).
-        device (torch.device | str | int): a CUDA device or ``"cpu"``.
-
-    Raises:
-        ValueError: if ``advice`` is unknown or ``tensor`` is not contiguous managed memory.
-        RuntimeError: if cuda.bindings is missing or the CUDA call fails.
-
-    Example::
-
-        >>> buffer = managed_empty(1 << 20, torch.float32, "cuda")
-        >>> advise_managed(buffer.host_view, "preferred_location", "cpu")
-        >>> advise_managed(buffer.host_view, "accessed_by", "cuda")
-    """
-    if advice not in _MANAGED_ADVICE:
-        raise ValueError(f"advise_managed: advice must be one of {_MANAGED_ADVICE}, got {advice!r}")
-    device = resolve_device(device)
-    ptr, nbytes = _managed_range(tensor, "advise_managed")
-    if nbytes == 0:
-        return
-    runtime = _cuda_runtime()
-    cuda_advice = {
-        "read_mostly": runtime.cudaMemoryAdvise.cudaMemAdviseSetReadMostly,
-        "preferred_location": runtime.cudaMemoryAdvise.cudaMemAdviseSetPreferredLocation,
-        "accessed_by": runtime.cudaMemoryAdvise.cudaMemAdviseSetAccessedBy,
-    }[advice]
-    try:  # CUDA 13 signature: (ptr, count, advice, cudaMemLocation)
-        result = runtime.cudaMemAdvise(ptr, nbytes, cuda_advice, _memory_location(runtime, device))
-    except TypeError:  # CUDA 12 signature: (ptr, count, advice, device ordinal)
-        ordinal = _CUDA_CPU_DEVICE_ID if device.type == "cpu" else device.index
-        result = runtime.cudaMemAdvise(ptr, nbytes, cuda_advice, ordinal)
-    _check_cuda(runtime, result, f"cudaMemAdvise({advice}, {device})")

@@ -17,11 +17,9 @@ from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 
 logger = logging.getLogger(__name__)
 
-MemoryKind = Literal["auto", "pinned", "managed"]
 CastPlacement = Literal["host", "device"]
 OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 
-_MEMORY_KINDS = ("auto", "pinned", "managed")
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
 _CAST_PLACEMENTS = ("host", "device")
 # GPU share of the optimizer step on a PCIe machine under optimizer="auto". A streamed step moves
@@ -101,14 +99,24 @@ class CoherentOffload(CPUOffloadPolicy):
     and FSDP's own CPU-offload checks and gradient placement apply. ``pin_memory`` is managed by
     this policy (it allocates exact-size pinned memory itself) and must be left at its default.
 
+    Where the shards live follows from the detected platform (see :class:`ResolvedPlan`'s
+    ``memory``): exact-size page-locked host memory where the GPU has its own memory, the GPU's own
+    allocation on UNIFIED machines (the one physical DRAM, read in place), host memory without an
+    accelerator.
+
+    The object is configuration only: sharding never writes to it, so one object can shard any
+    number of models, each placed as a fresh object would place it. Knobs are validated at
+    construction, by :meth:`replace`, and on every assignment (a refused assignment leaves the
+    object unchanged); assigning an attribute that is not a knob is refused. What sharding decides
+    per model (which groups ``module_fraction`` offloads) is kept outside the object, per model.
+    The rule: the count of groups restarts for a new model once the previous one is complete, that
+    is once its root was sharded (a ``fully_shard`` call, with or without the policy, on a module
+    containing every module sharded with the policy before it; a later call on a module containing
+    that root still counts in the same model), once it ran its first forward, or once it is gone.
+    A model sharded in a single ``fully_shard`` call cannot be told from a first block until it
+    runs: run it (or give the next model its own object) before sharding the next one.
+
     Attributes:
-        memory (str): ``"auto"`` (default) picks from the detected platform: on UNIFIED
-            machines the shards stay in the GPU's own allocation, which is the one physical DRAM
-            (read in place, nothing copied, counted once); ``"pinned"`` elsewhere: exact-size
-            page-locked host memory, the fast DMA source. ``"managed"`` (``cudaMallocManaged``
-            shards) is accepted only on UNIFIED machines, where it means the same single
-            allocation; the FSDP2 integration does not place shards in managed memory on
-            machines with separate GPU memory yet, and says so.
         offload_params (bool): keep sharded parameters (the fp32 master copy) in host memory.
             Default True. False makes the policy a no-op for parameters (useful with
             ``activations`` alone).
@@ -130,7 +138,9 @@ class CoherentOffload(CPUOffloadPolicy):
             cheap), 0.5 on DISCRETE ones (measured on our H200's PCIe for 1.6B parameters: all
             on the host 0.75 s, half streamed 0.56-0.59 s, all streamed 0.76 s) and host steps
             without an accelerator; on UNIFIED memory the shards are device
-            memory and the step runs on the GPU in place.
+            memory and the step runs on the GPU in place. Any placement other than ``"auto"``
+            where nothing is offloaded (``offload_params=False``, ``module_fraction=0``, or a
+            UNIFIED or HOST_ONLY platform) is refused: there is no offloaded step to place.
         cast_on (str): where the fp32 master parameters are cast to the compute dtype
             (``MixedPrecisionPolicy.param_dtype``) for the copy-in. ``"host"`` (default): after
             each optimizer step, into a pinned compute-dtype mirror, so only compute-dtype bytes
@@ -143,9 +153,10 @@ class CoherentOffload(CPUOffloadPolicy):
             (``optimizer="host"`` on a PCIe machine whose backward and next forward hide the
             copies; measured: bs 4 steps 14-19% shorter, bs 8 the same, bs 16 4% longer). Streamed
             steps then bring back only the fp32 master, not its cast. The result is bitwise the
-            same: one round-to-nearest cast either way. Without mixed precision, and on UNIFIED
-            and HOST_ONLY platforms (nothing is copied), there is no cast and the knob changes
-            nothing.
+            same: one round-to-nearest cast either way. Without mixed precision there is no cast
+            and the knob changes nothing. ``"device"`` where nothing is copied
+            (``offload_params=False``, ``module_fraction=0``, or a UNIFIED or HOST_ONLY platform)
+            is refused.
         prefetch_depth (int): how many parameter groups ahead the H2D copy is issued, in
             forward and in backward. Default 1. 0 copies each group only when it is needed.
         chunk_bytes (int): size of the pieces a large copy is split into, so copies in both
@@ -154,7 +165,8 @@ class CoherentOffload(CPUOffloadPolicy):
         module_fraction (float): fraction of the FSDP parameter groups that are offloaded, in
             [0, 1]. Default 1.0. The offloaded groups are spread evenly over the order in which
             ``fully_shard`` is called with this policy object (0.5 offloads every second group);
-            the others stay on the GPU like plain FSDP2 groups. Use one policy object per model.
+            the others stay on the GPU like plain FSDP2 groups; the count restarts per model (see
+            above), so models sharded one after the other can share the object.
             With host optimizer steps, giving the policy (``module_fraction=1.0``) per module to
             the *last* blocks instead, and no ``offload_policy`` to the others and the root, is
             faster: their gradients land first in backward, so their host steps can end before
@@ -179,10 +191,19 @@ class CoherentOffload(CPUOffloadPolicy):
 
     Raises:
         ValueError: a knob outside its range or of the wrong type, or an unsupported
-            combination (for example ``offload_grads=False`` with ``offload_params=True``).
-            ``fully_shard`` with this policy raises it too, before allocating anything, for a
-            group whose parameters mix dtypes (an offloaded group's shards share one host
-            buffer): shard each dtype's submodules as groups of their own first.
+            combination (for example ``offload_grads=False`` with ``offload_params=True``, or
+            ``optimizer="stream"`` with ``offload_params=False``), at construction or assignment.
+            ``fully_shard`` with this policy raises it too for a group whose parameters mix
+            dtypes (an offloaded group's shards share one host buffer: shard each dtype's
+            submodules as groups of their own first), and for an ``optimizer`` or ``cast_on``
+            placement on a platform that copies nothing (UNIFIED, HOST_ONLY).
+        HostMemoryError: from ``fully_shard``, when the offloaded groups' host buffers would
+            not fit (``MemAvailable``, ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES``, ``ulimit -l``).
+        TypeError: ``memory=``, a knob that was removed (the platform decides the memory).
+        AttributeError: an assignment to an attribute that is not a knob.
+
+    Every refusal by ``fully_shard`` comes before any parameter is converted and leaves the
+    module as it was: it can be sharded again, with or without a policy, or run as it is.
 
     Example::
 
@@ -202,7 +223,6 @@ class CoherentOffload(CPUOffloadPolicy):
     """
 
     pin_memory: bool = False
-    memory: MemoryKind = "auto"
     offload_params: bool = True
     offload_grads: bool = True
     offload_optimizer_state: bool = True
@@ -214,18 +234,33 @@ class CoherentOffload(CPUOffloadPolicy):
     activations: Union[bool, float] = False
     platform: str | None = None
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "CoherentOffload":
+        if "memory" in kwargs:
+            raise TypeError(
+                f"CoherentOffload(memory={kwargs['memory']!r}): the memory knob was removed. The "
+                "platform decides where shards live (exact-size pinned host memory where the GPU "
+                "has its own memory, the GPU's allocation on unified memory); drop the argument."
+            )
+        return super().__new__(cls)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        knobs = {field.name for field in dataclasses.fields(self)}
+        if name not in knobs:
+            raise AttributeError(
+                f"CoherentOffload has no knob {name!r}; its knobs are {', '.join(sorted(knobs))}."
+            )
+        if knobs <= vars(self).keys():
+            # Constructed: validate the assignment on a copy first, so a refused value leaves
+            # this object as it was.
+            dataclasses.replace(self, **{name: value})
+        object.__setattr__(self, name, value)
+
     def __post_init__(self) -> None:
         if self.pin_memory:
             raise ValueError(
                 "CoherentOffload(pin_memory=True) is not supported: the policy allocates "
                 "exact-size pinned memory itself (FSDP's pin_memory path rounds every shard up "
-                "to a power of two). Leave pin_memory at its default and choose memory="
-                "'pinned' or 'managed' instead."
-            )
-        if self.memory not in _MEMORY_KINDS:
-            raise ValueError(
-                f"CoherentOffload(memory={self.memory!r}) is not a memory kind; use one of "
-                f"{', '.join(map(repr, _MEMORY_KINDS))}."
+                "to a power of two). Leave pin_memory at its default."
             )
         for name in ("offload_params", "offload_grads", "offload_optimizer_state"):
             if not isinstance(getattr(self, name), bool):
@@ -283,6 +318,11 @@ class CoherentOffload(CPUOffloadPolicy):
                 "number in [0, 1]: the fraction of the fully_shard-ed blocks whose saved "
                 "activations are offloaded to host memory."
             )
+        if self.offload_params is False or self.module_fraction == 0:
+            self._check_placements_need_copies(
+                "nothing is offloaded (offload_params=False or module_fraction=0)",
+                "or offload parameters (offload_params=True, module_fraction > 0).",
+            )
         if self.platform is not None and self.platform not in {k.value for k in PlatformKind}:
             raise ValueError(
                 f"CoherentOffload(platform={self.platform!r}) is not a platform class; use one "
@@ -294,6 +334,22 @@ class CoherentOffload(CPUOffloadPolicy):
 
         install()
 
+    def _check_placements_need_copies(self, why: str, otherwise: str) -> None:
+        """Refuse an ``optimizer`` or ``cast_on`` placement where ``why`` says nothing is copied;
+        ``otherwise`` ends the message with the other way out."""
+        if self.optimizer != "auto":
+            raise ValueError(
+                f"CoherentOffload(optimizer={self.optimizer!r}) places the step of offloaded groups, "
+                f"but {why}: there is no such step. Drop optimizer= (or pass 'auto', which is "
+                "correct on every platform), " + otherwise
+            )
+        if self.cast_on != "host":
+            raise ValueError(
+                f"CoherentOffload(cast_on={self.cast_on!r}) places the cast of copied parameters, "
+                f"but {why}: nothing is copied or cast. Drop cast_on= (the default is correct on "
+                "every platform), " + otherwise
+            )
+
     def detect(self) -> Platform:
         """The platform this policy plans for (``platform`` override, env var, or detection)."""
         return detect_platform(kind=self.platform)
@@ -302,7 +358,9 @@ class CoherentOffload(CPUOffloadPolicy):
         """Resolve every ``auto`` knob for ``platform`` (default: :meth:`detect`).
 
         Raises:
-            ValueError: ``memory='managed'`` on a platform with separate GPU memory.
+            ValueError: an ``optimizer`` other than ``"auto"``, or ``cast_on="device"``, on a
+                UNIFIED or HOST_ONLY platform, where nothing is copied (the defaults are a no-op
+                there, so one script runs on every machine).
         """
         platform = platform or self.detect()
         kind = platform.kind
@@ -313,17 +371,15 @@ class CoherentOffload(CPUOffloadPolicy):
         elif kind == PlatformKind.UNIFIED:
             memory = "device"
             reasons.append("unified memory: the GPU's allocation is the one DRAM, read in place")
-        elif self.memory == "managed":
-            raise ValueError(
-                f"CoherentOffload(memory='managed') on a {kind.value} platform: placing shards in "
-                "managed memory where the GPU has its own memory is not built yet (pages would "
-                "migrate on fault at ~8 GB/s). Use memory='pinned' or 'auto'."
-            )
         else:
             memory = "pinned"
             reasons.append("pinned memory is the fast DMA source")
         copies = kind in (PlatformKind.DISCRETE, PlatformKind.COHERENT) and self.offload_params
         if not copies:
+            self._check_placements_need_copies(
+                f"a {kind.value} platform copies nothing",
+                "so that one script runs on every machine; platform='discrete' forces the copy path.",
+            )
             # UNIFIED: the shards are device memory read in place, so the step runs on the GPU;
             # HOST_ONLY: everything is on the host already.
             optimizer = "host" if kind == PlatformKind.HOST_ONLY or platform.device.type == "cpu" else "device"
@@ -361,7 +417,17 @@ class CoherentOffload(CPUOffloadPolicy):
         )
 
     def replace(self, **changes) -> "CoherentOffload":
-        """A copy with some knobs changed (validated like the constructor)."""
+        """A copy with some knobs changed, validated like the constructor.
+
+        Raises:
+            ValueError: as the constructor.
+            TypeError: a name that is not a knob.
+
+        Example::
+
+            >>> CoherentOffload().replace(prefetch_depth=2).prefetch_depth
+            2
+        """
         return dataclasses.replace(self, **changes)
 
 

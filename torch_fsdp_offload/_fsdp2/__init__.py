@@ -3,7 +3,8 @@
 FSDP2's offload policies are plain data: FSDP only asks ``isinstance(policy, CPUOffloadPolicy)``.
 To act on a :class:`~torch_fsdp_offload.CoherentOffload`, we install one subclass of
 ``FSDPParamGroup`` at the three places FSDP constructs it. The subclass behaves exactly like its
-base class for any other policy. See ``docs/architecture.md`` ("FSDP internals we touch") and
+base class for any other policy. ``FSDPState.init`` is wrapped to see every ``fully_shard`` call,
+so that a model's root is known even when it builds no group of ours (``sharding.py``). See ``docs/architecture.md`` ("FSDP internals we touch") and
 ``docs/upstream.md`` for the public hooks that would make this package unnecessary.
 """
 
@@ -45,10 +46,12 @@ def install() -> None:
         return
     check_torch_version()
     from torch_fsdp_offload._fsdp2.param_group import CoherentFSDPParamGroup
+    from torch_fsdp_offload._fsdp2.sharding import install_call_hook
 
     base = CoherentFSDPParamGroup.__mro__[1]
     for module_name in ("_fully_shard", "_fsdp_init", "_fsdp_param_group"):
         module = importlib.import_module(f"torch.distributed.fsdp._fully_shard.{module_name}")
         if getattr(module, "FSDPParamGroup", None) is base:
             module.FSDPParamGroup = CoherentFSDPParamGroup
+    install_call_hook()
     _installed = True

@@ -56,18 +56,19 @@ def attach_activation_offload(group: CoherentFSDPParamGroup) -> None:
     if policy.activations is False or policy.activations == 0:
         return
     plan = group._offload.plan
-    model = getattr(policy, "_activation_model", None)
+    sharding = group._model_sharding
+    model = sharding.activation_model
     if model is None:
         offload = ActivationOffload(fraction=plan.activations, platform=plan.platform, device=group.device)
         model = _ModelBeingSharded(offload)
-        object.__setattr__(policy, "_activation_model", model)
+        sharding.activation_model = model
     for module in group.modules:
         contained = {id(m) for m in module.modules() if m is not module and m in model.modules}
         if contained:
             model.offload.attach(module)
             if len(contained) == len(model.modules):
                 # The model's root: the next module sharded with this policy belongs to another model.
-                object.__setattr__(policy, "_activation_model", None)
+                sharding.activation_model = None
         else:
             model.offload.register_blocks([module])
         model.modules.add(module)

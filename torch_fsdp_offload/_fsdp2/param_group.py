@@ -11,6 +11,7 @@ the staging buffer. Reduced gradients go down on our D2H stream into persistent 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 import weakref
@@ -25,9 +26,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedSt
 from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
 from torch_fsdp_offload import optim
-from torch_fsdp_offload._fsdp2 import activation_hooks
+from torch_fsdp_offload._fsdp2 import activation_hooks, sharding
+from torch_fsdp_offload._fsdp2.sharding import ModelSharding
 from torch_fsdp_offload.memory import check_host_capacity, pinned_empty
-from torch_fsdp_offload.platform import PlatformKind
 from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan, spread_group_offloaded
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
 
@@ -37,31 +38,53 @@ _BaseParamGroup = fsdp_param_group_module.FSDPParamGroup
 
 # Every live coherent group, so a root can find its groups at lazy init.
 _live_groups: "weakref.WeakSet[CoherentFSDPParamGroup]" = weakref.WeakSet()
-_logged_plans: set[int] = set()
+_base_init_signature = inspect.signature(_BaseParamGroup.__init__)
 
 
-def _resolved_plan(policy: CoherentOffload) -> ResolvedPlan:
-    plan = getattr(policy, "_resolved_plan", None)
-    if plan is None:
-        plan = policy.resolve()
-        object.__setattr__(policy, "_resolved_plan", plan)
-        if id(policy) not in _logged_plans:
-            _logged_plans.add(id(policy))
-            logger.info(plan.describe())
-    return plan
+def _host_bytes(numel: int, master_dtype: torch.dtype, param_dtype: torch.dtype | None, cast_on: str) -> int:
+    """Host bytes an offloaded group of ``numel`` padded shard elements pins: master, gradient
+    buffer and, when the copy-in reads one (``cast_on="host"`` with a compute dtype other than the
+    master's), a mirror."""
+    mirrored = cast_on == "host" and param_dtype is not None and param_dtype != master_dtype
+    return numel * master_dtype.itemsize * 2 + (numel * param_dtype.itemsize if mirrored else 0)
 
 
-def _next_group_offloaded(policy: CoherentOffload, fraction: float) -> bool:
-    """Whether the next group ``fully_shard`` builds with ``policy`` is offloaded.
+def _padded_shard_numel(param: nn.Parameter, mesh_info: Any, shard_placement_fn: Any) -> int:
+    """Elements of ``param``'s padded shard, as ``FSDPParam`` will lay it out (``torch.chunk``
+    along the shard dim: every shard as large as the first), before FSDP shards it."""
+    result = shard_placement_fn(param) if shard_placement_fn is not None else None
+    placement = getattr(result, "placement", result)
+    world_size = getattr(getattr(result, "mesh_info", mesh_info), "shard_mesh_size", 1)
+    if param.dim() == 0:
+        return 1
+    dim = placement.dim % param.dim() if placement is not None else 0
+    size = param.shape[dim]
+    return 0 if size == 0 else -(-size // world_size) * (param.numel() // size)
 
-    The offloaded groups are spread evenly over the order in which ``fully_shard`` is called
-    (0.5 offloads every second group), decided when each group is built: a resident group must
-    never have had its shards placed on the host, since its parameters keep the device they
-    were created with.
+
+def _plan_group(policy: CoherentOffload, model: ModelSharding, call: dict[str, Any]) -> tuple[ResolvedPlan, bool]:
+    """The policy's plan for the group ``fully_shard`` is about to build from ``call`` (the base
+    constructor's arguments) and whether it is offloaded, raising every refusal the policy makes,
+    all before FSDP converts a parameter.
+
+    The offloaded groups are spread evenly over the order in which ``fully_shard`` builds the
+    model's groups (0.5 offloads every second group), decided when each group is built: a
+    resident group must never have had its shards placed on the host, since its parameters keep
+    the device they were created with.
     """
-    index = getattr(policy, "_groups_built", 0)
-    object.__setattr__(policy, "_groups_built", index + 1)
-    return spread_group_offloaded(index, fraction)
+    plan = policy.resolve()
+    offloaded = plan.copies and spread_group_offloaded(model.groups_built, plan.module_fraction)
+    if offloaded:
+        params = call["params"]
+        _check_one_dtype(params)
+        numel = sum(_padded_shard_numel(p, call["mesh_info"], call.get("shard_placement_fn")) for p in params)
+        pending = sum(g._offload.host_bytes() for g in _live_groups if g._offload.offloaded and not g._offload.homed)
+        check_host_capacity(
+            pending + _host_bytes(numel, params[0].dtype, call["mp_policy"].param_dtype, plan.cast_on),
+            pinned=plan.memory == "pinned",
+            what="CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')",
+        )
+    return plan, offloaded
 
 
 class CoherentFSDPParam(FSDPParam):
@@ -147,13 +170,10 @@ class GroupOffload:
         self.numel = offset
 
     def host_bytes(self) -> int:
-        """Host bytes this group will pin: master, gradient buffer and, when the copy-in reads one
-        (``cast_on="host"`` with a compute dtype other than the master's), a mirror."""
+        """Host bytes this group will pin (see :func:`_host_bytes`)."""
         master_dtype = self.group.fsdp_params[0]._sharded_param_data.dtype
         # Read from the policy: FSDPParam.param_dtype is set only at lazy init.
-        param_dtype = self.group.mp_policy.param_dtype
-        mirrored = self.plan.cast_on == "host" and param_dtype is not None and param_dtype != master_dtype
-        return self.numel * master_dtype.itemsize * 2 + (self.numel * param_dtype.itemsize if mirrored else 0)
+        return _host_bytes(self.numel, master_dtype, self.group.mp_policy.param_dtype, self.plan.cast_on)
 
     def _param_dtype_to_cast(self) -> torch.dtype | None:
         """The compute dtype the master is cast to for the copy-in, None if it needs no cast."""
@@ -466,14 +486,13 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             self._offload = None
             super().__init__(*args, **kwargs)
             return
-        plan = _resolved_plan(policy)
-        offloaded = (
-            plan.offload_params
-            and plan.platform not in (PlatformKind.UNIFIED, PlatformKind.HOST_ONLY)
-            and _next_group_offloaded(policy, plan.module_fraction)
-        )
-        if offloaded:
-            _check_one_dtype(args[0] if args else kwargs["params"])
+        call = _base_init_signature.bind(self, *args, **kwargs).arguments
+        model = sharding.model_sharding(policy, call["modules"])
+        try:
+            plan, offloaded = _plan_group(policy, model, call)
+        except Exception as error:
+            sharding.take_back_refused_call(call["modules"], error)
+            raise
         # FSDP places shards on the host only for a CPUOffloadPolicy; on UNIFIED and HOST_ONLY
         # the shards stay where compute runs, and nothing crosses a link.
         fsdp_policy = policy if offloaded else OffloadPolicy()
@@ -484,18 +503,17 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         super().__init__(*args, **kwargs)
         self.offload_policy = fsdp_policy
         self.coherent_policy = policy
+        self._model_sharding = model
+        sharding.record_group(policy, model, call["modules"])
+        if not model.plan_logged:
+            model.plan_logged = True
+            logger.info(plan.describe())
         self._offload = GroupOffload(self, plan, offloaded)
         for fsdp_param in self.fsdp_params:
             fsdp_param.__class__ = CoherentFSDPParam
             fsdp_param._offload = self._offload
         if offloaded:
             self._offload.layout()
-            check_host_capacity(
-                sum(g._offload.host_bytes() for g in _live_groups if g._offload.offloaded and not g._offload.homed)
-                + self._offload.host_bytes(),
-                pinned=plan.memory == "pinned",
-                what="CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')",
-            )
         _live_groups.add(self)
         optim.register_offloaded_group(self._offload)
         activation_hooks.attach_activation_offload(self)
@@ -503,6 +521,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
     # -- lazy init ---------------------------------------------------------------------
     def lazy_init(self) -> None:
         if self._offload is not None:
+            self._model_sharding.ran = True  # the model is complete: the policy's next call starts another
             self._ensure_schedule()
         super().lazy_init()
         if self._offload is not None:

@@ -1,0 +1,150 @@
+"""A ``fully_shard`` that CoherentOffload refuses leaves the model as it was.
+
+Every check the policy makes at sharding time (host capacity and its environment override, one
+dtype per offloaded group, platform resolution, placements on a platform that copies nothing) runs
+before FSDP converts a parameter, and FSDP's marks on the module are taken back: the model then
+runs as it is, or is sharded again, with or without the policy, and trains like a model that was
+never refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import os
+import tempfile
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TestCase,
+)
+
+from torch_fsdp_offload import CoherentOffload
+from torch_fsdp_offload.memory import ENV_HOST_MEMORY, HostMemoryError
+
+
+class _Blocks(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 4, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x.to(self.head.weight.dtype)).float()
+
+
+# (what is refused, the policy, the environment, the error) for a fully_shard of the whole model.
+_REFUSALS = {
+    "host_budget_too_small": (
+        CoherentOffload(platform="discrete"), {ENV_HOST_MEMORY: "1KiB"}, HostMemoryError, "Cannot allocate"
+    ),
+    "host_budget_malformed": (
+        CoherentOffload(platform="discrete"), {ENV_HOST_MEMORY: "lots"}, ValueError, ENV_HOST_MEMORY
+    ),
+    "platform_unknown": (
+        CoherentOffload(), {"TORCH_FSDP_OFFLOAD_PLATFORM": "banana"}, ValueError, "banana"
+    ),
+    "placement_where_nothing_is_copied": (
+        CoherentOffload(platform="host_only", optimizer="stream"), {}, ValueError, "copies nothing"
+    ),
+}
+
+
+class RefusalChangesNothingTest(TestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self._store = tempfile.NamedTemporaryFile(delete=False).name
+        dist.init_process_group("gloo", init_method=f"file://{self._store}", rank=0, world_size=1)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+        # gloo's FileStore deletes its file once no process group or mesh holds it.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._store)
+        super().tearDown()
+
+    def _train_step(self, model: nn.Module) -> list[torch.Tensor]:
+        """One AdamW step on a fixed batch; the parameters after it, as plain tensors."""
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        model(x).square().mean().backward()
+        optim.step()
+        return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+
+    def _assert_untouched(self, model: nn.Module, reference: nn.Module) -> None:
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            self.assertNotIsInstance(param, DTensor, name)
+            self.assertEqual(param, expected, msg=name)
+
+    @parametrize("refusal", list(_REFUSALS))
+    def test_refused_model_runs_and_shards_again(self, refusal: str) -> None:
+        policy, environ, error, message = _REFUSALS[refusal]
+        torch.manual_seed(0)
+        model = _Blocks()
+        reference = copy.deepcopy(model)
+        with mock.patch.dict(os.environ, environ), self.assertRaisesRegex(error, message):
+            fully_shard(model, offload_policy=policy)
+        self._assert_untouched(model, reference)
+        # Runs as it is, like a model never given to fully_shard ...
+        unsharded = copy.deepcopy(model)
+        self.assertEqual(self._train_step(unsharded), self._train_step(copy.deepcopy(reference)))
+        # ... and shards again without the policy, training like plain FSDP2.
+        fully_shard(model)
+        plain = copy.deepcopy(reference)
+        fully_shard(plain)
+        self.assertEqual(self._train_step(model), self._train_step(plain))
+
+    def test_refused_mixed_dtype_group_shards_with_the_fix_on_the_same_model(self) -> None:
+        torch.manual_seed(0)
+        model = _Blocks(dtype=torch.bfloat16)
+        reference = copy.deepcopy(model)
+        policy = CoherentOffload(platform="discrete")
+        with self.assertRaisesRegex(ValueError, "mix torch.bfloat16, torch.float32"):
+            fully_shard(model, offload_policy=policy)
+        self._assert_untouched(model, reference)
+        # The fix the message gives, on the same model: each dtype its own group.
+        fully_shard(model.head, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+        plain = copy.deepcopy(reference)
+        fully_shard(plain.head)
+        fully_shard(plain)
+        self.assertEqual(self._train_step(model), self._train_step(plain))
+
+    def test_root_refused_after_its_blocks_were_sharded(self) -> None:
+        # The budget holds the two blocks' groups (16 x 16 + 16 fp32 parameters each: master and
+        # gradient buffer, 2176 bytes) but not the root's on top of them: the root's fully_shard is
+        # refused, the blocks stay sharded with the policy, and the root shards without it.
+        gc.collect()  # other tests' groups, never homed, would count against the budget too
+        torch.manual_seed(0)
+        model = _Blocks()
+        reference = copy.deepcopy(model)
+        policy = CoherentOffload(platform="discrete", optimizer="host")
+        with mock.patch.dict(os.environ, {ENV_HOST_MEMORY: str(2 * 2176 + 100)}):
+            for block in model.blocks:
+                fully_shard(block, offload_policy=policy)
+            with self.assertRaisesRegex(HostMemoryError, "Cannot allocate"):
+                fully_shard(model, offload_policy=policy)
+        self.assertNotIsInstance(model.head.weight, DTensor)
+        fully_shard(model)
+        plain = copy.deepcopy(reference)
+        for block in plain.blocks:
+            fully_shard(block)
+        fully_shard(plain)
+        self.assertEqual(self._train_step(model), self._train_step(plain))
+
+
+instantiate_parametrized_tests(RefusalChangesNothingTest)
+
+if __name__ == "__main__":
+    run_tests()

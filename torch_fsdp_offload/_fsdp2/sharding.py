@@ -1,0 +1,154 @@
+"""What sharding with a :class:`~torch_fsdp_offload.CoherentOffload` decides per model, kept outside
+the policy object, and the undoing of a ``fully_shard`` call this package refused.
+
+A policy object is configuration only, so one object can shard any number of models. What a model's
+sharding accumulates (how many of its groups were built, which ``module_fraction`` spreads over,
+and its activation offloader) lives in a :class:`ModelSharding`, one per model and policy object,
+found through a registry keyed weakly by the policy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed import _composable_state
+from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+# The composable-API bookkeeping fully_shard's @contract writes on each module (the package's
+# ``contract`` attribute is the decorator, so the module is imported by name).
+_contract = importlib.import_module("torch.distributed._composable.contract")
+
+
+class ModelSharding:
+    """One model's sharding with one policy object.
+
+    A ``fully_shard`` call belongs to the model being sharded unless that model is complete: its
+    root was sharded (a call on a module containing every other module sharded with the policy,
+    and the next call's module does not contain that root in turn), or it ran its first forward,
+    or all its modules are gone. A model sharded in one call and not yet run cannot be told from a
+    first block, so the next call continues its count.
+    """
+
+    def __init__(self) -> None:
+        # Groups built so far: the ordinal ``spread_group_offloaded`` spreads module_fraction over.
+        self.groups_built = 0
+        self.modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self.root: "weakref.ReferenceType[nn.Module] | None" = None
+        self.ran = False
+        self.plan_logged = False
+        # The model's activation offloader while its blocks are being sharded (activation_hooks).
+        self.activation_model: Any = None
+
+    def continues_with(self, modules: Sequence[nn.Module]) -> bool:
+        """Whether a ``fully_shard`` call on ``modules`` shards this model further."""
+        if self.ran or not self.modules:
+            return False
+        if self.root is None:
+            return True
+        root = self.root()
+        return root is not None and any(root in set(module.modules()) for module in modules)
+
+    def add_group(self, modules: Sequence[nn.Module]) -> None:
+        """Count a group built for ``modules`` (called once it was built)."""
+        self.groups_built += 1
+        for module in modules:
+            self.modules.add(module)
+
+    def note_call(self, modules: Sequence[nn.Module], inside: Sequence[set[nn.Module]]) -> None:
+        """Note a ``fully_shard`` call on ``modules`` (``inside``: each one's ``modules()``), with
+        this policy or not: one containing every module of this model is its root. A root of its
+        own parameters builds a group; one without, or sharded without the policy, builds none."""
+        for module, contained in zip(modules, inside):
+            others = [other for other in self.modules if other is not module]
+            if others and all(other in contained for other in others):
+                self.root = weakref.ref(module)
+
+
+# The current model of each live policy object, by id (a policy is an unhashable dataclass); the
+# entry goes when the policy does.
+_models: "dict[int, tuple[weakref.ReferenceType[Any], ModelSharding]]" = {}
+
+
+def model_sharding(policy: Any, modules: Sequence[nn.Module]) -> ModelSharding:
+    """The sharding of the model ``modules`` belong to: the policy's current one, or a new one
+    (registered by :func:`record_group` once a group was built, so a refusal records nothing)."""
+    entry = _models.get(id(policy))
+    current = entry[1] if entry is not None and entry[0]() is policy else None
+    return current if current is not None and current.continues_with(modules) else ModelSharding()
+
+
+def record_group(policy: Any, sharding: ModelSharding, modules: Sequence[nn.Module]) -> None:
+    """Record that a group was built for ``modules`` in ``sharding``, the policy's current model."""
+    sharding.add_group(modules)
+    key = id(policy)
+    _models[key] = (weakref.ref(policy, lambda _: _models.pop(key, None)), sharding)
+
+
+def note_fully_shard(modules: Sequence[nn.Module]) -> None:
+    """Called by every ``fully_shard`` (from ``FSDPState.init``, before any group is built)."""
+    if not _models:
+        return
+    inside = [set(module.modules()) for module in modules]
+    for _, model in list(_models.values()):
+        model.note_call(modules, inside)
+
+
+def install_call_hook() -> None:
+    """Make ``FSDPState.init``, which every ``fully_shard`` call runs once, call
+    :func:`note_fully_shard`: a model's root may build no group of this package's."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    original = FSDPState.init
+
+    def init(self: Any, modules: Sequence[nn.Module], *args: Any, **kwargs: Any) -> None:
+        original(self, modules, *args, **kwargs)
+        note_fully_shard(modules)
+
+    FSDPState.init = init
+
+
+def _groups_of(state: Any) -> list[Any]:
+    # torch 2.13+ keeps a list of groups per state; 2.11-2.12 one group or None.
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def take_back_refused_call(modules: Sequence[nn.Module], error: BaseException) -> None:
+    """Undo what ``fully_shard`` did to ``modules`` before this package refused to build a group.
+
+    By then FSDP has moved the modules' parameters to the mesh's device, registered its state on
+    each module (``@contract``'s state and registry entries, the module-to-state map) and its
+    forward hooks; no parameter was converted to a DTensor shard yet. Taking those back leaves
+    the modules usable as they are, and ``fully_shard`` can be called on them again, with or
+    without a policy. Where FSDP already built other groups of the same call (a
+    ``shard_placement_fn`` splitting it), their parameters are sharded: ``error`` then gets a note
+    saying what to do.
+    """
+    state = _get_module_fsdp_state(modules[0])
+    if state is None:
+        return
+    built = len(_groups_of(state))
+    if built:
+        error.add_note(
+            f"fully_shard had already built {built} other parameter group(s) of this call (its "
+            "shard_placement_fn splits the parameters), so some parameters are sharded: build the "
+            "model anew, then shard it with the fix above."
+        )
+        return
+    for module in modules:
+        all_state = module.__dict__.get(_contract.STATE_KEY, {})
+        registry = module.__dict__.get(_contract.REGISTRY_KEY, {})
+        for api in [api for api, api_state in all_state.items() if api_state is state]:
+            del all_state[api]
+            registry.pop(getattr(api, "__name__", "fully_shard"), None)
+        _composable_state._module_state_mapping.pop(module, None)
+    handles = (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None))
+    for handle in {id(handle): handle for handle in handles if handle is not None}.values():
+        handle.remove()
