@@ -466,6 +466,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             self._offload = None
             super().__init__(*args, **kwargs)
             return
+        activation_hooks.check_activation_offload(policy, args[1] if len(args) > 1 else kwargs["modules"])
         plan = _resolved_plan(policy)
         offloaded = (
             plan.offload_params
