@@ -366,8 +366,6 @@ class TestFSDP1Errors(TestCase):
             (dict(cpu_offload=CPUOffload(True), offload_policy=CoherentOffload()), ValueError,
              "both cpu_offload= and offload_policy="),
             (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction=0.5"),
-            (dict(offload_policy=CoherentOffload(memory="managed", platform="discrete")), ValueError,
-             "memory='managed'"),
             (dict(offload_policy="cpu"), TypeError, "takes an OffloadPolicy"),
         ]
         for kwargs, error, message in cases:
@@ -387,8 +385,6 @@ class TestFSDP1Errors(TestCase):
         # an accelerator the shards already live where compute runs.
         self.assertEqual(_plan(CoherentOffload(platform="unified"), None, torch.device("cpu")), (None, None))
         self.assertEqual(_plan(CoherentOffload(platform="host_only"), None, torch.device("cpu")), (None, None))
-        managed = CoherentOffload(platform="unified", memory="managed")
-        self.assertEqual(_plan(managed, None, torch.device("cpu")), (None, None))
 
 
 @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")

@@ -124,9 +124,8 @@ class FullyShardedDataParallel(_FSDP1):
             turns on ``forward_prefetch`` as well and prefetches the handle ``N`` ahead in forward
             and backward. Where nothing needs offloading, FSDP1 runs exactly as without offload
             (prefetch arguments as given): on a UNIFIED machine (the GPU's memory is the host's, so
-            a copy would move bytes within one memory; ``memory="managed"`` is honoured there the
-            same way), without an accelerator (the compute device is the host), and with
-            ``offload_params=False``. The optimizer is yours: FSDP1 never reads the policy's
+            a copy would move bytes within one memory), without an accelerator (the compute device
+            is the host), and with ``offload_params=False``. The optimizer is yours: FSDP1 never reads the policy's
             ``optimizer`` placement.
 
     Raises:
@@ -139,8 +138,8 @@ class FullyShardedDataParallel(_FSDP1):
             shards is not safe; use FSDP2 ``fully_shard``), or with ``activations`` (call
             :func:`~torch_fsdp_offload.offload_activations` on the wrapped model instead);
             ``prefetch_depth=0`` with ``forward_prefetch=True`` or ``BackwardPrefetch.BACKWARD_POST``,
-            or ``prefetch_depth >= 1`` with ``backward_prefetch=None`` (the depth sets both);
-            ``memory="managed"`` on a machine whose GPU has its own memory.
+            or ``prefetch_depth >= 1`` with ``backward_prefetch=None`` (the depth sets both); and
+            what :meth:`CoherentOffload.resolve` refuses for the detected platform.
         TypeError: ``offload_policy`` is not an ``OffloadPolicy``.
         RuntimeError: a torch release whose FSDP1 internals were not checked.
 
