@@ -399,6 +399,43 @@ class TestActivationOffload(TestCase):
             with torch.no_grad():
                 model(self.tokens)
 
+    def test_second_offloader_on_one_model_is_refused(self) -> None:
+        # A second offloader on a model or a block would offload what it saves twice: refused
+        # before anything is hooked, the first keeps working alone, and after its remove() the
+        # model takes a new one.
+        model, first = self.offloaded_model()
+        hooks = [len(module._forward_pre_hooks) + len(module._forward_hooks) for module in model.modules()]
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^offload_activations: Transformer already has its activations offloaded by offload_activations\(\.\.\.\);"
+            r" a second offloader on it would copy them twice\. Keep one: call \.remove\(\) on the object "
+            r"offload_activations returned first, or keep it and drop this call\.$",
+        ):
+            offload_activations(model, min_offload_bytes=0, platform="discrete", device="cpu")
+        with self.assertRaisesRegex(ValueError, r"^offload_activations: TransformerBlock already has .*\.remove\(\)"):
+            offload_activations(nn.Sequential(*model.blocks[:2]), blocks=model.blocks[:2], platform="discrete", device="cpu")
+        by_class = ActivationOffload(min_offload_bytes=0, platform="discrete", device="cpu")
+        with self.assertRaisesRegex(ValueError, r"^ActivationOffload\.register_blocks: TransformerBlock already has"):
+            by_class.register_blocks(model.blocks)
+        with self.assertRaisesRegex(ValueError, r"^ActivationOffload\.attach: Transformer already has"):
+            by_class.attach(model)
+        self.assertEqual([len(module._forward_pre_hooks) + len(module._forward_hooks) for module in model.modules()], hooks)
+        _step(model, self.tokens)
+        self.assert_grads_bitwise_equal(model)
+        self.assertEqual((first.stats.d2h_copies, first.stats.d2h_bytes), self.all_blocks_copies)
+        self.assertEqual(by_class.stats, type(by_class.stats)())
+        # An ActivationOffload that has the model names itself in the refusal of the next one.
+        first.remove()
+        by_class.attach(model)
+        by_class.register_blocks(model.blocks)
+        with self.assertRaisesRegex(ValueError, r"offloaded by ActivationOffload\.attach/register_blocks; .*call \.remove\(\) on that ActivationOffload"):
+            offload_activations(model, platform="discrete", device="cpu")
+        by_class.remove()
+        second = offload_activations(model, min_offload_bytes=0, platform="discrete", device="cpu")
+        _step(model, self.tokens)
+        self.assert_grads_bitwise_equal(model)
+        self.assertEqual((second.stats.d2h_copies, second.stats.d2h_bytes), self.all_blocks_copies)
+
     def test_bad_arguments(self) -> None:
         with self.assertRaisesRegex(ValueError, "pass blocks="):
             offload_activations(nn.Linear(2, 2), platform="discrete", device="cpu")

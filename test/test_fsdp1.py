@@ -13,8 +13,10 @@ import unittest
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from common_offload import GlooMultiProcessTestCase, NcclMultiProcessTestCase, NVLINK_MULTICAST_OFF
 from torch.distributed.fsdp import (
+    BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
     FullStateDictConfig,
@@ -228,6 +230,110 @@ def _accumulated_grads(model, device=torch.device("cpu"), rank: int = 0, steps: 
     return grads, losses
 
 
+def _train_no_root_params(model, steps: int, rank: int) -> list[float]:
+    """Train a model whose parameters all live in wrapped children (the root has no handle)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(300 + rank)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8, generator=generator)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _no_root_params_model(fsdp_class, **kwargs):
+    torch.manual_seed(0)
+    return fsdp_class(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        device_id=torch.device("cpu"),
+        **kwargs,
+    )
+
+
+class TestFSDP1NoAccelerator(GlooMultiProcessTestCase):
+    def test_host_only_trains_like_fsdp1_without_offload(self) -> None:
+        # Without an accelerator the compute device is the host: nothing is offloaded, and the
+        # front door with CoherentOffload() is FSDP1 without offload, bit for bit, including a
+        # model whose root owns no parameters (FSDP1's own CPU offload would synchronise a CPU
+        # stream there, which torch.cpu.Stream cannot).
+        self.init_gloo()
+        device = torch.device("cpu")
+        torch.manual_seed(0)
+        reference = _wrap(StockFSDP, device, use_orig_params=True)
+        ref_losses, ref_norms, _ = _train(reference, STEPS, self.rank, clip=0.5)
+        ref_no_root = _train_no_root_params(_no_root_params_model(StockFSDP), STEPS, self.rank)
+        for policy in (CoherentOffload(), CoherentOffload(platform="host_only")):
+            torch.manual_seed(0)
+            model = _wrap(FullyShardedDataParallel, device, use_orig_params=True, offload_policy=policy)
+            losses, norms, _ = _train(model, STEPS, self.rank, clip=0.5)
+            self.assertEqual(losses, ref_losses, atol=0, rtol=0)
+            self.assertEqual(norms, ref_norms, atol=0, rtol=0)
+            no_root = _no_root_params_model(FullyShardedDataParallel, offload_policy=policy)
+            self.assertIsNone(no_root._handle)
+            self.assertEqual(_train_no_root_params(no_root, STEPS, self.rank), ref_no_root, atol=0, rtol=0)
+        # Forced HOST_ONLY: no handle is offloaded, and FSDP1's prefetch arguments are as given.
+        for state in StockFSDP.fsdp_modules(model):
+            self.assertFalse(state._handle._offload_params)
+            self.assertFalse(hasattr(state._handle, "_torch_fsdp_offload"))
+        self.assertFalse(model.forward_prefetch)
+        dist.barrier()
+
+    def test_forced_copies_with_no_root_parameters(self) -> None:
+        # The forced copy path (every gradient goes down through the engine) on a model whose root
+        # owns no parameters finishes its backward and matches FSDP1 without offload.
+        self.init_gloo()
+        reference = _train_no_root_params(_no_root_params_model(StockFSDP), STEPS, self.rank)
+        engine = get_transfer_engine(torch.device("cpu"))
+        engine.stats.reset()
+        model = _no_root_params_model(FullyShardedDataParallel, offload_policy=CoherentOffload(platform="discrete"))
+        self.assertEqual(_train_no_root_params(model, STEPS, self.rank), reference, atol=0, rtol=0)
+        self.assertEqual(engine.stats.d2h_copies, 2 * STEPS)  # each Linear's gradient, each step
+        dist.barrier()
+
+
+class TestFSDP1Refusal(GlooMultiProcessTestCase):
+    def test_refusal_changes_nothing(self) -> None:
+        # Each knob FSDP1 would not honour is refused before anything is wrapped; the same module
+        # then trains under FSDP1 without the policy exactly like a fresh one.
+        self.init_gloo()
+        device = torch.device("cpu")
+        torch.manual_seed(0)
+        module = build_model("tiny")
+        before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+        parameters = list(module.parameters())
+        refused = [
+            (dict(offload_policy=CoherentOffload(optimizer="host")),
+             r"optimizer='host'.*steps with your own optimizer.*OffloadOptimizer"),
+            (dict(offload_policy=CoherentOffload(optimizer=0.5, platform="discrete")), r"optimizer=0\.5"),
+            (dict(offload_policy=CoherentOffload(module_fraction=0.5)), r"module_fraction=0\.5.*fully_shard"),
+            (dict(offload_policy=CoherentOffload(activations=True)), r"activations=True.*offload_activations\(model\)"),
+            (dict(offload_policy=CoherentOffload(prefetch_depth=0), forward_prefetch=True),
+             r"prefetch_depth=0 .*forward_prefetch=True"),
+            (dict(offload_policy=CoherentOffload(prefetch_depth=0), backward_prefetch=BackwardPrefetch.BACKWARD_POST),
+             r"prefetch_depth=0 .*BACKWARD_POST"),
+            (dict(offload_policy=CoherentOffload(prefetch_depth=2), backward_prefetch=None),
+             r"prefetch_depth=2 .*backward_prefetch=None"),
+        ]
+        for kwargs, message in refused:
+            with self.assertRaisesRegex(ValueError, message, msg=str(kwargs)):
+                FullyShardedDataParallel(
+                    module, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=device, **kwargs
+                )
+            self.assertEqual(list(module.parameters()), parameters)
+            self.assertTrue(all(type(param) is nn.Parameter for param in module.parameters()))
+            self.assertEqual(StockFSDP.fsdp_modules(module), [])
+            self.assertEqual(module.state_dict(), before, atol=0, rtol=0)
+        torch.manual_seed(0)
+        losses, norms, _ = _train(_wrap(StockFSDP, device), STEPS, self.rank, clip=0.5)
+        after_refusals = StockFSDP(module, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=device)
+        self.assertEqual(_train(after_refusals, STEPS, self.rank, clip=0.5)[:2], (losses, norms), atol=0, rtol=0)
+        dist.barrier()
+
+
 class TestFSDP1Accumulation(GlooMultiProcessTestCase):
     def test_accumulation_outside_no_sync(self) -> None:
         # Two backwards without no_sync() add their gradients, as in FSDP1 without offload. On a
@@ -259,7 +365,7 @@ class TestFSDP1Errors(TestCase):
         cases = [
             (dict(cpu_offload=CPUOffload(True), offload_policy=CoherentOffload()), ValueError,
              "both cpu_offload= and offload_policy="),
-            (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction < 1"),
+            (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction=0.5"),
             (dict(offload_policy="cpu"), TypeError, "takes an OffloadPolicy"),
         ]
         for kwargs, error, message in cases:
@@ -275,8 +381,10 @@ class TestFSDP1Errors(TestCase):
         self.assertIsNone(plan.pinned)  # stock FSDP1 pins itself
         self.assertFalse(plan.engine)
         self.assertEqual(cpu_offload, CPUOffload(offload_params=True))
-        # On a unified-memory machine nothing is offloaded: the GPU's memory is the host's.
+        # On a unified-memory machine nothing is offloaded: the GPU's memory is the host's; without
+        # an accelerator the shards already live where compute runs.
         self.assertEqual(_plan(CoherentOffload(platform="unified"), None, torch.device("cpu")), (None, None))
+        self.assertEqual(_plan(CoherentOffload(platform="host_only"), None, torch.device("cpu")), (None, None))
 
 
 @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")

@@ -28,7 +28,7 @@ from common_offload import GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload._fsdp2 import activation_hooks
 from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload
-from torch_fsdp_offload.activations import ActivationOffload
+from torch_fsdp_offload.activations import ActivationOffload, offload_activations
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig
 from torch_fsdp_offload.platform import PlatformKind
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -139,6 +139,42 @@ class FSDP2ActivationOffloadTest(GlooMultiProcessTestCase):
             self.assertGreater(get_activation_offload(model).stats.d2h_copies, 0)
             for param, expected in zip(model.parameters(), reference.parameters()):
                 self.assertTrue(torch.equal(param.grad.full_tensor(), expected.grad.full_tensor()))
+
+
+class FSDP2ActivationOffloadTwiceTest(GlooMultiProcessTestCase):
+    WORLD_SIZE = 2
+
+    def test_policy_and_offload_activations_on_one_model_are_refused(self) -> None:
+        # Either order would offload the model's activations twice.
+        self.init_gloo()
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        policy = CoherentOffload(platform="discrete", activations=True)
+        torch.manual_seed(0)
+        sharded = _shard(build_model(_CONFIG), policy, mesh, MixedPrecisionPolicy())
+        hooks = [len(module._forward_pre_hooks) for module in sharded.modules()]
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^offload_activations: FSDPTransformer already has its activations offloaded by fully_shard\(\.\.\., "
+            r"offload_policy=CoherentOffload\(activations=\.\.\.\)\); a second offloader on it would copy them "
+            r"twice\. Keep one: drop this call .*or shard with activations=False and use offload_activations alone\.$",
+        ):
+            offload_activations(sharded, platform="discrete", device="cpu")
+        self.assertEqual([len(module._forward_pre_hooks) for module in sharded.modules()], hooks)
+        self.assertIs(get_activation_offload(sharded.blocks[0]), get_activation_offload(sharded))
+
+        # offload_activations first: the policy refuses the block before any parameter is converted.
+        model = build_model(_CONFIG)
+        offload = offload_activations(model, platform="discrete", device="cpu")
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^fully_shard\(\.\.\., offload_policy=CoherentOffload\(activations=\.\.\.\)\): TransformerBlock already "
+            r"has its activations offloaded by offload_activations\(\.\.\.\);.* call \.remove\(\) on the object "
+            r"offload_activations returned first",
+        ):
+            fully_shard(model.blocks[0], mesh=mesh, offload_policy=policy)
+        self.assertTrue(all(type(param) is nn.Parameter for param in model.parameters()))
+        self.assertIsNone(get_activation_offload(model.blocks[0]))
+        self.assertEqual(offload.stats, type(offload.stats)())
 
 
 class CoherentOffloadActivationsKnobTest(TestCase):

@@ -17,6 +17,7 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
+    subtest,
     TestCase,
 )
 
@@ -262,6 +263,48 @@ TransferTensor([[0., 1.],
         with self.assertRaisesRegex(RuntimeError, "on meta got a TransferTensor that serves"):
             torch.add(t, other_device)
         self.assertEqual(_engine_stats("cpu"), (0, 0))
+
+    @parametrize(
+        "size, error, message",
+        [
+            subtest(((2.5, 3), TypeError, r"size=\(2\.5, 3\)\) takes an int or a sequence of ints.*entry 2\.5 is a float"),
+                    name="float_entry"),
+            subtest(("4", TypeError, r"size=\.\.\.\) takes an int or a sequence of ints.*got str '4'"), name="str"),
+            subtest((True, TypeError, r"size=\.\.\.\) takes an int or a sequence of ints.*got bool True"), name="bool"),
+            subtest(((2, True), TypeError, r"size=\(2, True\)\).*entry True is a bool"), name="bool_entry"),
+            subtest((4.0, TypeError, r"size=\.\.\.\).*got float 4\.0"), name="float"),
+            subtest((None, TypeError, r"size=\.\.\.\).*got NoneType None"), name="none"),
+            subtest(((2, -3), ValueError, r"size=\(2, -3\)\) takes an int or a sequence of ints >= 0.*entry -3 is negative"),
+                    name="negative_entry"),
+        ],
+    )
+    def test_bad_size_is_refused_before_allocation(self, size, error, message):
+        before = memory_stats()
+        with self.assertRaisesRegex(error, r"TransferTensor\.empty\(" + message):
+            TransferTensor.empty(size)
+        self.assertEqual(memory_stats(), before)
+
+    def test_integer_sizes_are_accepted(self):
+        for size, shape in ((3, (3,)), ([2, 3], (2, 3)), (torch.Size([2, 3]), (2, 3)), ((torch.tensor(2), 3), (2, 3))):
+            self.assertEqual(TransferTensor.empty(size).shape, shape)
+
+    @parametrize(
+        "source",
+        [subtest([1.0, 2.0], name="list"), subtest(3, name="int"), subtest(None, name="none"), subtest("x", name="str")],
+    )
+    def test_non_tensor_source_is_refused_before_allocation(self, source):
+        before = memory_stats()
+        with self.assertRaisesRegex(
+            TypeError, rf"TransferTensor\.from_tensor\(tensor=\.\.\.\) copies a torch\.Tensor, got {type(source).__name__} .*torch\.as_tensor"
+        ):
+            TransferTensor.from_tensor(source)
+        self.assertEqual(memory_stats(), before)
+
+    def test_bad_dtype_and_requires_grad_are_refused(self):
+        with self.assertRaisesRegex(TypeError, r"TransferTensor\.empty\(dtype=\.\.\.\) takes a torch\.dtype.*got 'float'"):
+            TransferTensor.empty(4, "float")
+        with self.assertRaisesRegex(TypeError, r"requires_grad takes True or False, got 'yes'"):
+            TransferTensor.from_tensor(torch.ones(2), requires_grad="yes")
 
     def test_direct_construction_is_refused(self):
         with self.assertRaisesRegex(TypeError, "TransferTensor.empty"):

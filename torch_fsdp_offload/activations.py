@@ -56,6 +56,9 @@ _CPU_LEAD_BLOCKS = 2
 _D2H_LABEL = "torch_fsdp_offload::activations_d2h"
 _H2D_LABEL = "activations_h2d"  # the engine adds the torch_fsdp_offload:: prefix
 _BLOCK_LIST_NAMES = ("blocks", "layers", "model.layers")
+# How an offloader was made, for the message that refuses a second one on the same module.
+_MADE_BY_CALL = "offload_activations(...)"
+_MADE_BY_CLASS = "ActivationOffload.attach/register_blocks"
 _NONE_YET = 0x7FFFFFFF
 # Device bytes whose copy to the host may be in flight at once. The forward produces activations
 # several times faster than a PCIe link carries them (H200, 1.6B model, batch 4: 195 GB/s made,
@@ -283,6 +286,42 @@ def _check_knobs(
         )
 
 
+# The live offloader whose hooks each module carries, as a model or as a block: one per module, since
+# a second would offload what the module saves twice. remove() releases its modules.
+_offloader_of_module: "weakref.WeakKeyDictionary[nn.Module, ActivationOffload]" = weakref.WeakKeyDictionary()
+
+
+def offloader_of(module: nn.Module) -> ActivationOffload | None:
+    """The live offloader whose hooks ``module`` carries (as a model or a block), if any."""
+    return _offloader_of_module.get(module)
+
+
+def check_not_offloaded_twice(modules: Iterable[nn.Module], offload: ActivationOffload | None, caller: str) -> None:
+    """Refuse, before anything is hooked, modules whose activations an offloader other than
+    ``offload`` already offloads.
+
+    Raises:
+        ValueError: naming the module, the offloader that has it and how to keep only one.
+    """
+    for module in modules:
+        other = _offloader_of_module.get(module)
+        if other is None or other is offload:
+            continue
+        if other._made_by == _MADE_BY_CALL:
+            fix = "Keep one: call .remove() on the object offload_activations returned first, or keep it and drop this call"
+        elif other._made_by == _MADE_BY_CLASS:
+            fix = "Keep one: call .remove() on that ActivationOffload first, or keep it and drop this call"
+        else:
+            fix = (
+                "Keep one: drop this call (the model's CoherentOffload(activations=...) offloads it "
+                "already), or shard with activations=False and use offload_activations alone"
+            )
+        raise ValueError(
+            f"{caller}: {type(module).__name__} already has its activations offloaded by "
+            f"{other._made_by}; a second offloader on it would copy them twice. {fix}."
+        )
+
+
 def _resolve_platform(
     platform: Platform | PlatformKind | str | None, device: torch.device | str | int | None
 ) -> Platform:
@@ -423,6 +462,7 @@ class ActivationOffload:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._root_entered: list[bool] = []
         self._warned_outside = False
+        self._made_by = _MADE_BY_CLASS  # how it was made: names it when a second offloader is refused
 
     @property
     def pinned_bytes(self) -> int:
@@ -499,6 +539,8 @@ class ActivationOffload:
 
         Raises:
             TypeError: an entry is not an ``nn.Module``.
+            ValueError: an entry's activations are offloaded by another offloader already; nothing
+                is hooked then.
 
         Example::
 
@@ -508,7 +550,9 @@ class ActivationOffload:
         for module in modules:
             if not isinstance(module, nn.Module):
                 raise TypeError(f"register_blocks expects nn.Module entries, got {type(module).__name__}")
+        check_not_offloaded_twice(modules, self, "ActivationOffload.register_blocks")
         for module in modules:
+            _offloader_of_module[module] = self
             self._handles.append(module.register_forward_pre_hook(self._block_pre_hook))
             self._handles.append(module.register_forward_hook(self._block_post_hook, always_call=True))
         self._registered_blocks += len(modules)
@@ -523,11 +567,16 @@ class ActivationOffload:
         Args:
             module (nn.Module): the model whose forward produces the activations.
 
+        Raises:
+            ValueError: ``module``'s activations are offloaded by another offloader already.
+
         Example::
 
             >>> offload.attach(model)
             >>> causal_lm_loss(model(tokens), tokens).backward()
         """
+        check_not_offloaded_twice([module], self, "ActivationOffload.attach")
+        _offloader_of_module[module] = self
         self._root = weakref.ref(module)
         self._handles.append(module.register_forward_pre_hook(self._root_pre_hook))
         self._handles.append(module.register_forward_hook(self._root_post_hook, always_call=True))
@@ -542,6 +591,8 @@ class ActivationOffload:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in [module for module, offload in _offloader_of_module.items() if offload is self]:
+            del _offloader_of_module[module]
         self._registered_blocks = 0
         self._root = None
         with self._lock:
@@ -859,8 +910,10 @@ def offload_activations(
         ActivationOffload: the offloader; ``.stats`` counts copies, ``.remove()`` detaches it.
 
     Raises:
-        ValueError: a knob out of range (see :class:`ActivationOffload`), or ``module`` given without
-            ``blocks`` and no block list found; raised before anything is allocated or hooked.
+        ValueError: a knob out of range (see :class:`ActivationOffload`), ``module`` given without
+            ``blocks`` and no block list found, or ``module`` or a block already offloaded by another
+            offloader (an earlier ``offload_activations`` not ``.remove()``-d, or ``fully_shard`` with
+            ``CoherentOffload(activations=...)``); raised before anything is allocated or hooked.
         TypeError: ``module`` is not an ``nn.Module`` or a block is not one.
 
     Example::
@@ -881,6 +934,7 @@ def offload_activations(
     for block in block_list:
         if not isinstance(block, nn.Module):
             raise TypeError(f"blocks must be nn.Module instances, got {type(block).__name__}")
+    check_not_offloaded_twice([*([module] if module is not None else []), *block_list], None, "offload_activations")
     offload = ActivationOffload(
         min_offload_bytes=min_offload_bytes,
         prefetch_blocks=prefetch_blocks,
@@ -890,6 +944,7 @@ def offload_activations(
         platform=platform,
         device=device,
     )
+    offload._made_by = _MADE_BY_CALL
     # The module's hooks go first: its forward must open the pass before a block can start.
     if module is not None:
         offload.attach(module)

@@ -45,8 +45,9 @@ internals, all in this file and checked against the torch versions they were rea
   it itself; nothing is patched there.
 
 Prefetching is FSDP1's own (``forward_prefetch``, ``backward_prefetch``): an unshard issued early
-issues its H2D early. ``prefetch_depth=N`` sets FSDP1's forward and backward prefetch limits, so each
-unshard prefetches the handle ``N`` ahead in the recorded execution order. Every FSDP instance in the tree, including those ``auto_wrap_policy`` builds with
+issues its H2D early. Where shards are offloaded, ``prefetch_depth=N`` sets FSDP1's forward and
+backward prefetch limits, so each unshard prefetches the handle ``N`` ahead in the recorded execution
+order. Every FSDP instance in the tree, including those ``auto_wrap_policy`` builds with
 the base class, gets the policy: it is applied to every handle of ``FSDP.fsdp_modules(root)``.
 """
 
@@ -119,19 +120,26 @@ class FullyShardedDataParallel(_FSDP1):
             ``cpu_offload`` argument applies as usual). ``CPUOffloadPolicy(pin_memory=...)``: FSDP1's
             parameter offload, with the host shard pinned or not as asked. :class:`CoherentOffload`:
             exact-size pinned shards, H2D/D2H on the transfer engine's streams, cast to the compute
-            dtype before the copy; on a UNIFIED machine no offload at all (the GPU's memory is the
-            host's: a copy would move bytes within one memory; ``memory="managed"`` is honoured
-            there the same way); ``prefetch_depth=0`` turns FSDP1's prefetching off, ``N >= 1``
+            dtype before the copy; ``prefetch_depth=0`` turns FSDP1's prefetching off, ``N >= 1``
             turns on ``forward_prefetch`` as well and prefetches the handle ``N`` ahead in forward
-            and backward.
+            and backward. Where nothing needs offloading, FSDP1 runs exactly as without offload
+            (prefetch arguments as given): on a UNIFIED machine (the GPU's memory is the host's, so
+            a copy would move bytes within one memory), without an accelerator (the compute device
+            is the host), and with ``offload_params=False``. The optimizer is yours: FSDP1 never reads the policy's
+            ``optimizer`` placement.
 
     Raises:
-        ValueError: before anything is sharded, for a combination this class cannot honour:
-            ``cpu_offload=`` together with ``offload_policy=``; a ``CoherentOffload`` with
-            ``module_fraction < 1`` or ``activations`` (FSDP1 keeps one ``cpu_offload`` per tree:
-            its end-of-backward host synchronisation and ``clip_grad_norm_`` read the root's, so
-            a mix of host and GPU shards is not safe; use FSDP2 ``fully_shard`` for those);
-            ``memory="managed"`` on a machine whose GPU has its own memory.
+        ValueError: before anything is wrapped (the module is left unchanged), for a combination
+            this class cannot honour: ``cpu_offload=`` together with ``offload_policy=``; a
+            ``CoherentOffload`` with an ``optimizer`` placement other than ``"auto"`` (FSDP1 steps
+            with your optimizer; the placement is FSDP2's ``OffloadOptimizer``), with
+            ``module_fraction < 1`` (FSDP1 keeps one ``cpu_offload`` per tree: its end-of-backward
+            host synchronisation and ``clip_grad_norm_`` read the root's, so a mix of host and GPU
+            shards is not safe; use FSDP2 ``fully_shard``), or with ``activations`` (call
+            :func:`~torch_fsdp_offload.offload_activations` on the wrapped model instead);
+            ``prefetch_depth=0`` with ``forward_prefetch=True`` or ``BackwardPrefetch.BACKWARD_POST``,
+            or ``prefetch_depth >= 1`` with ``backward_prefetch=None`` (the depth sets both); and
+            what :meth:`CoherentOffload.resolve` refuses for the detected platform.
         TypeError: ``offload_policy`` is not an ``OffloadPolicy``.
         RuntimeError: a torch release whose FSDP1 internals were not checked.
 
@@ -173,8 +181,10 @@ class FullyShardedDataParallel(_FSDP1):
         *,
         offload_policy: OffloadPolicy | None = None,
     ) -> None:
-        handle_offload, cpu_offload = _plan(offload_policy, cpu_offload, device_id)
-        prefetch_depth = offload_policy.prefetch_depth if isinstance(offload_policy, CoherentOffload) else None
+        handle_offload, cpu_offload = _plan(offload_policy, cpu_offload, device_id, forward_prefetch, backward_prefetch)
+        # The policy's prefetch depth is how far ahead shards are copied in; where nothing is
+        # offloaded, FSDP1's own prefetch arguments apply as given.
+        prefetch_depth = handle_offload.prefetch_depth if handle_offload is not None else None
         if prefetch_depth == 0:
             backward_prefetch, forward_prefetch = None, False
         elif prefetch_depth is not None:
@@ -223,12 +233,20 @@ class _Plan:
     engine: bool
     chunk_bytes: int | None
     cast_on_device: bool = False
+    prefetch_depth: int | None = None  # CoherentOffload's; None: FSDP1's prefetch arguments as given
 
 
 def _plan(
-    offload_policy: OffloadPolicy | None, cpu_offload: CPUOffload | None, device_id
+    offload_policy: OffloadPolicy | None,
+    cpu_offload: CPUOffload | None,
+    device_id,
+    forward_prefetch: bool = False,
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
 ) -> tuple[_Plan | None, CPUOffload | None]:
-    """Validate the policy; return what each handle does and FSDP1's ``cpu_offload`` argument."""
+    """Validate the policy; return what each handle does and FSDP1's ``cpu_offload`` argument.
+
+    Every check runs here, before FSDP1's constructor touches the module.
+    """
     if offload_policy is None or type(offload_policy) is OffloadPolicy:
         return None, cpu_offload
     if not isinstance(offload_policy, OffloadPolicy):
@@ -252,18 +270,7 @@ def _plan(
         # the plan so that gradient accumulation outside no_sync() is not lost.
         plan = _Plan(pinned=None if offload_policy.pin_memory else False, engine=False, chunk_bytes=None)
         return plan, CPUOffload(offload_params=True)
-    unsupported = {
-        "module_fraction < 1": offload_policy.module_fraction < 1,
-        "activations": bool(offload_policy.activations),
-    }
-    asked = [name for name, present in unsupported.items() if present]
-    if asked:
-        raise ValueError(
-            f"FullyShardedDataParallel(offload_policy=CoherentOffload(...)) cannot honour "
-            f"{', '.join(asked)}: FSDP1 offloads every handle of a tree alike (its end-of-backward "
-            "synchronisation and clip_grad_norm_ follow the root's cpu_offload). Drop those knobs, "
-            "or shard with FSDP2 fully_shard(offload_policy=...)"
-        )
+    _refuse_unread_knobs(offload_policy, forward_prefetch, backward_prefetch)
     if not offload_policy.offload_params:
         return None, None
     device = _compute_device(device_id)
@@ -272,13 +279,69 @@ def _plan(
         logger.info("CoherentOffload on a unified-memory machine: FSDP1 keeps shards in the GPU's "
                     "memory, which is the host's, and copies nothing")
         return None, None
+    if resolved.platform is PlatformKind.HOST_ONLY:
+        # The compute device is the host: the shards already live where they would be offloaded
+        # to. As FSDP2's fully_shard with this policy, FSDP1 then runs without offload.
+        logger.info("CoherentOffload without an accelerator: FSDP1 keeps shards on the host, where "
+                    "compute runs, and copies nothing")
+        return None, None
     plan = _Plan(
         pinned=True,
         engine=resolved.copies,
         chunk_bytes=offload_policy.chunk_bytes,
         cast_on_device=resolved.cast_on == "device",
+        prefetch_depth=offload_policy.prefetch_depth,
     )
     return plan, CPUOffload(offload_params=True)
+
+
+def _refuse_unread_knobs(
+    policy: CoherentOffload, forward_prefetch: bool, backward_prefetch: BackwardPrefetch | None
+) -> None:
+    """Raise ValueError for every knob of ``policy`` FSDP1 would not honour (it never reads them),
+    and for prefetch arguments the policy's ``prefetch_depth`` would override."""
+    # getattr: knobs a policy version may not have count as left at their defaults.
+    optimizer = getattr(policy, "optimizer", "auto")
+    module_fraction = getattr(policy, "module_fraction", 1.0)
+    activations = getattr(policy, "activations", False)
+    prefetch_depth = getattr(policy, "prefetch_depth", 1)
+    problems = []
+    if not (isinstance(optimizer, str) and optimizer == "auto"):
+        problems.append(
+            f"optimizer={optimizer!r}: FSDP1 steps with your own optimizer over model.parameters(), "
+            "which never reads a placement (placing the step on the host or the GPU is FSDP2's "
+            "OffloadOptimizer). Leave optimizer at 'auto', or shard with FSDP2 fully_shard("
+            "offload_policy=...) and step with torch_fsdp_offload.OffloadOptimizer"
+        )
+    if module_fraction < 1:
+        problems.append(
+            f"module_fraction={module_fraction!r}: FSDP1 offloads every handle of a tree alike (its "
+            "end-of-backward synchronisation and clip_grad_norm_ follow the root's cpu_offload). "
+            "Leave module_fraction at 1.0, or shard with FSDP2 fully_shard(offload_policy=...)"
+        )
+    if activations:
+        problems.append(
+            f"activations={activations!r}: FSDP1 has no per-block hook for it. Leave activations at "
+            "False and call torch_fsdp_offload.offload_activations(model) on the wrapped model, or "
+            "shard with FSDP2 fully_shard(offload_policy=...)"
+        )
+    if prefetch_depth == 0 and (forward_prefetch or backward_prefetch is BackwardPrefetch.BACKWARD_POST):
+        problems.append(
+            f"prefetch_depth=0 turns FSDP1's prefetching off, but forward_prefetch={forward_prefetch!r}, "
+            f"backward_prefetch={backward_prefetch} ask for it. Drop those arguments, or give "
+            "prefetch_depth >= 1 (it sets FSDP1's forward and backward prefetch)"
+        )
+    if prefetch_depth and backward_prefetch is None:
+        problems.append(
+            f"prefetch_depth={prefetch_depth!r} prefetches in backward too, but backward_prefetch=None "
+            "turns that off. Drop backward_prefetch=None, or give prefetch_depth=0 (no prefetching)"
+        )
+    if problems:
+        raise ValueError(
+            "FullyShardedDataParallel(offload_policy=CoherentOffload(...)) cannot honour "
+            + "; ".join(problems)
+            + ". Nothing was wrapped: the module is unchanged."
+        )
 
 
 def _compute_device(device_id) -> torch.device:
@@ -459,11 +522,11 @@ def _post_backward_final_callback(state, module) -> None:
             # A handle that got no new gradient this backward keeps the previous one in _cpu_grad.
             offload.previous_grad = None
     cpu_offload = state.cpu_offload
+    # Any handle of the tree: the root itself has none when every parameter is in a wrapped child.
     on_cpu = (
         cpu_offload.offload_params
         and state.compute_device.type == "cpu"
-        and state._handle is not None
-        and hasattr(state._handle, _HANDLE_ATTRIBUTE)
+        and any(hasattr(handle, _HANDLE_ATTRIBUTE) for handle in state._all_handles)
     )
     if not on_cpu:
         return _originals["_post_backward_final_callback"](state, module)

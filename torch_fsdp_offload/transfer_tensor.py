@@ -12,6 +12,7 @@ host bytes in place.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -60,6 +61,32 @@ def _resolve_platform(platform: PlatformLike) -> Platform:
     if platform is None:
         return detect_platform()
     return detect_platform(kind=platform)
+
+
+def _checked_shape(size: Any) -> tuple[int, ...]:
+    """``size`` as a shape tuple; a clear error, naming the entry, for anything that is not one."""
+    expected = "an int or a sequence of ints >= 0, e.g. 1024 or (4, 1024)"
+    if isinstance(size, (str, bytes, bool)) or not (_is_index(size) or isinstance(size, Sequence)):
+        raise TypeError(f"TransferTensor.empty(size=...) takes {expected}, got {type(size).__name__} {size!r}")
+    dims = (size,) if _is_index(size) else tuple(size)
+    for dim in dims:
+        if isinstance(dim, bool) or not _is_index(dim):
+            raise TypeError(
+                f"TransferTensor.empty(size={size!r}) takes {expected}; entry {dim!r} is a "
+                f"{type(dim).__name__}"
+            )
+        if operator.index(dim) < 0:
+            raise ValueError(f"TransferTensor.empty(size={size!r}) takes {expected}; entry {dim} is negative")
+    return tuple(operator.index(dim) for dim in dims)
+
+
+def _is_index(value: Any) -> bool:
+    # An integer as Python's indexing sees it: int, NumPy integers, 0-d integer tensors.
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _normalize_device(device: torch.device) -> torch.device:
@@ -194,9 +221,11 @@ class TransferTensor(torch.Tensor):
             requires_grad (bool): make it an autograd leaf. Default: ``False``.
 
         Raises:
-            ValueError: ``memory`` is not one of ``"auto"``, ``"pinned"``, ``"managed"``, or
-                ``"managed"`` is asked on a platform without managed memory. Raised before
-                anything is allocated.
+            TypeError: ``size`` is not an int or a sequence of ints (a float, a string or a bool
+                is refused), ``dtype`` not a ``torch.dtype``, or ``requires_grad`` not a bool.
+            ValueError: a negative entry of ``size``; ``memory`` is not one of ``"auto"``,
+                ``"pinned"``, ``"managed"``, or ``"managed"`` is asked on a platform without
+                managed memory. Raised before anything is allocated.
             HostMemoryError: not enough (lockable) host memory for the allocation.
 
         Example::
@@ -205,8 +234,12 @@ class TransferTensor(torch.Tensor):
             >>> t.memory
             'pinned'
         """
-        shape = (size,) if isinstance(size, int) else tuple(size)
+        shape = _checked_shape(size)
         dtype = dtype if dtype is not None else torch.get_default_dtype()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"TransferTensor.empty(dtype=...) takes a torch.dtype (e.g. torch.float32), got {dtype!r}")
+        if not isinstance(requires_grad, bool):
+            raise TypeError(f"TransferTensor requires_grad takes True or False, got {requires_grad!r}")
         resolved_memory, resolved_platform = cls._check_memory(memory, platform)
         managed_buffer = None
         if resolved_memory == "managed":
@@ -237,6 +270,7 @@ class TransferTensor(torch.Tensor):
             requires_grad (bool): make the result an autograd leaf. Default: ``False``.
 
         Raises:
+            TypeError: ``tensor`` is not a ``torch.Tensor``, or ``requires_grad`` not a bool.
             ValueError: as in :meth:`empty`, before anything is allocated.
             HostMemoryError: not enough (lockable) host memory for the allocation.
 
@@ -246,6 +280,14 @@ class TransferTensor(torch.Tensor):
             >>> loss = (w @ torch.randn(1024, device="cuda")).sum()
             >>> loss.backward()       # w.grad is a CPU tensor
         """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"TransferTensor.from_tensor(tensor=...) copies a torch.Tensor, got "
+                f"{type(tensor).__name__} {tensor!r:.80}; convert it first, e.g. "
+                "TransferTensor.from_tensor(torch.as_tensor(data))"
+            )
+        if not isinstance(requires_grad, bool):
+            raise TypeError(f"TransferTensor requires_grad takes True or False, got {requires_grad!r}")
         result = cls.empty(
             tensor.shape, tensor.dtype, memory=memory, platform=platform, requires_grad=False
         )

@@ -23,18 +23,20 @@ before its first saved tensor is unpacked, which is when the activation reloads 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
-from torch_fsdp_offload.activations import ActivationOffload
+from torch_fsdp_offload.activations import ActivationOffload, check_not_offloaded_twice, offloader_of
 
 if TYPE_CHECKING:
     from torch_fsdp_offload._fsdp2.param_group import CoherentFSDPParamGroup
+    from torch_fsdp_offload.policy import CoherentOffload
 
-__all__ = ["attach_activation_offload", "get_activation_offload"]
+__all__ = ["attach_activation_offload", "check_activation_offload", "get_activation_offload"]
 
-_offload_of_module: "weakref.WeakKeyDictionary[nn.Module, ActivationOffload]" = weakref.WeakKeyDictionary()
+_MADE_BY_POLICY = "fully_shard(..., offload_policy=CoherentOffload(activations=...))"
 
 
 class _ModelBeingSharded:
@@ -43,6 +45,19 @@ class _ModelBeingSharded:
     def __init__(self, offload: ActivationOffload) -> None:
         self.offload = offload
         self.modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def check_activation_offload(policy: CoherentOffload, modules: Iterable[nn.Module]) -> None:
+    """Refuse, before the group is built (no parameter converted), modules whose activations
+    another offloader already offloads (``offload_activations`` on the model before sharding).
+    Each module is sharded once, so no offloader of this policy can have them yet.
+
+    Raises:
+        ValueError: naming the module and how to keep one offloader.
+    """
+    if policy.activations is False or policy.activations == 0:
+        return
+    check_not_offloaded_twice(modules, None, _MADE_BY_POLICY)
 
 
 def attach_activation_offload(group: CoherentFSDPParamGroup) -> None:
@@ -60,6 +75,7 @@ def attach_activation_offload(group: CoherentFSDPParamGroup) -> None:
     model = sharding.activation_model
     if model is None:
         offload = ActivationOffload(fraction=plan.activations, platform=plan.platform, device=group.device)
+        offload._made_by = _MADE_BY_POLICY
         model = _ModelBeingSharded(offload)
         sharding.activation_model = model
     for module in group.modules:
@@ -72,7 +88,6 @@ def attach_activation_offload(group: CoherentFSDPParamGroup) -> None:
         else:
             model.offload.register_blocks([module])
         model.modules.add(module)
-        _offload_of_module[module] = model.offload
 
 
 def get_activation_offload(module: nn.Module) -> ActivationOffload | None:
@@ -96,4 +111,5 @@ def get_activation_offload(module: nn.Module) -> ActivationOffload | None:
         >>> get_activation_offload(model).stats.d2h_bytes > 0
         True
     """
-    return _offload_of_module.get(module)
+    offload = offloader_of(module)
+    return offload if offload is not None and offload._made_by == _MADE_BY_POLICY else None

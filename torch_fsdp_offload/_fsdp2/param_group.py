@@ -489,6 +489,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         call = _base_init_signature.bind(self, *args, **kwargs).arguments
         model = sharding.model_sharding(policy, call["modules"])
         try:
+            activation_hooks.check_activation_offload(policy, call["modules"])
             plan, offloaded = _plan_group(policy, model, call)
         except Exception as error:
             sharding.take_back_refused_call(call["modules"], error)
