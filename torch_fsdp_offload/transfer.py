@@ -279,6 +279,39 @@ class Transfer:
             self.tensor.record_stream(stream)
         return self.tensor
 
+    def wait_unmarked(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Make ``stream`` wait for a host-to-device copy without marking its destination used there.
+
+        The caller then decides when the memory may be reused: once ``stream``'s reads are queued,
+        it makes the copy stream wait for them (``engine.h2d_stream.wait_stream(stream)``) and drops
+        its references, and the allocator hands the memory out again at once, to later work of the
+        copy stream only. :meth:`wait`'s ``record_stream`` keeps the memory allocated until an
+        allocation after the GPU passed ``stream``'s reads, which can be long after the CPU moved on.
+
+        Args:
+            stream (torch.cuda.Stream | None): the consumer stream; default the current stream of
+                the destination's device.
+
+        Returns:
+            torch.Tensor: :attr:`tensor`, safe to read on ``stream``.
+
+        Example::
+
+            >>> transfer = engine.h2d(master)
+            >>> weights = transfer.wait_unmarked() * 2
+            >>> engine.h2d_stream.wait_stream(torch.cuda.current_stream())
+            >>> del transfer  # free now for the H2D stream, whose later copies follow the read
+        """
+        if self._copy is None:
+            return self.tensor
+        if not isinstance(self._copy.stream, torch.cuda.Stream):
+            self.synchronize()  # a CPU copy: its consumer is the calling thread
+            return self.tensor
+        if stream is None:
+            stream = torch.cuda.current_stream(self.tensor.device)
+        stream.wait_event(self._copy.event)
+        return self.tensor
+
 
 class TransferEngine:
     """Copies between host memory and one device, on dedicated streams, in chunks.
