@@ -416,6 +416,7 @@ class TransferEngine:
         *,
         label: str = "d2h",
         chunk_bytes: int | None = None,
+        mark_src_used: bool = True,
     ) -> Transfer:
         """Copy a device tensor to host memory, asynchronously on :attr:`d2h_stream`.
 
@@ -429,6 +430,11 @@ class TransferEngine:
                 ``src``'s dtype and number of elements.
             label (str): profiler label, ``torch_fsdp_offload::<label>``.
             chunk_bytes (int | None): chunk size; default :attr:`chunk_bytes`.
+            mark_src_used (bool): True (default): ``src`` is marked used on the copy stream
+                (``record_stream``), so its memory stays allocated until an allocation finds the
+                copy finished. False: the caller orders the reuse itself, making the stream that
+                allocated ``src`` wait for the copy (``transfer.wait(that_stream)``) before it drops
+                ``src``, which is then free at once.
 
         Returns:
             Transfer: ``tensor`` is ``dst``; call ``synchronize()`` (or ``wait()``) before reading it.
@@ -441,7 +447,9 @@ class TransferEngine:
         _check_tensor(src, self.device, "d2h", "src")
         _check_tensor(dst, "cpu", "d2h", "dst")
         _check_same(dst, src, "d2h")
-        return self._issue([dst], src, to_device=False, coalesced=False, label=label, chunk_bytes=chunk_bytes)
+        return self._issue(
+            [dst], src, to_device=False, coalesced=False, label=label, chunk_bytes=chunk_bytes, mark_used=mark_src_used
+        )
 
     def h2d_coalesced(
         self,
@@ -538,11 +546,12 @@ class TransferEngine:
         coalesced: bool,
         label: str,
         chunk_bytes: int,
+        mark_used: bool = True,
     ) -> Transfer:
         """Copy between ``host_tensors``, one after another, and ``device_tensor``'s bytes.
 
         ``device_tensor`` is flat for coalesced copies and shaped like the host tensor otherwise;
-        None means allocate it (host to device only).
+        None means allocate it (host to device only). ``mark_used``: see ``d2h``'s ``mark_src_used``.
         """
         nbytes = sum(_nbytes(tensor) for tensor in host_tensors)
         stream = self.h2d_stream if to_device else self.d2h_stream
@@ -568,7 +577,7 @@ class TransferEngine:
             reads, writes = (host_ranges, device_range) if to_device else (device_range, host_ranges)
             if stream is not None:
                 self._order_before_copy(stream, reads, writes, wait_for_current=not allocated)
-                if not allocated:
+                if not allocated and mark_used:
                     # Memory the caller may free while the copy runs must not be reused under it.
                     device_tensor.record_stream(stream)
             with _on_stream(stream):

@@ -308,14 +308,20 @@ class GroupOffload:
         if not captured:
             return False
         copy_stream = self.engine.d2h_stream
+        # The stream FSDP allocated the reduced gradients on, when known: it then waits for our
+        # copy, and they are free as soon as dropped (below). Marked used on the copy stream
+        # instead, they would stay allocated until an allocation found the copy finished, while
+        # the CPU has run ahead into the next group's backward (a group's bytes over FSDP2's peak).
+        producer = self.group.reduce_output_stream() if copy_stream is not None else None
         with torch.profiler.record_function("torch_fsdp_offload::grads_coalesce"):
             if copy_stream is not None:
                 if post_reduce_event is not None:
                     copy_stream.wait_event(post_reduce_event)
                 else:
                     copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-                for grad in captured.values():
-                    grad.record_stream(copy_stream)
+                if producer is None:
+                    for grad in captured.values():
+                        grad.record_stream(copy_stream)
             with torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext():
                 flat = self._reduce_output_as_flat(captured)
                 if flat is None:
@@ -326,7 +332,10 @@ class GroupOffload:
                     self.grads,
                     label=f"grads_d2h:{self.group._module_fqn or 'root'}",
                     chunk_bytes=self.plan.chunk_bytes,
+                    mark_src_used=producer is None,
                 )
+            if producer is not None:
+                self.grad_transfer.wait(producer)
         for p in captured:
             # FSDP's finalize_backward calls .synchronize() on it: plain torch.optim users are safe.
             p.grad_offload_event = self.grad_transfer
@@ -560,6 +569,14 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             # Released after the prefetches, so that their copies need not wait for that read.
             offload.release_staging()
         return result
+
+    def reduce_output_stream(self) -> torch.cuda.Stream | None:
+        """The stream FSDP allocates the reduced gradients on: its reduce-scatter stream, unless an
+        all-reduce (HSDP) or an all-reduce hook follows the reduce-scatter, whose cast to the
+        original dtype may allocate them on another stream (None then)."""
+        if self._all_reduce_hook is not None or getattr(self.mesh_info, "replicate_mesh_dim", None) is not None:
+            return None
+        return self.comm_ctx.reduce_scatter_stream
 
     def needs_copy_in(self, backward: bool) -> bool:
         """Whether this group's next unshard still reads its shards: it is not unsharded (the
