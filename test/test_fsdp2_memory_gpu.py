@@ -1,7 +1,6 @@
 """GPU memory of FSDP2 + CoherentOffload training, against FSDP2's own bounds for CPU offload.
 
-FSDP2's training-memory test (``test_fully_shard_training_memory`` in PyTorch's
-``test/distributed/_composable/fsdp/test_fully_shard_memory.py``), ported to world size 1 with
+FSDP2's training-memory test (PyTorch's ``test_fully_shard_training_memory``), ported to world size 1 with
 :class:`~torch_fsdp_offload.CoherentOffload` in place of ``CPUOffloadPolicy``: the same model, the
 same input and the same bounds for CPU offload, plus what prefetching adds by design, the staging
 buffers of the ``prefetch_depth`` groups whose copy-in is issued ahead. Run on a GPU machine.
