@@ -279,6 +279,39 @@ class Transfer:
             self.tensor.record_stream(stream)
         return self.tensor
 
+    def wait_unmarked(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Make ``stream`` wait for a host-to-device copy without marking its destination used there.
+
+        The caller then decides when the memory may be reused: once ``stream``'s reads are queued,
+        it makes the copy stream wait for them (``engine.h2d_stream.wait_stream(stream)``) and drops
+        its references, and the allocator hands the memory out again at once, to later work of the
+        copy stream only. :meth:`wait`'s ``record_stream`` keeps the memory allocated until an
+        allocation after the GPU passed ``stream``'s reads, which can be long after the CPU moved on.
+
+        Args:
+            stream (torch.cuda.Stream | None): the consumer stream; default the current stream of
+                the destination's device.
+
+        Returns:
+            torch.Tensor: :attr:`tensor`, safe to read on ``stream``.
+
+        Example::
+
+            >>> transfer = engine.h2d(master)
+            >>> weights = transfer.wait_unmarked() * 2
+            >>> engine.h2d_stream.wait_stream(torch.cuda.current_stream())
+            >>> del transfer  # free now for the H2D stream, whose later copies follow the read
+        """
+        if self._copy is None:
+            return self.tensor
+        if not isinstance(self._copy.stream, torch.cuda.Stream):
+            self.synchronize()  # a CPU copy: its consumer is the calling thread
+            return self.tensor
+        if stream is None:
+            stream = torch.cuda.current_stream(self.tensor.device)
+        stream.wait_event(self._copy.event)
+        return self.tensor
+
 
 class TransferEngine:
     """Copies between host memory and one device, on dedicated streams, in chunks.
@@ -383,6 +416,7 @@ class TransferEngine:
         *,
         label: str = "d2h",
         chunk_bytes: int | None = None,
+        mark_src_used: bool = True,
     ) -> Transfer:
         """Copy a device tensor to host memory, asynchronously on :attr:`d2h_stream`.
 
@@ -396,6 +430,11 @@ class TransferEngine:
                 ``src``'s dtype and number of elements.
             label (str): profiler label, ``torch_fsdp_offload::<label>``.
             chunk_bytes (int | None): chunk size; default :attr:`chunk_bytes`.
+            mark_src_used (bool): True (default): ``src`` is marked used on the copy stream
+                (``record_stream``), so its memory stays allocated until an allocation finds the
+                copy finished. False: the caller orders the reuse itself, making the stream that
+                allocated ``src`` wait for the copy (``transfer.wait(that_stream)``) before it drops
+                ``src``, which is then free at once.
 
         Returns:
             Transfer: ``tensor`` is ``dst``; call ``synchronize()`` (or ``wait()``) before reading it.
@@ -408,7 +447,9 @@ class TransferEngine:
         _check_tensor(src, self.device, "d2h", "src")
         _check_tensor(dst, "cpu", "d2h", "dst")
         _check_same(dst, src, "d2h")
-        return self._issue([dst], src, to_device=False, coalesced=False, label=label, chunk_bytes=chunk_bytes)
+        return self._issue(
+            [dst], src, to_device=False, coalesced=False, label=label, chunk_bytes=chunk_bytes, mark_used=mark_src_used
+        )
 
     def h2d_coalesced(
         self,
@@ -505,11 +546,12 @@ class TransferEngine:
         coalesced: bool,
         label: str,
         chunk_bytes: int,
+        mark_used: bool = True,
     ) -> Transfer:
         """Copy between ``host_tensors``, one after another, and ``device_tensor``'s bytes.
 
         ``device_tensor`` is flat for coalesced copies and shaped like the host tensor otherwise;
-        None means allocate it (host to device only).
+        None means allocate it (host to device only). ``mark_used``: see ``d2h``'s ``mark_src_used``.
         """
         nbytes = sum(_nbytes(tensor) for tensor in host_tensors)
         stream = self.h2d_stream if to_device else self.d2h_stream
@@ -535,7 +577,7 @@ class TransferEngine:
             reads, writes = (host_ranges, device_range) if to_device else (device_range, host_ranges)
             if stream is not None:
                 self._order_before_copy(stream, reads, writes, wait_for_current=not allocated)
-                if not allocated:
+                if not allocated and mark_used:
                     # Memory the caller may free while the copy runs must not be reused under it.
                     device_tensor.record_stream(stream)
             with _on_stream(stream):

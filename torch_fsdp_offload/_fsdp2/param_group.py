@@ -150,6 +150,9 @@ class GroupOffload:
         self.numel = 0
         self._inflight: Transfer | None = None
         self._inputs_left: set[CoherentFSDPParam] = set()
+        # Streams that read views of the staging buffer without marking it used (record_stream):
+        # the H2D stream waits for them before the buffer is dropped (_drop_staging).
+        self._staging_readers: list[torch.cuda.Stream] = []
         self.grad_transfer: Transfer | None = None
         self.capturing_grads = False
         self.captured_grads: dict[CoherentFSDPParam, torch.Tensor] = {}
@@ -223,7 +226,7 @@ class GroupOffload:
         """The parameters may change (gradients landed, or shards were reset/loaded)."""
         with self.lock:
             self.dirty = True
-            self._inflight = None
+            self._drop_staging()
 
     @torch.no_grad()
     def refresh_mirror(self) -> None:
@@ -241,7 +244,7 @@ class GroupOffload:
                 with torch.profiler.record_function("torch_fsdp_offload::cast_master_to_mirror"):
                     mirror.copy_(self.master)
             self.dirty = False
-            self._inflight = None
+            self._drop_staging()
 
     def wait_update(self, block: bool = True) -> bool:
         """Whether the group's optimizer step has finished, waiting for it unless ``block`` is
@@ -278,14 +281,35 @@ class GroupOffload:
 
     def take_input(self, fsdp_param: CoherentFSDPParam) -> torch.Tensor:
         """``fsdp_param``'s padded shard on the device, in param dtype, ready on this stream."""
+        self.release_staging()  # a copy whose every view was taken served an earlier unshard
         self.issue_h2d()  # no-op when prefetched and still current
-        staging = self._inflight.wait()
+        with self.lock:
+            staging = self._inflight.wait_unmarked()
+            if self.engine.h2d_stream is not None:
+                reader = torch.cuda.current_stream(self.device)
+                if reader not in self._staging_readers:
+                    self._staging_readers.append(reader)
+            self._inputs_left.discard(fsdp_param)
         offset, numel = self.offsets[fsdp_param]
-        self._inputs_left.discard(fsdp_param)
-        if not self._inputs_left:
-            # Every parameter took its view; FSDP's copy-in holds them until it is done.
-            self._inflight = None
         return staging[offset : offset + numel]
+
+    def release_staging(self) -> None:
+        """Free the staging buffer once every parameter took its view and FSDP queued its reads
+        (called after FSDP's unshard and its wait for it)."""
+        with self.lock:
+            if self._inflight is not None and not self._inputs_left:
+                self._drop_staging()
+
+    def _drop_staging(self) -> None:
+        """Forget the staging buffer (the caller holds ``lock``). The H2D stream first waits for
+        the streams that read it, so the buffer is free at once, for that stream's later copies
+        only, with no host sync; marked used with ``record_stream`` it would stay allocated until
+        an allocation found the GPU past the reads, while the CPU has run ahead to the next
+        group's backward (a group's bytes over FSDP2's peak)."""
+        for reader in self._staging_readers:
+            self.engine.h2d_stream.wait_stream(reader)
+        self._staging_readers = []
+        self._inflight = None
 
     # -- gradients -------------------------------------------------------------------------
     def host_grad_view(self, fsdp_param: CoherentFSDPParam) -> torch.Tensor:
@@ -304,14 +328,20 @@ class GroupOffload:
         if not captured:
             return False
         copy_stream = self.engine.d2h_stream
+        # The stream FSDP allocated the reduced gradients on, when known: it then waits for our
+        # copy, and they are free as soon as dropped (below). Marked used on the copy stream
+        # instead, they would stay allocated until an allocation found the copy finished, while
+        # the CPU has run ahead into the next group's backward (a group's bytes over FSDP2's peak).
+        producer = self.group.reduce_output_stream() if copy_stream is not None else None
         with torch.profiler.record_function("torch_fsdp_offload::grads_coalesce"):
             if copy_stream is not None:
                 if post_reduce_event is not None:
                     copy_stream.wait_event(post_reduce_event)
                 else:
                     copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-                for grad in captured.values():
-                    grad.record_stream(copy_stream)
+                if producer is None:
+                    for grad in captured.values():
+                        grad.record_stream(copy_stream)
             with torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext():
                 flat = self._reduce_output_as_flat(captured)
                 if flat is None:
@@ -322,7 +352,10 @@ class GroupOffload:
                     self.grads,
                     label=f"grads_d2h:{self.group._module_fqn or 'root'}",
                     chunk_bytes=self.plan.chunk_bytes,
+                    mark_src_used=producer is None,
                 )
+            if producer is not None:
+                self.grad_transfer.wait(producer)
         for p in captured:
             # FSDP's finalize_backward calls .synchronize() on it: plain torch.optim users are safe.
             p.grad_offload_event = self.grad_transfer
@@ -413,7 +446,7 @@ class GroupOffload:
                     self.engine.d2h(master_on_device.to(mirror.dtype), mirror[start:stop], label="optimizer_d2h_mirror")
                 )
             self.dirty = False
-            self._inflight = None
+            self._drop_staging()
         return transfers
 
     def prefetch_next_forward(self) -> None:
@@ -451,12 +484,15 @@ class RootSchedule:
         self.order: list[GroupOffload] = []
         self.learning = True
 
-    def on_unshard(self, offload: GroupOffload, backward: bool, depth: int) -> None:
+    def on_compute(self, offload: GroupOffload, backward: bool, depth: int) -> None:
+        """``offload``'s group is about to compute: start the copy-ins of the ``depth`` groups that
+        compute after it. The window is anchored at the computing group, not at each unshard:
+        FSDP's backward prefetch unshards the next group early, and a window moved by that
+        unshard stages one group more than ``depth`` (one group ahead with ``depth=0``)."""
         if backward:
             self.learning = False
         elif self.learning and offload not in self.order:
             self.order.append(offload)
-        offload.issue_h2d()
         if offload not in self.order or depth == 0:
             return
         index = self.order.index(offload)
@@ -466,8 +502,7 @@ class RootSchedule:
             else self.order[index + 1 : index + 1 + depth]
         )
         for neighbour in ahead:
-            # A group still unsharded (e.g. the root, kept after forward) needs no copy-in.
-            if neighbour.active and not neighbour.group.is_unsharded:
+            if neighbour.active and neighbour.group.needs_copy_in(backward):
                 neighbour.issue_h2d(block=False)
 
     def prefetch_first(self, depth: int) -> None:
@@ -534,22 +569,46 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
 
     # -- runtime -----------------------------------------------------------------------
     def unshard(self, async_op: bool = False):
+        result = super().unshard(async_op)
+        if self._offload is not None:
+            # World size > 1: the all-gather's copy-in has read the staging buffer.
+            self._offload.release_staging()
+        return result
+
+    def wait_for_unshard(self):
+        result = super().wait_for_unshard()
         offload = self._offload
-        if (
-            offload is not None
-            and offload.active
-            and self._all_gather_result is None
-            and not self.is_unsharded
-            and not (not self.unshard_in_backward and self._training_state == TrainingState.PRE_BACKWARD)
-            and self.sharded_state_is_sharded()
-        ):
+        if offload is not None and offload.active:
             schedule: RootSchedule = self.comm_ctx.coherent_schedule
-            schedule.on_unshard(
+            schedule.on_compute(
                 offload,
                 backward=self._training_state == TrainingState.PRE_BACKWARD,
                 depth=offload.plan.prefetch_depth,
             )
-        return super().unshard(async_op)
+            # World size 1: FSDP copied the staging buffer into the parameters just now.
+            # Released after the prefetches, so that their copies need not wait for that read.
+            offload.release_staging()
+        return result
+
+    def reduce_output_stream(self) -> torch.cuda.Stream | None:
+        """The stream FSDP allocates the reduced gradients on: its reduce-scatter stream, unless an
+        all-reduce (HSDP) or an all-reduce hook follows the reduce-scatter, whose cast to the
+        original dtype may allocate them on another stream (None then)."""
+        if self._all_reduce_hook is not None or getattr(self.mesh_info, "replicate_mesh_dim", None) is not None:
+            return None
+        return self.comm_ctx.reduce_scatter_stream
+
+    def needs_copy_in(self, backward: bool) -> bool:
+        """Whether this group's next unshard still reads its shards: it is not unsharded (the
+        root stays so after forward), it is unsharded in this pass, and no all-gather has read
+        them yet (at world size 1 FSDP's unshard only marks the group; the copy runs when it
+        waits for the unshard)."""
+        if self.is_unsharded or not self.sharded_state_is_sharded():
+            return False
+        if backward and not self.unshard_in_backward:
+            return False
+        result = self._all_gather_result
+        return result is None or not result.all_gather_input_split_sizes
 
     def sharded_state_is_sharded(self) -> bool:
         return self.is_sharded and not self.is_sharded_post_forward
