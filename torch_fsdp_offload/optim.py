@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.transfer import Transfer
@@ -107,7 +108,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     ``max_grad_norm=`` here instead, which is applied before any group steps, at the cost of the
     overlap). Gradient accumulation with ``set_requires_gradient_sync(False)`` or
     ``set_is_last_backward(False)`` keeps the overlap. If the pattern later changes while overlap
-    is on, the step raises instead of applying a gradient twice or unclipped.
+    is on, the step raises instead of applying a gradient twice or unclipped. Every in-place
+    change of a gradient (foreach ops included) and every new ``.grad`` tensor is seen; a write
+    through ``.grad.data`` is not, as autograd's own version checks do not see it.
 
     Args:
         params (nn.Module or iterable): the FSDP-sharded model, or its parameters / parameter
@@ -215,7 +218,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._stream_task: concurrent.futures.Future | None = None
         self._pending: dict[OffloadedGroup, concurrent.futures.Future] = {}
         self._landings: dict[OffloadedGroup, int] = defaultdict(int)
-        self._grad_versions: dict[OffloadedGroup, list[int]] = {}
+        # Per group: each parameter's gradient as it landed, with its versions (see _watch_grads).
+        self._landed_grads: dict[OffloadedGroup, list[tuple[torch.Tensor | None, int, int]]] = {}
         self._overlap_learned = False
         self._host_seconds = 0.0
         self._host_wait_seconds = 0.0
@@ -325,7 +329,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         params = [param for group in inner.param_groups for param in group["params"]]
         stepped = [param for param in params if param.grad is not None]
         if not any(hasattr(param, "_local_tensor") for param in params) or not all(self.state.get(p) for p in stepped):
-            inner.step()
+            # Fused kernels declare the gradients they read as written: not a change of them.
+            _own_step.active = True
+            try:
+                inner.step()
+            finally:
+                _own_step.active = False
             return
         twin, aliases = self._plain_twin(owner, inner, params)
         for twin_group, group in zip(twin.param_groups, inner.param_groups):
@@ -393,7 +402,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # -- overlap ------------------------------------------------------------------------
     def _on_grads_ready(self, owner: OffloadedGroup, is_last_backward: bool) -> None:
         self._landings[owner] += 1
-        self._grad_versions[owner] = _grad_versions(owner)
+        self._landed_grads[owner] = _watch_grads(owner)
         if owner in self._pending:
             raise RuntimeError(
                 "OffloadOptimizer: a parameter group received a second gradient before step(), "
@@ -742,7 +751,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None or not self._landings:
             return False
         for owner, landings in self._landings.items():
-            if landings != 1 or _grad_versions(owner) != self._grad_versions[owner]:
+            if landings != 1 or not _grads_unchanged(owner, self._landed_grads[owner]):
                 return False
         return True
 
@@ -768,10 +777,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         safe_pattern = self._check_overlap_pattern()
         if stepped and not safe_pattern:
             self._refuse_step(
-                "OffloadOptimizer: gradients of groups that had already stepped during backward "
-                "were modified before step() (e.g. by clip_grad_norm_ or a gradient scaler). "
-                "Those groups were updated with the unmodified gradients. Pass max_grad_norm= "
-                "to OffloadOptimizer to clip, or construct it with overlap=False."
+                "OffloadOptimizer: gradients changed after some parameter groups had already "
+                "stepped during backward (an in-place change such as clip_grad_norm_, "
+                "clip_grad_value_ or a gradient scaler's unscale_, or a new .grad tensor): those "
+                "groups stepped with the gradients as they landed, and this step() steps no other. "
+                "To clip, pass OffloadOptimizer(..., max_grad_norm=...), applied before any group "
+                "steps, instead of calling clip_grad_norm_; for any other change of the gradients "
+                "between backward and step(), construct OffloadOptimizer(..., overlap=False)."
             )
         if self.max_grad_norm is not None:
             self._clip_grad_norm(self.max_grad_norm)
@@ -872,7 +884,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _reset_cycle(self) -> None:
         self._pending.clear()
         self._landings.clear()
-        self._grad_versions.clear()
+        for landed in self._landed_grads.values():
+            for grad, _, _ in landed:
+                if type(grad) is _WatchedGrad:
+                    grad.__class__ = DTensor
+        self._landed_grads.clear()
 
     def _clip_grad_norm(self, max_norm: float) -> None:
         for owner in self._inner:
@@ -1025,13 +1041,60 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", tensor)
 
 
-def _grad_versions(owner: OffloadedGroup) -> list[int]:
-    versions = []
+# Set while this thread runs an optimizer step of ours: its ops on gradients are no change.
+_own_step = threading.local()
+
+
+class _WatchedGrad(DTensor):
+    """A gradient DTensor whose in-place changes bump its version counter.
+
+    In-place foreach ops on a tensor subclass (``clip_grad_norm_``, ``clip_grad_value_`` and a
+    gradient scaler's ``unscale_`` use them) bump neither the DTensor's version counter nor its
+    local tensor's, so a version read alone misses them. A group that steps during backward must
+    know whether its gradients changed after it stepped: its gradients are of this class from
+    their landing until ``step()``, and plain DTensors again after.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if func._schema.is_mutable and not getattr(_own_step, "active", False):
+            kwargs = kwargs or {}
+            for position, argument in enumerate(func._schema.arguments):
+                if argument.is_write:
+                    value = args[position] if position < len(args) else kwargs.get(argument.name)
+                    for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                        if isinstance(tensor, _WatchedGrad):
+                            torch.autograd.graph.increment_version(tensor)
+        return result
+
+
+def _grad_versions(grad: torch.Tensor | None) -> tuple[int, int]:
+    """The versions of ``grad`` and of its local tensor (``p.grad._local_tensor.mul_()`` bumps
+    only the latter)."""
+    return (-1, -1) if grad is None else (grad._version, _local(grad)._version)
+
+
+def _watch_grads(owner: OffloadedGroup) -> list[tuple[torch.Tensor | None, int, int]]:
+    """Each of ``owner``'s gradients as it is now, with its versions; in-place changes of it
+    are seen from now on (:class:`_WatchedGrad`)."""
+    landed = []
     for param in owner.params:
         grad = param.grad
-        local = getattr(grad, "_local_tensor", grad)
-        versions.append(-1 if local is None else local._version)
-    return versions
+        if type(grad) is DTensor:
+            grad.__class__ = _WatchedGrad
+        landed.append((grad, *_grad_versions(grad)))
+    return landed
+
+
+def _grads_unchanged(owner: OffloadedGroup, landed: list[tuple[torch.Tensor | None, int, int]]) -> bool:
+    """Whether ``owner``'s gradients are the tensors that landed, unchanged in place since."""
+    return all(
+        param.grad is grad and _grad_versions(grad) == (version, local_version)
+        for param, (grad, version, local_version) in zip(owner.params, landed)
+    )
 
 
 # Bytes of device memory one pipelined run of a streamed step may take (its uploads); a single
