@@ -17,6 +17,7 @@ import contextlib
 import logging
 import threading
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Protocol
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from torch_fsdp_offload._optim_checks import check_arguments, check_loadable, check_lr
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.transfer import Transfer
 
@@ -136,9 +138,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: passed to ``optimizer_class``.
 
     Raises:
-        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
-        ValueError: ``max_grad_norm`` is not positive, or ``optimizer_kwargs`` are rejected
-            by ``optimizer_class``.
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass (or is an
+            instance, or ``OffloadOptimizer``); ``lr`` (also a parameter group's) is not a real
+            number or a one-element tensor; ``max_grad_norm`` is not a real number or None;
+            ``host_threads`` is not an int or None; ``overlap`` or ``overlap_next_forward`` is
+            not a bool; ``optimizer_class`` rejects the type of an ``optimizer_kwargs`` value.
+        ValueError: ``lr`` is negative or not finite; ``max_grad_norm`` is not finite and
+            positive; ``host_threads`` is below 1; ``optimizer_class`` rejects a value of
+            ``optimizer_kwargs``. All are checked before anything is built.
+        ValueError: at ``load_state_dict()``, for the state of another optimizer class or of
+            another model (other parameter groups, or a state tensor of another shape).
         RuntimeError: at ``step()``, when overlap was on and a group received a second
             gradient before ``step()``, or its gradients or the hyperparameters (lr, ...) were
             modified after it had stepped during backward. Schedulers that change the lr after
@@ -170,21 +179,35 @@ class OffloadOptimizer(torch.optim.Optimizer):
         overlap_next_forward: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(
-                f"OffloadOptimizer(optimizer_class={optimizer_class!r}) must be a torch.optim."
-                "Optimizer subclass, e.g. torch.optim.AdamW."
-            )
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"OffloadOptimizer(max_grad_norm={max_grad_norm!r}) must be > 0 or None.")
-        if host_threads is not None and host_threads < 1:
-            raise ValueError(f"OffloadOptimizer(host_threads={host_threads!r}) must be >= 1 or None.")
+        check_arguments(OffloadOptimizer, optimizer_class, overlap, max_grad_norm, host_threads, overlap_next_forward)
+        if "lr" in optimizer_kwargs:
+            check_lr(optimizer_kwargs["lr"], "lr")
         model = params if isinstance(params, nn.Module) else None
         if model is not None:
             params = model.parameters()
         # A throwaway instance validates the kwargs and yields the class's defaults.
-        defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs).defaults
+        try:
+            defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs).defaults
+        except (TypeError, ValueError) as error:
+            given = ", ".join(f"{key}={value!r}" for key, value in optimizer_kwargs.items())
+            raise type(error)(
+                f"OffloadOptimizer: {optimizer_class.__name__}({given}) refused the optimizer arguments: "
+                f"{error}. Pass the keyword arguments {optimizer_class.__name__} takes, with valid values."
+            ) from error
         super().__init__(params, defaults)
+        if not any(_offloaded_group(param) for group in self.param_groups for param in group["params"]):
+            warnings.warn(
+                "OffloadOptimizer: none of its parameters is in a parameter group that CoherentOffload "
+                "offloads (the model was not sharded with fully_shard(..., offload_policy=CoherentOffload()) "
+                "before this optimizer was built, or the policy offloads nothing here: module_fraction=0, "
+                "or a unified-memory or GPU-less platform), so it steps them as "
+                f"{optimizer_class.__name__} alone would. Use {optimizer_class.__name__} itself, or shard "
+                "the model with CoherentOffload before building this optimizer to offload it.",
+                stacklevel=2,
+            )
+        # The parameters' names (by position, as state_dict() numbers them) for error messages.
+        names = {id(param): name for name, param in model.named_parameters()} if model is not None else {}
+        self._param_names = [names.get(id(p)) for group in self.param_groups for p in group["params"]]
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = optimizer_kwargs
         self.overlap = overlap
@@ -273,11 +296,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         owners: dict[OffloadedGroup | None, dict[int, list[nn.Parameter]]] = {}
         for index, group in enumerate(self.param_groups):
             for param in group["params"]:
-                owner_ref = getattr(param, _GROUP_ATTRIBUTE, None)
-                owner = owner_ref() if owner_ref is not None else None
-                if owner is not None and not owner.offloaded:
-                    owner = None
-                owners.setdefault(owner, {}).setdefault(index, []).append(param)
+                owners.setdefault(_offloaded_group(param), {}).setdefault(index, []).append(param)
         self._inner = {}
         for owner, by_outer in owners.items():
             inner_groups = [
@@ -898,6 +917,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_loadable(self, state_dict, self._param_names)
         self.synchronize()
         super().load_state_dict(state_dict)
         # Loaded state is new tensors: streamed groups move it into their flat buffers again.
@@ -908,6 +928,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 inner.state = self.state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and "lr" in param_group:
+            check_lr(param_group["lr"], f"param_groups[{len(self.param_groups)}]['lr']")
         super().add_param_group(param_group)
         self._inner = None  # rebuilt with the new group at the next step
         self._plain_twins = {}
@@ -1039,6 +1061,13 @@ def _copy_hyperparameters(pairs: list) -> None:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", tensor)
+
+
+def _offloaded_group(param: nn.Parameter) -> OffloadedGroup | None:
+    """The offloaded group that manages ``param``, None if none does."""
+    owner_ref = getattr(param, _GROUP_ATTRIBUTE, None)
+    owner = owner_ref() if owner_ref is not None else None
+    return owner if owner is not None and owner.offloaded else None
 
 
 # Set while this thread runs an optimizer step of ours: its ops on gradients are no change.
