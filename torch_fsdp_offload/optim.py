@@ -17,13 +17,16 @@ import contextlib
 import logging
 import threading
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from torch_fsdp_offload._optim_checks import check_arguments, check_loadable, check_lr
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.transfer import Transfer
 
@@ -107,7 +110,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     ``max_grad_norm=`` here instead, which is applied before any group steps, at the cost of the
     overlap). Gradient accumulation with ``set_requires_gradient_sync(False)`` or
     ``set_is_last_backward(False)`` keeps the overlap. If the pattern later changes while overlap
-    is on, the step raises instead of applying a gradient twice or unclipped.
+    is on, the step raises instead of applying a gradient twice or unclipped. Every in-place
+    change of a gradient (foreach ops included) and every new ``.grad`` tensor is seen; a write
+    through ``.grad.data`` is not, as autograd's own version checks do not see it.
 
     Args:
         params (nn.Module or iterable): the FSDP-sharded model, or its parameters / parameter
@@ -133,9 +138,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: passed to ``optimizer_class``.
 
     Raises:
-        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
-        ValueError: ``max_grad_norm`` is not positive, or ``optimizer_kwargs`` are rejected
-            by ``optimizer_class``.
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass (or is an
+            instance, or ``OffloadOptimizer``); ``lr`` (also a parameter group's) is not a real
+            number or a one-element tensor; ``max_grad_norm`` is not a real number or None;
+            ``host_threads`` is not an int or None; ``overlap`` or ``overlap_next_forward`` is
+            not a bool; ``optimizer_class`` rejects the type of an ``optimizer_kwargs`` value.
+        ValueError: ``lr`` is negative or not finite; ``max_grad_norm`` is not finite and
+            positive; ``host_threads`` is below 1; ``optimizer_class`` rejects a value of
+            ``optimizer_kwargs``. All are checked before anything is built.
+        ValueError: at ``load_state_dict()``, for the state of another optimizer class or of
+            another model (other parameter groups, or a state tensor of another shape).
         RuntimeError: at ``step()``, when overlap was on and a group received a second
             gradient before ``step()``, or its gradients or the hyperparameters (lr, ...) were
             modified after it had stepped during backward. Schedulers that change the lr after
@@ -167,21 +179,35 @@ class OffloadOptimizer(torch.optim.Optimizer):
         overlap_next_forward: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(
-                f"OffloadOptimizer(optimizer_class={optimizer_class!r}) must be a torch.optim."
-                "Optimizer subclass, e.g. torch.optim.AdamW."
-            )
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"OffloadOptimizer(max_grad_norm={max_grad_norm!r}) must be > 0 or None.")
-        if host_threads is not None and host_threads < 1:
-            raise ValueError(f"OffloadOptimizer(host_threads={host_threads!r}) must be >= 1 or None.")
+        check_arguments(OffloadOptimizer, optimizer_class, overlap, max_grad_norm, host_threads, overlap_next_forward)
+        if "lr" in optimizer_kwargs:
+            check_lr(optimizer_kwargs["lr"], "lr")
         model = params if isinstance(params, nn.Module) else None
         if model is not None:
             params = model.parameters()
         # A throwaway instance validates the kwargs and yields the class's defaults.
-        defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs).defaults
+        try:
+            defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs).defaults
+        except (TypeError, ValueError) as error:
+            given = ", ".join(f"{key}={value!r}" for key, value in optimizer_kwargs.items())
+            raise type(error)(
+                f"OffloadOptimizer: {optimizer_class.__name__}({given}) refused the optimizer arguments: "
+                f"{error}. Pass the keyword arguments {optimizer_class.__name__} takes, with valid values."
+            ) from error
         super().__init__(params, defaults)
+        if not any(_offloaded_group(param) for group in self.param_groups for param in group["params"]):
+            warnings.warn(
+                "OffloadOptimizer: none of its parameters is in a parameter group that CoherentOffload "
+                "offloads (the model was not sharded with fully_shard(..., offload_policy=CoherentOffload()) "
+                "before this optimizer was built, or the policy offloads nothing here: module_fraction=0, "
+                "or a unified-memory or GPU-less platform), so it steps them as "
+                f"{optimizer_class.__name__} alone would. Use {optimizer_class.__name__} itself, or shard "
+                "the model with CoherentOffload before building this optimizer to offload it.",
+                stacklevel=2,
+            )
+        # The parameters' names (by position, as state_dict() numbers them) for error messages.
+        names = {id(param): name for name, param in model.named_parameters()} if model is not None else {}
+        self._param_names = [names.get(id(p)) for group in self.param_groups for p in group["params"]]
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = optimizer_kwargs
         self.overlap = overlap
@@ -215,7 +241,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._stream_task: concurrent.futures.Future | None = None
         self._pending: dict[OffloadedGroup, concurrent.futures.Future] = {}
         self._landings: dict[OffloadedGroup, int] = defaultdict(int)
-        self._grad_versions: dict[OffloadedGroup, list[int]] = {}
+        # Per group: each parameter's gradient as it landed, with its versions (see _watch_grads).
+        self._landed_grads: dict[OffloadedGroup, list[tuple[torch.Tensor | None, int, int]]] = {}
         self._overlap_learned = False
         self._host_seconds = 0.0
         self._host_wait_seconds = 0.0
@@ -269,11 +296,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         owners: dict[OffloadedGroup | None, dict[int, list[nn.Parameter]]] = {}
         for index, group in enumerate(self.param_groups):
             for param in group["params"]:
-                owner_ref = getattr(param, _GROUP_ATTRIBUTE, None)
-                owner = owner_ref() if owner_ref is not None else None
-                if owner is not None and not owner.offloaded:
-                    owner = None
-                owners.setdefault(owner, {}).setdefault(index, []).append(param)
+                owners.setdefault(_offloaded_group(param), {}).setdefault(index, []).append(param)
         self._inner = {}
         for owner, by_outer in owners.items():
             inner_groups = [
@@ -325,7 +348,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         params = [param for group in inner.param_groups for param in group["params"]]
         stepped = [param for param in params if param.grad is not None]
         if not any(hasattr(param, "_local_tensor") for param in params) or not all(self.state.get(p) for p in stepped):
-            inner.step()
+            # Fused kernels declare the gradients they read as written: not a change of them.
+            _own_step.active = True
+            try:
+                inner.step()
+            finally:
+                _own_step.active = False
             return
         twin, aliases = self._plain_twin(owner, inner, params)
         for twin_group, group in zip(twin.param_groups, inner.param_groups):
@@ -393,7 +421,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # -- overlap ------------------------------------------------------------------------
     def _on_grads_ready(self, owner: OffloadedGroup, is_last_backward: bool) -> None:
         self._landings[owner] += 1
-        self._grad_versions[owner] = _grad_versions(owner)
+        self._landed_grads[owner] = _watch_grads(owner)
         if owner in self._pending:
             raise RuntimeError(
                 "OffloadOptimizer: a parameter group received a second gradient before step(), "
@@ -742,7 +770,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None or not self._landings:
             return False
         for owner, landings in self._landings.items():
-            if landings != 1 or _grad_versions(owner) != self._grad_versions[owner]:
+            if landings != 1 or not _grads_unchanged(owner, self._landed_grads[owner]):
                 return False
         return True
 
@@ -768,10 +796,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         safe_pattern = self._check_overlap_pattern()
         if stepped and not safe_pattern:
             self._refuse_step(
-                "OffloadOptimizer: gradients of groups that had already stepped during backward "
-                "were modified before step() (e.g. by clip_grad_norm_ or a gradient scaler). "
-                "Those groups were updated with the unmodified gradients. Pass max_grad_norm= "
-                "to OffloadOptimizer to clip, or construct it with overlap=False."
+                "OffloadOptimizer: gradients changed after some parameter groups had already "
+                "stepped during backward (an in-place change such as clip_grad_norm_, "
+                "clip_grad_value_ or a gradient scaler's unscale_, or a new .grad tensor): those "
+                "groups stepped with the gradients as they landed, and this step() steps no other. "
+                "To clip, pass OffloadOptimizer(..., max_grad_norm=...), applied before any group "
+                "steps, instead of calling clip_grad_norm_; for any other change of the gradients "
+                "between backward and step(), construct OffloadOptimizer(..., overlap=False)."
             )
         if self.max_grad_norm is not None:
             self._clip_grad_norm(self.max_grad_norm)
@@ -872,7 +903,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _reset_cycle(self) -> None:
         self._pending.clear()
         self._landings.clear()
-        self._grad_versions.clear()
+        for landed in self._landed_grads.values():
+            for grad, _, _ in landed:
+                if type(grad) is _WatchedGrad:
+                    grad.__class__ = DTensor
+        self._landed_grads.clear()
 
     def _clip_grad_norm(self, max_norm: float) -> None:
         for owner in self._inner:
@@ -882,6 +917,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_loadable(self, state_dict, self._param_names)
         self.synchronize()
         super().load_state_dict(state_dict)
         # Loaded state is new tensors: streamed groups move it into their flat buffers again.
@@ -892,6 +928,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 inner.state = self.state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and "lr" in param_group:
+            check_lr(param_group["lr"], f"param_groups[{len(self.param_groups)}]['lr']")
         super().add_param_group(param_group)
         self._inner = None  # rebuilt with the new group at the next step
         self._plain_twins = {}
@@ -1025,13 +1063,67 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", tensor)
 
 
-def _grad_versions(owner: OffloadedGroup) -> list[int]:
-    versions = []
+def _offloaded_group(param: nn.Parameter) -> OffloadedGroup | None:
+    """The offloaded group that manages ``param``, None if none does."""
+    owner_ref = getattr(param, _GROUP_ATTRIBUTE, None)
+    owner = owner_ref() if owner_ref is not None else None
+    return owner if owner is not None and owner.offloaded else None
+
+
+# Set while this thread runs an optimizer step of ours: its ops on gradients are no change.
+_own_step = threading.local()
+
+
+class _WatchedGrad(DTensor):
+    """A gradient DTensor whose in-place changes bump its version counter.
+
+    In-place foreach ops on a tensor subclass (``clip_grad_norm_``, ``clip_grad_value_`` and a
+    gradient scaler's ``unscale_`` use them) bump neither the DTensor's version counter nor its
+    local tensor's, so a version read alone misses them. A group that steps during backward must
+    know whether its gradients changed after it stepped: its gradients are of this class from
+    their landing until ``step()``, and plain DTensors again after.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if func._schema.is_mutable and not getattr(_own_step, "active", False):
+            kwargs = kwargs or {}
+            for position, argument in enumerate(func._schema.arguments):
+                if argument.is_write:
+                    value = args[position] if position < len(args) else kwargs.get(argument.name)
+                    for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                        if isinstance(tensor, _WatchedGrad):
+                            torch.autograd.graph.increment_version(tensor)
+        return result
+
+
+def _grad_versions(grad: torch.Tensor | None) -> tuple[int, int]:
+    """The versions of ``grad`` and of its local tensor (``p.grad._local_tensor.mul_()`` bumps
+    only the latter)."""
+    return (-1, -1) if grad is None else (grad._version, _local(grad)._version)
+
+
+def _watch_grads(owner: OffloadedGroup) -> list[tuple[torch.Tensor | None, int, int]]:
+    """Each of ``owner``'s gradients as it is now, with its versions; in-place changes of it
+    are seen from now on (:class:`_WatchedGrad`)."""
+    landed = []
     for param in owner.params:
         grad = param.grad
-        local = getattr(grad, "_local_tensor", grad)
-        versions.append(-1 if local is None else local._version)
-    return versions
+        if type(grad) is DTensor:
+            grad.__class__ = _WatchedGrad
+        landed.append((grad, *_grad_versions(grad)))
+    return landed
+
+
+def _grads_unchanged(owner: OffloadedGroup, landed: list[tuple[torch.Tensor | None, int, int]]) -> bool:
+    """Whether ``owner``'s gradients are the tensors that landed, unchanged in place since."""
+    return all(
+        param.grad is grad and _grad_versions(grad) == (version, local_version)
+        for param, (grad, version, local_version) in zip(owner.params, landed)
+    )
 
 
 # Bytes of device memory one pipelined run of a streamed step may take (its uploads); a single

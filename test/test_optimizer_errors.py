@@ -1,0 +1,241 @@
+"""OffloadOptimizer refuses what it cannot do exactly: bad arguments at construction, gradients
+changed after groups already stepped during backward, optimizer state of another class or shape;
+and says so once when it has nothing to offload.
+
+Offloaded models use the forced ``discrete`` platform on the CPU (see CONTRIBUTING.md), so the
+groups really step on the host during backward, as on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+from common_offload import GlooMultiProcessTestCase
+from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
+from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+
+NOTHING_OFFLOADED = "none of its parameters is in a parameter group that CoherentOffload offloads"
+
+
+def _plain_optimizer(model: nn.Module, *args, **kwargs) -> OffloadOptimizer:
+    """An OffloadOptimizer over a model without offload (its warning expected and silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=f".*{NOTHING_OFFLOADED}")
+        return OffloadOptimizer(model, *args, **kwargs)
+
+
+class OffloadOptimizerArgumentTest(TestCase):
+    def test_bad_arguments_are_refused_at_construction(self):
+        model = nn.Linear(4, 3)
+        nan, inf = float("nan"), float("inf")
+        cases = [
+            ({"lr": "x"}, TypeError, r"lr='x'\) must be a real number or a one-element tensor"),
+            ({"lr": True}, TypeError, r"lr=True\) must be a real number"),
+            ({"lr": inf}, ValueError, r"lr=inf\) must be finite and >= 0"),
+            ({"lr": nan}, ValueError, r"lr=nan\) must be finite and >= 0"),
+            ({"lr": -1e-3}, ValueError, r"lr=-0.001\) must be finite and >= 0"),
+            ({"lr": torch.tensor([1e-3, 1e-3])}, ValueError, r"lr=tensor\(\[.*\]\)\) must be a one-element tensor"),
+            ({"lr": torch.tensor(inf)}, ValueError, r"lr=tensor\(inf\)\) must be finite and >= 0"),
+            ({"max_grad_norm": "1"}, TypeError, r"max_grad_norm='1'\) must be a real number > 0 or None"),
+            ({"max_grad_norm": True}, TypeError, r"max_grad_norm=True\) must be a real number > 0 or None"),
+            ({"max_grad_norm": 0}, ValueError, r"max_grad_norm=0\) must be finite and > 0"),
+            ({"max_grad_norm": -1.0}, ValueError, r"max_grad_norm=-1.0\) must be finite and > 0"),
+            ({"max_grad_norm": nan}, ValueError, r"max_grad_norm=nan\) must be finite and > 0"),
+            ({"max_grad_norm": inf}, ValueError, r"max_grad_norm=inf\) must be finite and > 0"),
+            ({"host_threads": 1.5}, TypeError, r"host_threads=1.5\) must be an int >= 1 or None"),
+            ({"host_threads": "4"}, TypeError, r"host_threads='4'\) must be an int >= 1 or None"),
+            ({"host_threads": True}, TypeError, r"host_threads=True\) must be an int >= 1 or None"),
+            ({"host_threads": 0}, ValueError, r"host_threads=0\) must be an int >= 1 or None"),
+            ({"host_threads": -1}, ValueError, r"host_threads=-1\) must be an int >= 1 or None"),
+            ({"overlap": "no"}, TypeError, r"overlap='no'\) must be True or False"),
+            ({"overlap_next_forward": 1}, TypeError, r"overlap_next_forward=1\) must be True or False"),
+            ({"betaz": (0.9, 0.99)}, TypeError, r"AdamW\(.*\) refused the optimizer arguments: .*betaz"),
+            ({"betas": (0.9, 2.0)}, ValueError, r"AdamW\(.*\) refused the optimizer arguments: .*beta"),
+        ]
+        for kwargs, error, message in cases:
+            with self.subTest(kwargs=kwargs), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with self.assertRaisesRegex(error, message):
+                    OffloadOptimizer(model, torch.optim.AdamW, **kwargs)
+                # Refused before anything was built: not even the nothing-offloaded warning.
+                self.assertEqual([str(w.message) for w in caught], [])
+        # A learning rate per parameter group is held to the same rule, when it is given.
+        with self.assertRaisesRegex(ValueError, r"param_groups\[1\]\['lr'\]=inf\) must be finite and >= 0"):
+            OffloadOptimizer([{"params": [model.weight]}, {"params": [model.bias], "lr": inf}], torch.optim.AdamW)
+        with self.assertRaisesRegex(TypeError, r"got an instance of AdamW: pass the class itself, not an instance"):
+            OffloadOptimizer(model, torch.optim.AdamW(model.parameters()))
+        with self.assertRaisesRegex(TypeError, r"optimizer_class=OffloadOptimizer\) cannot wrap itself"):
+            OffloadOptimizer(model, OffloadOptimizer)
+        # What torch.optim accepts stays accepted: a tensor lr, an lr of 0, ints.
+        for kwargs in ({"lr": torch.tensor(1e-3)}, {"lr": 0.0}, {"lr": 1}, {"max_grad_norm": 1}, {"host_threads": 2}):
+            with self.subTest(kwargs=kwargs):
+                _plain_optimizer(model, torch.optim.AdamW, **kwargs)
+
+    def test_no_offloaded_group_warns_once(self):
+        model = nn.Linear(4, 3)
+        with self.assertWarnsRegex(UserWarning, rf"{NOTHING_OFFLOADED}.*steps them as AdamW alone would"):
+            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                optim.step()
+                optim.zero_grad()
+        self.assertEqual([str(w.message) for w in caught], [])
+
+    def test_state_of_another_class_or_shape_is_refused_and_changes_nothing(self):
+        def trained(model, optimizer_class, **kwargs):
+            optim = _plain_optimizer(model, optimizer_class, lr=1e-2, **kwargs)
+            model(torch.ones(2, next(model.parameters()).shape[1])).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            return optim
+
+        optim = trained(nn.Linear(4, 3), torch.optim.AdamW)
+        before = copy.deepcopy(optim.state_dict())
+        cases = [
+            (trained(nn.Linear(4, 3), torch.optim.SGD, momentum=0.9).state_dict(),
+             r"saved by another optimizer class than AdamW: its parameter groups lack betas, eps \(and have "
+             r"dampening, momentum, nesterov\)\. Load a checkpoint of AdamW"),
+            (trained(nn.Linear(5, 3), torch.optim.AdamW).state_dict(),
+             r"parameter 'weight' \(index 0\): the saved state 'exp_avg' has shape \(3, 5\), "
+             r"this parameter has shape \(3, 4\).*same model configuration"),
+            (trained(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3)), torch.optim.AdamW).state_dict(),
+             r"saved parameter group 0 holds 4 parameters, this optimizer's holds 2\. Load the state saved from this model"),
+        ]
+        for state_dict, message in cases:
+            with self.subTest(message=message):
+                with self.assertRaisesRegex(ValueError, message):
+                    optim.load_state_dict(state_dict)
+                self.assertEqual(optim.state_dict(), before)
+        # A second parameter group where the model had one.
+        two_groups = copy.deepcopy(before)
+        two_groups["param_groups"].append({**two_groups["param_groups"][0], "params": []})
+        with self.assertRaisesRegex(ValueError, r"holds 2 parameter groups, this optimizer has 1"):
+            optim.load_state_dict(two_groups)
+        # The optimizer's own state, and a plain AdamW's, still load.
+        optim.load_state_dict(before)
+        model = nn.Linear(4, 3)
+        plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.ones(2, 4)).sum().backward()
+        plain.step()
+        optim.load_state_dict(plain.state_dict())
+
+
+class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
+    WORLD_SIZE = 2
+
+    def _models(self):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        reference = TiedBlocksModel()
+        model = copy.deepcopy(reference)
+        _shard(reference, None, mesh, MixedPrecisionPolicy())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _shard(model, CoherentOffload(platform="discrete", optimizer="host"), mesh, MixedPrecisionPolicy())
+            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        # Groups are offloaded here: no nothing-offloaded warning.
+        self.assertFalse(any(NOTHING_OFFLOADED in str(w.message) for w in caught))
+        return reference, model, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), optim
+
+    def test_clip_grad_norm_between_backward_and_step_is_exact(self):
+        # Clipping with clip_grad_norm_ between backward and step() from the first step on: the
+        # first step (after backward) sees the gradients changed, so groups never step during
+        # backward and training matches FSDP2 with the same clip. The first clip is a no-op
+        # (a norm far above the gradients'): the change of the gradients is seen all the same.
+        self.init_gloo()
+        reference, model, reference_optim, optim = self._models()
+        for step in range(STEPS):
+            max_norm = 1e6 if step == 0 else 0.05
+            for m, o in ((reference, reference_optim), (model, optim)):
+                _loss(m, _batch(step, self.rank)).backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+                o.step()
+                o.zero_grad()
+        self.assertEqual(optim._pending, {})
+        for (name, param), (_, reference_param) in zip(model.named_parameters(), reference.named_parameters()):
+            self.assertEqual(param.full_tensor(), reference_param.full_tensor(), atol=0, rtol=0, msg=name)
+
+    def test_gradients_changed_after_groups_stepped_during_backward_raise(self):
+        # Once overlap is on, groups step as their gradients land; any later in-place change of
+        # their gradients (or a new gradient tensor) would be silently lost for them: step()
+        # refuses, naming max_grad_norm= and overlap=False, and the next step trains normally.
+        self.init_gloo()
+
+        def clip(model):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+        def clip_value(model):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+
+        def foreach_mul(model):
+            torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], 0.5)
+
+        def last_block(model):
+            return model.blocks[-1][0].weight
+
+        def mul(model):
+            last_block(model).grad.mul_(0.5)
+
+        def local_mul(model):
+            last_block(model).grad._local_tensor.mul_(0.5)
+
+        def rebind(model):
+            last_block(model).grad = last_block(model).grad * 0.5
+
+        for change in (clip, clip_value, foreach_mul, mul, local_mul, rebind):
+            with self.subTest(change=change.__name__):
+                _, model, _, optim = self._models()
+                for step in range(2):  # the first step learns that overlap is safe
+                    _loss(model, _batch(step, self.rank)).backward()
+                    optim.step()
+                    optim.zero_grad()
+                _loss(model, _batch(2, self.rank)).backward()
+                self.assertGreater(len(optim._pending), 0)  # groups stepped during backward
+                change(model)
+                with self.assertRaisesRegex(
+                    RuntimeError,
+                    r"gradients changed after some parameter groups had already stepped during backward"
+                    r".*OffloadOptimizer\(\.\.\., max_grad_norm=\.\.\.\).*overlap=False",
+                ):
+                    optim.step()
+                optim.zero_grad()
+                _loss(model, _batch(3, self.rank)).backward()
+                optim.step()
+                # The gradients are plain DTensors again once step() ran.
+                self.assertTrue(all(type(p.grad).__name__ == "DTensor" for p in model.parameters() if p.grad is not None))
+                optim.zero_grad()
+                self.assertTrue(all(math.isfinite(p.full_tensor().sum().item()) for p in model.parameters()))
+
+    def test_own_steps_during_backward_are_no_change(self):
+        # A parameter without optimizer state yet (here: its state dropped; in models, one whose
+        # first gradient comes after overlap is on) makes its group step over the DTensors
+        # themselves during backward; the fused kernel declares the gradients it reads as
+        # written, which must not read as the user changing them.
+        self.init_gloo()
+        reference, model, reference_optim, optim = self._models()
+        for step in range(4):
+            if step == 2:
+                for o, m in ((optim, model), (reference_optim, reference)):
+                    del o.state[m.blocks[-1][0].weight]
+            for m, o in ((reference, reference_optim), (model, optim)):
+                _loss(m, _batch(step, self.rank)).backward()
+                if o is optim and step >= 2:
+                    self.assertGreater(len(optim._pending), 0)  # groups stepped during backward
+                o.step()
+                o.zero_grad()
+        for (name, param), (_, reference_param) in zip(model.named_parameters(), reference.named_parameters()):
+            self.assertEqual(param.full_tensor(), reference_param.full_tensor(), atol=0, rtol=0, msg=name)
+
+
+if __name__ == "__main__":
+    run_tests()
