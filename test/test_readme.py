@@ -1,0 +1,39 @@
+"""README's usage example runs as written (on this machine's device: the CPU in CI)."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _usage_example() -> str:
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    usage = readme.split("## Usage", 1)[1]
+    return re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TestReadme(TestCase):
+    def test_usage_example_runs_as_written(self):
+        # Only the rendezvous port changes, so that parallel runs of the suite do not collide.
+        code = _usage_example().replace("tcp://127.0.0.1:29512", f"tcp://127.0.0.1:{_free_port()}")
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+        losses = re.findall(r"step (\d): loss ([0-9.]+)", done.stdout)
+        self.assertEqual([int(step) for step, _ in losses], list(range(5)))
+        self.assertIn("CoherentOffload plan on", done.stdout)
+
+
+if __name__ == "__main__":
+    run_tests()
