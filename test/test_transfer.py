@@ -370,6 +370,18 @@ class TestAsyncCopiesOnCPU(TestCase):
         self.assertEqual(dst, torch.ones(6))
         self.assertEqual(self.engine.stats, TransferStats(24, 24, 1, 1))
 
+    def test_destination_versioned_at_issue_not_when_it_lands(self) -> None:
+        # As a CUDA copy's copy_ does on the issuing thread: the optimizer compares gradient
+        # versions taken right after the gradient copy was issued with those at step().
+        dst = torch.zeros(4)
+        before = dst._version
+        down = self.engine.d2h(torch.ones(4), dst)
+        self.assertEqual(dst._version, before + 1)
+        self.gate.open()
+        down.synchronize()
+        self.assertEqual(dst._version, before + 1)
+        self.assertEqual(dst, torch.ones(4))
+
     def test_each_direction_runs_in_issue_order(self) -> None:
         sizes = [5, 1, 9, 3, 7, 2]
         ups = [self.engine.h2d(torch.full((n,), float(n))) for n in sizes]

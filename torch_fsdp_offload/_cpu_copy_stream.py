@@ -64,7 +64,7 @@ class CpuAsyncCopies:
                 "a few ms (e.g. 2) make late completion likely at little cost"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"asynchronous CPU copies: seed must be an int, got {self.seed!r}")
+            raise ValueError(f"asynchronous CPU copies: seed must be an int (e.g. 0), got {self.seed!r}")
 
 
 def parse_cpu_async_copies(value: str) -> CpuAsyncCopies | None:
@@ -131,6 +131,19 @@ def cpu_async_copies(max_delay_ms: float = 2.0, *, seed: int = 0, enabled: bool 
         yield
     finally:
         _overrides.pop()
+
+
+def versioned_at_issue(tensors: Sequence[torch.Tensor], *, written: Sequence[bool]) -> list[torch.Tensor]:
+    """Aliases of ``tensors``' memory, each with a version counter of its own, for a copy to run
+    through later; the ``written`` ones are versioned now, at issue, as a CUDA copy's ``copy_``
+    versions its destination when the host issues it. Code comparing version counters (the
+    optimizer's check that gradients were not changed after they landed) then sees what it sees
+    on a GPU, not a bump whenever the worker thread gets to the copy."""
+    torch.autograd.graph.increment_version([tensor for tensor, writes in zip(tensors, written) if writes])
+    return [
+        tensor.new_empty(0).set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        for tensor in tensors
+    ]
 
 
 class CpuCopyEvent:

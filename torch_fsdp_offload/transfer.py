@@ -35,7 +35,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from torch_fsdp_offload._cpu_copy_stream import CpuCopyEvent, CpuCopyStream, current_cpu_async_copies
+from torch_fsdp_offload._cpu_copy_stream import (
+    CpuCopyEvent,
+    CpuCopyStream,
+    current_cpu_async_copies,
+    versioned_at_issue,
+)
 from torch_fsdp_offload.platform import _resolve_device
 
 __all__ = [
@@ -141,19 +146,6 @@ def _runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return runs
 
 
-def _unversioned(tensor: torch.Tensor) -> torch.Tensor:
-    """An alias of ``tensor``'s memory with a version counter of its own."""
-    return tensor.new_empty(0).set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
-
-
-def _version_at_issue(written: Sequence[torch.Tensor]) -> None:
-    """Version the tensors a copy will write now, when it is issued, as a CUDA copy's ``copy_``
-    does; the copy then runs late, on a CPU worker thread, through :func:`_unversioned` aliases,
-    so that code comparing version counters (the optimizer's check that gradients were not
-    changed after they landed) sees what it sees on a GPU."""
-    torch.autograd.graph.increment_version(list(written))
-
-
 def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.data_ptr(), tensor.data_ptr() + _nbytes(tensor)
 
@@ -165,8 +157,8 @@ def _overlaps(ranges: Iterable[tuple[int, int]], others: Iterable[tuple[int, int
 
 class _IssuedCopy:
     """What the engine remembers of an issued copy until it finished: its event, the stream it
-    runs on (a CUDA stream, or a :class:`CpuCopyStream`), the byte ranges it reads and writes (to order later conflicting copies after it) and
-    the host tensors it uses (kept alive). Not the device tensor: the engine must not decide how
+    runs on (CUDA, or a :class:`CpuCopyStream`), the byte ranges it reads and writes (to order later
+    conflicting copies after it) and the host tensors it uses (kept alive). Not the device tensor: the engine must not decide how
     long device memory lives. It was allocated on the copy stream or record_stream()-ed there, so
     the allocator cannot hand it out before the copy ends; an engine reference would instead keep
     every copied-in buffer (a block's parameters, a reloaded activation) alive until a later copy
@@ -579,8 +571,8 @@ class TransferEngine:
             device_bytes = _as_bytes(device_tensor)
             host_runs = _runs(host_tensors)
             if isinstance(stream, CpuCopyStream):
-                _version_at_issue([device_bytes] if to_device else host_runs)
-                device_bytes, host_runs = _unversioned(device_bytes), [_unversioned(run) for run in host_runs]
+                written = [to_device] + [not to_device] * len(host_runs)
+                device_bytes, *host_runs = versioned_at_issue([device_bytes, *host_runs], written=written)
 
             def copy() -> None:
                 offset = 0
@@ -614,8 +606,7 @@ class TransferEngine:
                 return Transfer(dst, [dst], label=label, nbytes=0)
             flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
             if isinstance(stream, CpuCopyStream):
-                _version_at_issue([flat_dst])
-                flat_src, flat_dst = _unversioned(flat_src), _unversioned(flat_dst)
+                flat_src, flat_dst = versioned_at_issue([flat_src, flat_dst], written=[False, True])
             chunks = _chunks(src.numel(), max(1, chunk_bytes // src.element_size()))
             with _on_stream(stream):
                 # Allocated on the copy stream and only used there: when it is dropped, the
