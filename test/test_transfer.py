@@ -432,6 +432,15 @@ class TestAsyncCopiesOnCPU(TestCase):
         self.engine.synchronize()
         self.assertEqual(host, torch.ones(4))
 
+    def test_copy_onto_its_own_source(self) -> None:
+        # On a CPU "device" a gradient and its host slot can be one tensor: no poison then.
+        both = torch.full((4,), 5.0)
+        down = self.engine.d2h(both, both)
+        self.assertEqual(both, torch.full((4,), 5.0))
+        self.gate.open()
+        down.synchronize()
+        self.assertEqual(both, torch.full((4,), 5.0))
+
     def test_synchronous_inside_enabled_false(self) -> None:
         self.gate.open()
         with cpu_async_copies(enabled=False):

@@ -671,7 +671,8 @@ class TransferEngine:
                 after=[earlier.event for earlier in conflicting],
                 sources=sources,
                 destinations=targets,
-                poison=not writes_in_use,
+                # Nor where the copy reads what it writes (a CPU "device" tensor aliasing its host copy).
+                poison=not writes_in_use and not _overlaps(reads, writes),
                 sources_in_flight=reads_in_flight,
             )
         else:
