@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import FILE_SCHEMA
 
+from torch_fsdp_offload._cpu_copy_stream import misuses_detected
+
 
 class GlooMultiProcessTestCase(MultiProcessTestCase):
     """A MultiProcessTestCase on the CPU with gloo; subclasses set ``WORLD_SIZE``."""
@@ -40,6 +42,10 @@ class GlooMultiProcessTestCase(MultiProcessTestCase):
         except SystemExit as exc:
             exit_code = exc.code if isinstance(exc.code, int) else 1
         finally:
+            if misuses_detected:
+                # An asynchronous CPU copy found a buffer misused, even if nobody waited on it.
+                print(f"rank {rank}: asynchronous CPU copies found misuses: {misuses_detected}", file=sys.stderr)
+                exit_code = exit_code or 1
             sys.stdout.flush()
             sys.stderr.flush()
         # Skip interpreter teardown: gloo's threads can abort it on torch 2.13 CPU.

@@ -1,6 +1,27 @@
 import os
 import sys
 
+import pytest
+
 # Tests import their shared scaffolding (common_offload) by module name, in pytest and in the
 # processes MultiProcessTestCase spawns.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The forced-copy CPU tests run their copies asynchronously: one worker thread per direction,
+# each copy up to 2 ms late, destinations poisoned until they land (see
+# torch_fsdp_offload/_cpu_copy_stream.py). Set before anything is imported, so that spawned ranks
+# inherit it. A value already in the environment wins ("off": synchronous copies).
+os.environ.setdefault("TORCH_FSDP_OFFLOAD_CPU_ASYNC_COPIES", "2:0")
+
+from torch_fsdp_offload._cpu_copy_stream import misuses_detected  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_copy_misuse():
+    """Fail a test in which an asynchronous CPU copy found its source changed or its destination
+    written while in flight, even where nobody waited on that copy."""
+    before = len(misuses_detected)
+    yield
+    found = misuses_detected[before:]
+    del misuses_detected[before:]
+    assert not found, f"asynchronous CPU copies found misuses: {found}"

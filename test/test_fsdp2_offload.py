@@ -97,6 +97,8 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
         # one's pinned buffers back: nothing of ours may keep a dropped model alive, and the
         # host-step thread ends with its optimizer.
         self.init_gloo()
+        engine = get_transfer_engine("cpu")
+        engine.h2d(torch.ones(1)).wait()  # its copy threads, if any, live with the process's engine
         threads_before = {thread.ident for thread in threading.enumerate()}
 
         def train_and_drop(placement, overlap_next_forward):
@@ -115,6 +117,7 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
             gc.collect()
             self.assertIsNone(model_ref())
             self.assertIsNone(optim_ref())
+            engine.synchronize()  # a copy in flight (the next forward's prefetch) holds its buffer
             empty_cache()
             self.assertEqual(memory_stats()["host_bytes"], 0)
         # Dropped while a host step still runs (no synchronize()): the step holds the optimizer
@@ -151,6 +154,7 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
                 self.assertFalse(thread.is_alive(), thread.name)
         gc.collect()
         self.assertIsNone(model_ref())
+        engine.synchronize()
         empty_cache()
         self.assertEqual(memory_stats()["host_bytes"], 0)
 
@@ -180,7 +184,6 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
             self.assertEqual(optim.stepped_numel, expected(model), msg=f"module_fraction={module_fraction}")
             # The host time of the step includes its waits for gradient copies, reported apart.
             self.assertGreater(optim.last_host_step_seconds, 0)
-            self.assertGreaterEqual(optim.last_host_wait_seconds, 0)
             self.assertLessEqual(optim.last_host_wait_seconds, optim.last_host_step_seconds)
 
 

@@ -335,8 +335,11 @@ class TestDetection(PlatformTestCase):
             platform = detect_platform("cpu")
         self.assertIsNone(platform.locked_memory_limit_bytes)  # unlimited
         self.assertGreater(platform.host_available_bytes, 0)
-        limit = platform_module.read_locked_memory_limit_bytes()
-        self.assertTrue(limit is None or limit >= 0)
+        import resource
+
+        for soft, expected in ((resource.RLIM_INFINITY, None), (64 << 10, 64 << 10), (0, 0)):
+            with mock.patch.object(resource, "getrlimit", return_value=(soft, resource.RLIM_INFINITY)):
+                self.assertEqual(platform_module.read_locked_memory_limit_bytes(), expected)
 
 
 class TestAttributeReaders(PlatformTestCase):

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import unittest
 from unittest import mock
 
@@ -24,6 +25,12 @@ from torch.testing._internal.common_utils import (
 )
 
 from torch_fsdp_offload import transfer
+from torch_fsdp_offload._cpu_copy_stream import (
+    CpuAsyncCopies,
+    cpu_async_copies,
+    misuses_detected,
+    parse_cpu_async_copies,
+)
 from torch_fsdp_offload.memory import memory_stats, pinned_empty
 from torch_fsdp_offload.platform import detect_platform
 from torch_fsdp_offload.transfer import (
@@ -57,6 +64,8 @@ class TestTransferEngineOnCPU(TestCase):
     def setUp(self) -> None:
         super().setUp()
         self.engine = TransferEngine("cpu")
+        # Copies may run on worker threads: they land before the next test patches anything.
+        self.addCleanup(self.engine.synchronize)
 
     @parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.bool])
     @parametrize("numel", [0, 1, 7, 8, 9, 64, 1001])
@@ -89,6 +98,7 @@ class TestTransferEngineOnCPU(TestCase):
         with mock.patch.object(transfer, "_copy_in_chunks", wraps=transfer._copy_in_chunks) as copy:
             self.engine.h2d(src)
             self.engine.h2d(src, chunk_bytes=128)
+            self.engine.synchronize()  # the copies may run on a worker thread
         self.assertEqual([len(call.args[2]) for call in copy.call_args_list], [1, 4])
 
     def test_into_given_destination(self) -> None:
@@ -96,9 +106,9 @@ class TestTransferEngineOnCPU(TestCase):
         dst = torch.zeros(12, dtype=torch.float32)  # same count, other shape: a flat copy
         result = self.engine.h2d(src, dst)
         self.assertIs(result.tensor, dst)
-        self.assertEqual(dst, src.reshape(-1))
-        self.assertTrue(result.done())
         self.assertIs(result.wait(), dst)
+        self.assertTrue(result.done())
+        self.assertEqual(dst, src.reshape(-1))
 
     @parametrize("numel", [0, 1, 5, 8, 1001])
     def test_cast_on_the_device_in_chunks(self, numel) -> None:
@@ -156,6 +166,7 @@ class TestTransferEngineOnCPU(TestCase):
         separate = torch.full((4,), 7.0)
         with mock.patch.object(transfer, "_copy_in_chunks", wraps=transfer._copy_in_chunks) as copy:
             result = self.engine.h2d_coalesced([*parts, separate, parts[0]])
+            result.wait()
         # parts[0..2] are back to back in one storage: one copy; ``separate`` and the repeat: one each.
         self.assertEqual([call.args[0].numel() for call in copy.call_args_list], [120, 16, 40])
         self.assertEqual(result.tensor, torch.cat([flat_host, separate, parts[0]]))
@@ -251,6 +262,7 @@ class TestPrefetchQueueOnCPU(TestCase):
     def setUp(self) -> None:
         super().setUp()
         self.engine = TransferEngine("cpu")
+        self.addCleanup(self.engine.synchronize)
         self.hosts = {name: torch.full((4,), float(index)) for index, name in enumerate("abcde")}
 
     def test_bound_ordering_and_eviction(self) -> None:
@@ -303,6 +315,162 @@ class TestPrefetchQueueOnCPU(TestCase):
         with self.assertRaisesRegex(ValueError, "src must be contiguous"):
             queue.prefetch("b", torch.ones(2, 2).t())
         self.assertEqual(queue.names(), ["a"])  # nothing evicted by the refused copy
+
+
+class _Gate:
+    """Holds every asynchronous CPU copy that reaches ``_copy_in_chunks`` until :meth:`open`, so a
+    test decides when copies land instead of relying on delays."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self.started: list[int] = []  # bytes of each copy, in the order copies ran
+
+    def __call__(self, dst, src, chunks) -> None:
+        self._open.wait()
+        self.started.append(src.numel())
+        _COPY_IN_CHUNKS(dst, src, chunks)
+
+    def open(self) -> None:
+        self._open.set()
+
+
+_COPY_IN_CHUNKS = transfer._copy_in_chunks
+
+
+class TestAsyncCopiesOnCPU(TestCase):
+    """The CPU engine's asynchronous mode (TORCH_FSDP_OFFLOAD_CPU_ASYNC_COPIES, which the suite sets)."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.engine = TransferEngine("cpu")
+        self.enterContext(cpu_async_copies(max_delay_ms=1.0, seed=3))
+        self.gate = _Gate()
+        self.enterContext(mock.patch.object(transfer, "_copy_in_chunks", self.gate))
+        self.addCleanup(self.gate.open)  # a failing test must not leave a worker blocked
+
+    def _misuses_found(self, before: int) -> list[str]:
+        found = misuses_detected[before:]
+        del misuses_detected[before:]  # expected here: not a failure of this test
+        return found
+
+    def test_copies_land_late_on_a_worker_thread(self) -> None:
+        src = torch.arange(6, dtype=torch.float32)
+        up = self.engine.h2d(src)
+        dst = torch.zeros(6)
+        down = self.engine.d2h(torch.ones(6), dst)
+        # Nothing landed yet: destinations hold poison (NaN), the handles say not done.
+        self.assertFalse(up.done())
+        self.assertFalse(down.done())
+        self.assertTrue(up.tensor.isnan().all())
+        self.assertTrue(dst.isnan().all())
+        self.gate.open()
+        self.assertEqual(up.wait(), src)  # wait() blocks the consumer until the copy landed
+        self.assertTrue(up.done())
+        self.assertIs(down.wait(), dst)
+        self.assertEqual(dst, torch.ones(6))
+        self.assertEqual(self.engine.stats, TransferStats(24, 24, 1, 1))
+
+    def test_destination_versioned_at_issue_not_when_it_lands(self) -> None:
+        # As a CUDA copy's copy_ does on the issuing thread: the optimizer compares gradient
+        # versions taken right after the gradient copy was issued with those at step().
+        dst = torch.zeros(4)
+        before = dst._version
+        down = self.engine.d2h(torch.ones(4), dst)
+        self.assertEqual(dst._version, before + 1)
+        self.gate.open()
+        down.synchronize()
+        self.assertEqual(dst._version, before + 1)
+        self.assertEqual(dst, torch.ones(4))
+
+    def test_each_direction_runs_in_issue_order(self) -> None:
+        sizes = [5, 1, 9, 3, 7, 2]
+        ups = [self.engine.h2d(torch.full((n,), float(n))) for n in sizes]
+        self.gate.open()
+        for up, n in zip(ups, sizes):
+            self.assertEqual(up.wait(), torch.full((n,), float(n)))
+        self.assertEqual(self.gate.started, [4 * n for n in sizes])
+
+    def test_a_copy_waits_for_an_unfinished_copy_of_its_memory_on_the_other_stream(self) -> None:
+        host = torch.zeros(8)
+        self.engine.d2h(torch.full((8,), 4.0), host)  # held by the gate
+        up = self.engine.h2d(host)  # reads what the download writes: must run after it
+        self.gate.open()
+        self.assertEqual(up.wait(), torch.full((8,), 4.0))
+        self.assertEqual(self.gate.started, [32, 32])
+
+    def test_source_changed_in_flight_is_raised(self) -> None:
+        before = len(misuses_detected)
+        src = torch.ones(4)
+        up = self.engine.h2d(src, label="weights")
+        src.add_(1)  # reused before the copy finished
+        self.gate.open()
+        with self.assertRaisesRegex(RuntimeError, "torch_fsdp_offload::weights: the source changed while the copy"):
+            up.wait()
+        with self.assertRaisesRegex(RuntimeError, "the source changed"):
+            self.engine.synchronize()
+        self.assertEqual(len(self._misuses_found(before)), 1)
+
+    def test_destination_written_in_flight_is_raised(self) -> None:
+        before = len(misuses_detected)
+        dst = torch.zeros(4)
+        down = self.engine.d2h(torch.ones(4), dst, label="grads")
+        dst[0] = 2.0  # written before the copy landed
+        self.gate.open()
+        with self.assertRaisesRegex(RuntimeError, "torch_fsdp_offload::grads: the destination was written"):
+            down.synchronize()
+        self.assertEqual(len(self._misuses_found(before)), 1)
+
+    def test_no_poison_where_an_unfinished_copy_reads_the_destination(self) -> None:
+        # Write after read on the other stream: poisoning the destination now would corrupt the
+        # earlier copy's source; the download is ordered after the upload instead.
+        host = torch.full((4,), 3.0)
+        up = self.engine.h2d(host)
+        self.engine.d2h(torch.ones(4), host)  # issued, not waited on
+        self.assertEqual(host, torch.full((4,), 3.0))
+        self.gate.open()
+        self.assertEqual(up.wait(), torch.full((4,), 3.0))
+        self.engine.synchronize()
+        self.assertEqual(host, torch.ones(4))
+
+    def test_copy_onto_its_own_source(self) -> None:
+        # On a CPU "device" a gradient and its host slot can be one tensor: no poison then.
+        both = torch.full((4,), 5.0)
+        down = self.engine.d2h(both, both)
+        self.assertEqual(both, torch.full((4,), 5.0))
+        self.gate.open()
+        down.synchronize()
+        self.assertEqual(both, torch.full((4,), 5.0))
+
+    def test_synchronous_inside_enabled_false(self) -> None:
+        self.gate.open()
+        with cpu_async_copies(enabled=False):
+            up = self.engine.h2d(torch.ones(3))
+            self.assertTrue(up.done())  # copied before h2d returned
+            self.assertEqual(up.tensor, torch.ones(3))
+
+    def test_prefetch_queue_get_waits_for_its_copy(self) -> None:
+        queue = PrefetchQueue(self.engine, prefetch_depth=2)
+        queue.prefetch("a", torch.full((4,), 2.0))
+        threading.Timer(0.05, self.gate.open).start()
+        self.assertEqual(queue.get("a"), torch.full((4,), 2.0))
+
+    def test_refused_settings(self) -> None:
+        cases = [
+            ("banana", "is not valid: give '<max delay in ms>' or '<max delay in ms>:<seed>'"),
+            ("-1", "max_delay_ms must be a finite number >= 0"),
+            ("nan", "max_delay_ms must be a finite number >= 0"),
+            ("2:x", "is not valid"),
+        ]
+        for value, message in cases:
+            with self.subTest(value=value), self.assertRaisesRegex(ValueError, message):
+                parse_cpu_async_copies(value)
+        self.assertIsNone(parse_cpu_async_copies("off"))
+        self.assertEqual(parse_cpu_async_copies("2:5"), CpuAsyncCopies(2.0, 5))
+        for kwargs, message in (({"max_delay_ms": -0.5}, "finite number >= 0"), ({"seed": 1.5}, "seed must be an int")):
+            with self.subTest(**kwargs), self.assertRaisesRegex(ValueError, message):
+                with cpu_async_copies(**kwargs):
+                    pass
+        self.gate.open()
 
 
 @unittest.skipIf(not HAS_CUDA, "needs a GPU")

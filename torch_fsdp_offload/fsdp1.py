@@ -509,10 +509,10 @@ def _offload_grad(state, handle, grad_to_offload: torch.Tensor) -> None:
         grad_to_offload.detach().contiguous(), handle.flat_param._cpu_grad, label="fsdp1_grad_d2h",
         chunk_bytes=offload.chunk_bytes,
     )
-    if grad_to_offload.device.type == "cuda":
-        # The post-backward stream (current here) waits, so FSDP1's end-of-backward
-        # synchronisation of the current stream covers this copy.
-        transfer.wait(torch.cuda.current_stream(grad_to_offload.device))
+    # The post-backward stream (current here) waits, so FSDP1's end-of-backward synchronisation
+    # of the current stream covers this copy; on a CPU device the host is that stream and waits.
+    on_cuda = grad_to_offload.device.type == "cuda"
+    transfer.wait(torch.cuda.current_stream(grad_to_offload.device) if on_cuda else None)
 
 
 def _post_backward_final_callback(state, module) -> None:

@@ -18,7 +18,11 @@ finished:
 
 On a CPU "device" (HOST_ONLY, or a platform forced to another kind in CPU tests) the same API runs
 with synchronous copies and no streams, and still counts every byte, so callers can prove what they
-copy. Every copy runs under ``torch.profiler.record_function("torch_fsdp_offload::<label>")``.
+copy. For CI, the CPU copies can instead run late on one worker thread per direction, ending in
+events, with destinations poisoned until they land and sources checked for changes while in flight
+(:mod:`torch_fsdp_offload._cpu_copy_stream`; ``TORCH_FSDP_OFFLOAD_CPU_ASYNC_COPIES=<max delay ms>``,
+set by the test suite, or :func:`~torch_fsdp_offload._cpu_copy_stream.cpu_async_copies`). Every copy
+runs under ``torch.profiler.record_function("torch_fsdp_offload::<label>")``.
 """
 
 from __future__ import annotations
@@ -27,10 +31,16 @@ import collections
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from torch_fsdp_offload._cpu_copy_stream import (
+    CpuCopyEvent,
+    CpuCopyStream,
+    current_cpu_async_copies,
+    versioned_at_issue,
+)
 from torch_fsdp_offload.platform import resolve_device
 
 __all__ = [
@@ -147,8 +157,8 @@ def _overlaps(ranges: Iterable[tuple[int, int]], others: Iterable[tuple[int, int
 
 class _IssuedCopy:
     """What the engine remembers of an issued copy until it finished: its event, the stream it
-    runs on, the byte ranges it reads and writes (to order later conflicting copies after it) and
-    the host tensors it uses (kept alive). Not the device tensor: the engine must not decide how
+    runs on (CUDA, or a :class:`CpuCopyStream`), the byte ranges it reads and writes (to order later
+    conflicting copies after it) and the host tensors it uses (kept alive). Not the device tensor: the engine must not decide how
     long device memory lives. It was allocated on the copy stream or record_stream()-ed there, so
     the allocator cannot hand it out before the copy ends; an engine reference would instead keep
     every copied-in buffer (a block's parameters, a reloaded activation) alive until a later copy
@@ -158,8 +168,8 @@ class _IssuedCopy:
 
     def __init__(
         self,
-        event: torch.cuda.Event,
-        stream: torch.cuda.Stream,
+        event: torch.cuda.Event | CpuCopyEvent,
+        stream: torch.cuda.Stream | CpuCopyStream,
         reads: Sequence[tuple[int, int]],
         writes: Sequence[tuple[int, int]],
         keep_alive: Sequence[torch.Tensor],
@@ -172,15 +182,22 @@ class _IssuedCopy:
         self.keep_alive: list[torch.Tensor] | None = list(keep_alive)
 
     def done(self) -> bool:
+        """Whether the copy finished; an asynchronous CPU copy raises the misuse it found."""
+        if isinstance(self.event, CpuCopyEvent):
+            return self.event.query() and self.landed()
+        return self.landed()
+
+    def landed(self) -> bool:
+        """Whether the copy finished (dropping the host buffers kept for it), raising nothing."""
         if self.keep_alive is None:
             return True
-        if not self.event.query():
+        if not (self.event.landed() if isinstance(self.event, CpuCopyEvent) else self.event.query()):
             return False
         self.keep_alive = None
         return True
 
     def synchronize(self) -> None:
-        if self.keep_alive is not None:
+        if self.keep_alive is not None or isinstance(self.event, CpuCopyEvent):
             self.event.synchronize()
             self.keep_alive = None
 
@@ -225,7 +242,12 @@ class Transfer:
         """Whether the copy has finished, without blocking.
 
         Returns:
-            bool: True once the copy's event completed (always True on a CPU engine).
+            bool: True once the copy's event completed (on a CPU engine: at once, unless its copies
+            run asynchronously).
+
+        Raises:
+            RuntimeError: asynchronous CPU copies only: the copy found its source changed or its
+                destination written while it was in flight.
 
         Example::
 
@@ -237,6 +259,9 @@ class Transfer:
 
     def synchronize(self) -> None:
         """Block the calling thread until the copy has finished.
+
+        Raises:
+            RuntimeError: as :meth:`done`.
 
         Example::
 
@@ -253,13 +278,17 @@ class Transfer:
         on the copy's event, and the destination is marked as used on ``stream`` so that its memory
         is not reused while ``stream`` still reads it. Device-to-host: with ``stream`` given, that
         stream waits (e.g. before it overwrites the source); without, the calling thread blocks until
-        the data is in host memory, since a host reader has no stream to wait on.
+        the data is in host memory, since a host reader has no stream to wait on. An asynchronous
+        CPU copy blocks the calling thread, its consumer, in both directions.
 
         Args:
             stream (torch.cuda.Stream | None): the consumer stream; see above.
 
         Returns:
             torch.Tensor | None: :attr:`tensor`, safe to use on ``stream`` (or on the host).
+
+        Raises:
+            RuntimeError: as :meth:`done`.
 
         Example::
 
@@ -269,7 +298,7 @@ class Transfer:
         if self._copy is None:
             return self.tensor
         destination_on_host = self.tensor is None or self.tensor.device.type == "cpu"
-        if stream is None and destination_on_host:
+        if isinstance(self._copy.stream, CpuCopyStream) or (stream is None and destination_on_host):
             self.synchronize()
             return self.tensor
         if stream is None:
@@ -354,6 +383,8 @@ class TransferEngine:
             self.h2d_stream = self.d2h_stream = None
         self._pending: collections.deque[_IssuedCopy] = collections.deque()
         self._lock = threading.RLock()
+        # Asynchronous CPU copies (h2d, d2h), made on first use; see _copy_stream.
+        self._cpu_streams: tuple[CpuCopyStream, CpuCopyStream] | None = None
 
     # ---------------------------------------------------------------------------------------- API
 
@@ -520,14 +551,23 @@ class TransferEngine:
     def synchronize(self) -> None:
         """Wait for every copy issued so far and release the buffers kept for them.
 
+        Raises:
+            RuntimeError: asynchronous CPU copies only: the first misuse one of them found.
+
         Example::
 
             >>> engine.synchronize()
         """
         with self._lock:
-            for copy in self._pending:
-                copy.synchronize()
-            self._pending.clear()
+            pending, self._pending = self._pending, collections.deque()
+            errors = []
+            for copy in pending:
+                try:
+                    copy.synchronize()
+                except RuntimeError as error:  # a misuse an asynchronous CPU copy found
+                    errors.append(error)
+            if errors:
+                raise errors[0]
 
     # ------------------------------------------------------------------------------- internals
 
@@ -554,8 +594,8 @@ class TransferEngine:
         None means allocate it (host to device only). ``mark_used``: see ``d2h``'s ``mark_src_used``.
         """
         nbytes = sum(_nbytes(tensor) for tensor in host_tensors)
-        stream = self.h2d_stream if to_device else self.d2h_stream
         with self._lock, torch.profiler.record_function(_PROFILER_PREFIX + label), torch.no_grad():
+            stream = self._copy_stream(to_device)
             allocated = device_tensor is None
             if allocated:
                 shape = (sum(t.numel() for t in host_tensors),) if coalesced else host_tensors[0].shape
@@ -572,15 +612,11 @@ class TransferEngine:
 
             device_bytes = _as_bytes(device_tensor)
             host_runs = _runs(host_tensors)
-            host_ranges = [_byte_range(run) for run in host_runs]
-            device_range = [_byte_range(device_bytes)]
-            reads, writes = (host_ranges, device_range) if to_device else (device_range, host_ranges)
-            if stream is not None:
-                self._order_before_copy(stream, reads, writes, wait_for_current=not allocated)
-                if not allocated and mark_used:
-                    # Memory the caller may free while the copy runs must not be reused under it.
-                    device_tensor.record_stream(stream)
-            with _on_stream(stream):
+            if isinstance(stream, CpuCopyStream):
+                written = [to_device] + [not to_device] * len(host_runs)
+                device_bytes, *host_runs = versioned_at_issue([device_bytes, *host_runs], written=written)
+
+            def copy() -> None:
                 offset = 0
                 for run in host_runs:
                     device_run = device_bytes[offset : offset + run.numel()]
@@ -589,89 +625,148 @@ class TransferEngine:
                     else:
                         _copy_in_chunks(run, device_run, _chunks(run.numel(), chunk_bytes))
                     offset += run.numel()
-            return self._finish(to_device, stream, reads, writes, host_tensors, destination, views, label, nbytes)
+
+            sources, targets = (host_runs, [device_bytes]) if to_device else ([device_bytes], host_runs)
+            return self._launch(
+                copy, stream, to_device, sources, targets, device_tensor, allocated, host_tensors, destination, views,
+                label, nbytes, mark_used=mark_used,
+            )
 
     def _issue_cast(
         self, src: torch.Tensor, dst: torch.Tensor | None, dtype: torch.dtype, *, label: str, chunk_bytes: int
     ) -> Transfer:
         """Host to device with a cast on the device: each chunk of ``src`` lands in one device buffer
         of ``src``'s dtype, reused for every chunk (the stream orders them), and is cast into ``dst``."""
-        stream = self.h2d_stream
         nbytes = _nbytes(src)
         with self._lock, torch.profiler.record_function(_PROFILER_PREFIX + label), torch.no_grad():
+            stream = self._copy_stream(True)
             allocated = dst is None
             if allocated:
                 with _on_stream(stream):
                     dst = torch.empty(src.shape, dtype=dtype, device=self.device)
             if nbytes == 0:
                 return Transfer(dst, [dst], label=label, nbytes=0)
-            reads, writes = [_byte_range(src)], [_byte_range(dst)]
-            if stream is not None:
-                self._order_before_copy(stream, reads, writes, wait_for_current=not allocated)
-                if not allocated:
-                    dst.record_stream(stream)
             flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
+            if isinstance(stream, CpuCopyStream):
+                flat_src, flat_dst = versioned_at_issue([flat_src, flat_dst], written=[False, True])
             chunks = _chunks(src.numel(), max(1, chunk_bytes // src.element_size()))
             with _on_stream(stream):
-                # Allocated on the copy stream and only used there: when it is dropped below, the
+                # Allocated on the copy stream and only used there: when it is dropped, the
                 # allocator hands it out again only to later work of this stream, which runs after
                 # these casts.
                 landed = torch.empty(chunks[0].stop, dtype=src.dtype, device=self.device)
+
+            def copy() -> None:
                 for chunk in chunks:
                     size = chunk.stop - chunk.start
                     landed[:size].copy_(flat_src[chunk], non_blocking=True)
                     flat_dst[chunk].copy_(landed[:size])
-            return self._finish(True, stream, reads, writes, [src], dst, [dst], label, nbytes)
 
-    def _finish(
+            sources, targets = [_as_bytes(flat_src)], [_as_bytes(flat_dst)]
+            return self._launch(copy, stream, True, sources, targets, dst, allocated, [src], dst, [dst], label, nbytes)
+
+    def _copy_stream(self, to_device: bool) -> torch.cuda.Stream | CpuCopyStream | None:
+        """The stream a copy runs on: this engine's CUDA stream of that direction; on a CPU device, a
+        :class:`CpuCopyStream` when asynchronous CPU copies are on, else None (a synchronous copy,
+        issued once the asynchronous ones before it have finished)."""
+        if self.device.type == "cuda":
+            return self.h2d_stream if to_device else self.d2h_stream
+        mode = current_cpu_async_copies()
+        if self._cpu_streams is not None and (mode is None or self._cpu_streams[0].mode != mode):
+            self.synchronize()  # the new streams (or synchronous copies) must not overtake these
+            for stream in self._cpu_streams:
+                stream.close()
+            self._cpu_streams = None
+        if mode is None:
+            return None
+        if self._cpu_streams is None:
+            self._cpu_streams = (CpuCopyStream("h2d", mode), CpuCopyStream("d2h", mode))
+        return self._cpu_streams[0 if to_device else 1]
+
+    def _launch(
         self,
+        copy: Callable[[], None],
+        stream: torch.cuda.Stream | CpuCopyStream | None,
         to_device: bool,
-        stream: torch.cuda.Stream | None,
-        reads: Sequence[tuple[int, int]],
-        writes: Sequence[tuple[int, int]],
+        sources: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        device_tensor: torch.Tensor,
+        allocated: bool,
         host_tensors: Sequence[torch.Tensor],
         destination: torch.Tensor | None,
         views: Sequence[torch.Tensor],
         label: str,
         nbytes: int,
+        mark_used: bool = True,
     ) -> Transfer:
-        """Count an issued copy and end it in an event the engine tracks (none on a CPU device)."""
-        self._count(to_device, nbytes)
+        """Run ``copy`` (reading the byte views ``sources``, writing ``targets``) on ``stream``,
+        ordered after what it must follow, count it, and end it in an event the engine tracks.
+        ``mark_used``: see ``d2h``'s ``mark_src_used``."""
         if stream is None:
+            copy()
+            self._count(to_device, nbytes)
             return Transfer(destination, views, label=label, nbytes=nbytes)
-        event = torch.cuda.Event()
-        event.record(stream)
-        copy = _IssuedCopy(event, stream, reads, writes, keep_alive=host_tensors)
-        self._pending.append(copy)
-        return Transfer(destination, views, label=label, nbytes=nbytes, copy=copy)
+        reads, writes = [_byte_range(t) for t in sources], [_byte_range(t) for t in targets]
+        conflicting, writes_in_use, reads_in_flight = self._unfinished_conflicts(stream, reads, writes)
+        if isinstance(stream, CpuCopyStream):
+            event = stream.submit(
+                label,
+                copy,
+                after=[earlier.event for earlier in conflicting],
+                sources=sources,
+                destinations=targets,
+                # Nor where the copy reads what it writes (a CPU "device" tensor aliasing its host copy).
+                poison=not writes_in_use and not _overlaps(reads, writes),
+                sources_in_flight=reads_in_flight,
+            )
+        else:
+            if not allocated:
+                # The current stream produced the device tensor or may still use it.
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            for earlier in conflicting:
+                stream.wait_event(earlier.event)
+            if not allocated and mark_used:
+                # Memory the caller may free while the copy runs must not be reused under it.
+                device_tensor.record_stream(stream)
+            with torch.cuda.stream(stream):
+                copy()
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._count(to_device, nbytes)
+        # A CPU copy's job holds its buffers itself and drops them as it lands.
+        keep_alive = () if isinstance(stream, CpuCopyStream) else host_tensors
+        issued = _IssuedCopy(event, stream, reads, writes, keep_alive=keep_alive)
+        self._pending.append(issued)
+        return Transfer(destination, views, label=label, nbytes=nbytes, copy=issued)
 
-    def _order_before_copy(
+    def _unfinished_conflicts(
         self,
-        stream: torch.cuda.Stream,
+        stream: torch.cuda.Stream | CpuCopyStream,
         reads: Sequence[tuple[int, int]],
         writes: Sequence[tuple[int, int]],
-        *,
-        wait_for_current: bool,
-    ) -> None:
-        """Make ``stream`` wait for everything the coming copy must follow.
+    ) -> tuple[list[_IssuedCopy], bool, bool]:
+        """The unfinished copies on other streams that a coming copy on ``stream`` must follow (whose
+        memory conflicts with its: read after write, write after read or write), whether any
+        unfinished copy, on any stream, reads or writes the memory it writes, and whether any writes
+        the memory it reads.
 
-        That is the current stream when the copy reads or overwrites a device tensor the caller owns
-        (the current stream produced it or may still use it), and every unfinished copy of this
-        engine whose memory conflicts with this one (read after write, write after read or write).
         Finished copies are forgotten here, which releases the host buffers they kept alive.
         """
-        if wait_for_current:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        still_running = collections.deque()
+        still_running: collections.deque[_IssuedCopy] = collections.deque()
+        conflicting = []
+        writes_in_use = reads_in_flight = False
         for earlier in self._pending:
-            if earlier.done():
+            if earlier.landed():
                 continue
             still_running.append(earlier)
-            if earlier.stream == stream:
-                continue  # same stream: already ordered
-            if _overlaps(writes, [*earlier.reads, *earlier.writes]) or _overlaps(reads, earlier.writes):
-                stream.wait_event(earlier.event)
+            overwrites = _overlaps(writes, [*earlier.reads, *earlier.writes])
+            reads_written = _overlaps(reads, earlier.writes)
+            writes_in_use = writes_in_use or overwrites
+            reads_in_flight = reads_in_flight or reads_written
+            if earlier.stream != stream and (overwrites or reads_written):
+                conflicting.append(earlier)  # same stream: already ordered
         self._pending = still_running
+        return conflicting, writes_in_use, reads_in_flight
 
     def _count(self, to_device: bool, nbytes: int) -> None:
         if to_device:
@@ -729,8 +824,8 @@ def _check_flat(flat: torch.Tensor, device: torch.device, dtype: torch.dtype, nu
         )
 
 
-def _on_stream(stream: torch.cuda.Stream | None):
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+def _on_stream(stream: torch.cuda.Stream | CpuCopyStream | None):
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
 
 
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,204 @@
+"""The asynchronous data path as behaviour, not only as final numbers.
+
+Parity tests pass whether a copy was prefetched or issued on demand, whether a group's host step
+overlapped backward or ran in ``step()``, and whether a group moved in one copy or one per
+parameter. These tests record the order of events in a training step instead (copies issued,
+each block's forward and backward compute starting, host optimizer steps starting) and count
+the copies per step. They run with the CPU copy engine's asynchronous mode (set by conftest.py):
+copies land late on worker threads, as they do on a GPU's copy streams.
+"""
+
+from __future__ import annotations
+
+import threading
+from unittest import mock
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
+
+from common_offload import GlooMultiProcessTestCase
+from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
+from torch_fsdp_offload.transfer import get_transfer_engine, TransferEngine
+
+DIM = 8
+BLOCKS = 4
+# A deadlock guard for the wait below, never reached when the behaviour holds.
+_HOST_STEP_TIMEOUT_S = 30.0
+
+# ("issue", group), ("forward", group), ("backward", group), ("host_step", None), in the order
+# they happened in this process; appended from several threads (list.append is atomic).
+_events: list[tuple[str, str | None]] = []
+_on_backward_of_first_layer: list = []
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward records that backward reached this point of the model."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, where: str) -> torch.Tensor:
+        ctx.where = where
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _events.append(("backward", ctx.where))
+        for hook in _on_backward_of_first_layer if ctx.where == "first" else ():
+            hook()
+        return grad, None
+
+
+class _Block(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The block's compute starts here (after FSDP's pre-forward unshard) and its backward
+        # compute starts at the mark on its output (after FSDP's pre-backward unshard).
+        _events.append(("forward", self.name))
+        return _Mark.apply(torch.relu(self.linear(x)), self.name)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(_Block(f"blocks.{index}") for index in range(BLOCKS))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _Mark.apply(self.first(x), "first")
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+class _RecordingAdamW(torch.optim.AdamW):
+    """AdamW that records when a step starts (OffloadOptimizer makes one per group, and a twin)."""
+
+    started = threading.Event()
+
+    def step(self, closure=None):
+        _events.append(("host_step", None))
+        _RecordingAdamW.started.set()
+        return super().step(closure)
+
+
+def _issue_label(label: str) -> str | None:
+    prefix = "params_h2d:"
+    return label[len(prefix) :] if label.startswith(prefix) else None
+
+
+class AsyncPathTest(GlooMultiProcessTestCase):
+    WORLD_SIZE = 2
+
+    def _build(self, policy: CoherentOffload) -> tuple[nn.Module, OffloadOptimizer]:
+        torch.manual_seed(0)
+        model = _Net()
+        fully_shard_with_policy(model, model.blocks, policy, mesh=init_device_mesh("cpu", (self.world_size,)))
+        return model, OffloadOptimizer(model, _RecordingAdamW, lr=1e-2)
+
+    def _step(self, model: nn.Module, optim: OffloadOptimizer, step: int) -> None:
+        generator = torch.Generator().manual_seed(100 * step + self.rank)
+        model(torch.randn(3, DIM, generator=generator)).backward()
+        optim.step()
+        optim.zero_grad()
+
+    def _record_issues(self):
+        """Record each copy-in of a group's parameters as it is issued."""
+        h2d = TransferEngine.h2d
+
+        def recording_h2d(engine, src, *args, label="h2d", **kwargs):
+            group = _issue_label(label)
+            if group is not None:
+                _events.append(("issue", group))
+            return h2d(engine, src, *args, label=label, **kwargs)
+
+        return mock.patch.object(TransferEngine, "h2d", recording_h2d)
+
+    @parametrize("prefetch_depth", [1, 2])
+    def test_next_groups_copy_is_issued_before_the_current_groups_compute(self, prefetch_depth):
+        self.init_gloo()
+        model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host", prefetch_depth=prefetch_depth))
+        with self._record_issues():
+            for step in range(2):  # the first forward learns the order
+                self._step(model, optim, step)
+            _events.clear()
+            self._step(model, optim, 2)
+        optim.synchronize()
+        names = [f"blocks.{index}" for index in range(BLOCKS)]
+
+        def position(kind: str, group: str, after: int = -1) -> int:
+            # -1: issued before recording started (by the previous step's prefetch), i.e. earlier.
+            found = [index for index, event in enumerate(_events) if event == (kind, group) and index > after]
+            return found[0] if found else -1
+
+        forward_end = position("forward", names[-1])
+        for index in range(BLOCKS):
+            computed = position("forward", names[index])
+            for ahead in names[index + 1 : index + 1 + prefetch_depth]:
+                with self.subTest(forward=names[index], copy=ahead):
+                    self.assertLess(position("issue", ahead), computed, _events)
+        # Backward: FSDP2 itself unshards the next block in backward order before a block's
+        # backward, so our prefetch shows from the second block ahead on.
+        if prefetch_depth >= 2:
+            for index in range(BLOCKS - 1, 1, -1):
+                computed = position("backward", names[index], after=forward_end)
+                ahead = names[index - 2]
+                with self.subTest(backward=names[index], copy=ahead):
+                    issued = position("issue", ahead, after=forward_end)
+                    self.assertGreater(issued, forward_end, _events)
+                    self.assertLess(issued, computed, _events)
+
+    def test_host_step_starts_before_backward_ends(self):
+        self.init_gloo()
+        model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"))
+        for step in range(2):  # overlap starts once a step showed the gradients' pattern
+            self._step(model, optim, step)
+        _events.clear()
+        _RecordingAdamW.started.clear()
+        started_in_backward = []
+        # Backward reached the model's first layer (every block's gradients were reduced and went
+        # down before): hold it there until a block's host step started, as it does beside a long
+        # backward. Without the overlap no host step starts before step().
+        _on_backward_of_first_layer.append(
+            lambda: started_in_backward.append(_RecordingAdamW.started.wait(_HOST_STEP_TIMEOUT_S))
+        )
+        try:
+            self._step(model, optim, 2)
+        finally:
+            _on_backward_of_first_layer.clear()
+        optim.synchronize()
+        self.assertEqual(started_in_backward, [True], _events)
+        self.assertLess(_events.index(("host_step", None)), _events.index(("backward", "first")))
+
+    def test_one_copy_per_group_each_way(self):
+        self.init_gloo()
+        model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"))
+        groups = BLOCKS + 1  # the blocks and the root, each with a weight and a bias
+        engine = get_transfer_engine("cpu")
+        for step in range(2):
+            self._step(model, optim, step)
+        optim.synchronize()
+        engine.stats.reset()  # from one step's end (its prefetch issued) to the next's
+        with self._record_issues():
+            _events.clear()
+            self._step(model, optim, 2)
+        optim.synchronize()
+        # Each block copies in for its forward and again for its backward; the root stays
+        # unsharded from forward to backward. Gradients go down once per group.
+        self.assertEqual(engine.stats.h2d_copies, 2 * BLOCKS + 1)
+        self.assertEqual(engine.stats.d2h_copies, groups)
+        issued = [group for kind, group in _events if kind == "issue"]
+        self.assertEqual(sorted(set(issued)), sorted(["root", *(f"blocks.{index}" for index in range(BLOCKS))]))
+        self.assertEqual(len(issued), 2 * BLOCKS + 1)
+
+
+instantiate_parametrized_tests(AsyncPathTest)
+
+
+if __name__ == "__main__":
+    run_tests()
