@@ -1,7 +1,7 @@
 """Shared test scaffolding: multi-process test cases (gloo on CPU, NCCL on GPUs) that exit cleanly.
 
 Multi-process gloo runs on torch 2.13 CPU can abort with SIGABRT at interpreter exit after the test
-passed (see fsdp-internals.md, section 3). Each worker therefore ends with ``os._exit`` once the test
+passed: gloo's threads outlive the interpreter's teardown. Each worker therefore ends with ``os._exit`` once the test
 method and ``destroy_process_group`` have run, carrying the exit code MultiProcessTestCase expects.
 """
 

@@ -1,6 +1,14 @@
-"""torch_fsdp_offload: CPU offloading for PyTorch FSDP that runs at the speed of the link."""
+"""torch_fsdp_offload: CPU offloading for PyTorch FSDP that runs at the speed of the link.
+
+Importing the package installs its FSDP integration once (:func:`install`): the patch points in
+FSDP2 and FSDP1 through which a :class:`CoherentOffload` policy and the FSDP1 front door act, each
+verified. :func:`uninstall` restores torch's originals; while uninstalled, constructing a
+``CoherentOffload`` or ``FullyShardedDataParallel(offload_policy=...)`` raises. See Note:
+[Installing the integration] in docs/design.md.
+"""
 
 from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload
+from torch_fsdp_offload._integration import install, install_on_import as _install_on_import, uninstall
 from torch_fsdp_offload.activations import ActivationOffload, offload_activations
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
 from torch_fsdp_offload.optim import OffloadOptimizer
@@ -31,6 +39,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "fully_shard_with_policy",
     "get_activation_offload",
+    "install",
     "measure_bandwidth",
     "offload_activations",
     "OffloadOptimizer",
@@ -41,7 +50,10 @@ __all__ = [
     "PlatformKind",
     "ResolvedPlan",
     "TransferTensor",
+    "uninstall",
 ]
+
+_install_on_import()
 
 
 def __getattr__(name: str):

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from torch_fsdp_offload._integration.installation import require_installed
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 
 logger = logging.getLogger(__name__)
@@ -23,11 +24,10 @@ OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
 _CAST_PLACEMENTS = ("host", "device")
 # GPU share of the optimizer step on a PCIe machine under optimizer="auto". A streamed step moves
-# about 30 bytes per parameter over the link (fp32 parameter, gradient and two Adam moments up;
-# parameter, moments and the bf16 mirror down); a host step costs ~0.35 ns of host time per
-# parameter. With streamed steps pipelined and running beside the host steps, our H200 (PCIe Gen5,
-# 16 cores, 1.6B params, benchmarks/results/fsdp_offload_bs4.json) measured: all on the host
-# 0.75 s, a quarter streamed 0.61-0.66 s, half 0.56-0.59 s, three quarters 0.69 s, all 0.76 s.
+# its group's fp32 parameters, gradients and Adam moments up and back over the link, while a host
+# step spends host time per parameter; streamed steps run beside the host steps, so the step is
+# shortest when the two take about as long. The share where they do was measured on an H200 over
+# PCIe (docs/benchmarks.md).
 _DISCRETE_GPU_FRACTION = 0.5
 _MIN_CHUNK_BYTES = 1 << 20
 
@@ -135,8 +135,8 @@ class CoherentOffload(CPUOffloadPolicy):
             offloaded groups is streamed (those that run first in forward, whose gradients
             land last and so cannot overlap backward on the host) while the host steps the
             rest, both at once. ``"auto"`` (default): 1.0 on COHERENT machines (the link is
-            cheap), 0.5 on DISCRETE ones (measured on our H200's PCIe for 1.6B parameters: all
-            on the host 0.75 s, half streamed 0.56-0.59 s, all streamed 0.76 s) and host steps
+            cheap), 0.5 on DISCRETE ones (the share at which streamed and host steps take about
+            as long, measured on an H200 over PCIe, docs/benchmarks.md) and host steps
             without an accelerator; on UNIFIED memory the shards are device
             memory and the step runs on the GPU in place. Any placement other than ``"auto"``
             where nothing is offloaded (``offload_params=False``, ``module_fraction=0``, or a
@@ -146,12 +146,10 @@ class CoherentOffload(CPUOffloadPolicy):
             each optimizer step, into a pinned compute-dtype mirror, so only compute-dtype bytes
             cross the link (2 per parameter in bf16). ``"device"``: no mirror; the copy-in moves
             the master's bytes (4 per parameter) and casts them on the GPU as they land, on the
-            copy stream. It takes the cast off the host (on our H200's host fused AdamW took
-            0.23 ns and the cast 0.07 ns per parameter alone, 0.36-0.40 and 0.20-0.24 ns while
-            the link copied both ways) and its mirror out of host memory, for twice the copy-in
-            bytes: choose it where host steps, not the link, bound the step
+            copy stream. It takes the cast off the host and its mirror out of host memory, for
+            twice the copy-in bytes: choose it where host steps, not the link, bound the step
             (``optimizer="host"`` on a PCIe machine whose backward and next forward hide the
-            copies; measured: bs 4 steps 14-19% shorter, bs 8 the same, bs 16 4% longer). Streamed
+            copies; docs/benchmarks.md). Streamed
             steps then bring back only the fp32 master, not its cast. The result is bitwise the
             same: one round-to-nearest cast either way. Without mixed precision there is no cast
             and the knob changes nothing. ``"device"`` where nothing is copied
@@ -160,8 +158,8 @@ class CoherentOffload(CPUOffloadPolicy):
         prefetch_depth (int): how many parameter groups ahead the H2D copy is issued, in
             forward and in backward. Default 1. 0 copies each group only when it is needed.
         chunk_bytes (int): size of the pieces a large copy is split into, so copies in both
-            directions interleave and completion can be tracked. Default 64 MiB (at or near the
-            link's peak on PCIe Gen5); at least 1 MiB.
+            directions interleave and completion can be tracked. Default 64 MiB (large enough to reach the
+            link's peak bandwidth, docs/benchmarks.md); at least 1 MiB.
         module_fraction (float): fraction of the FSDP parameter groups that are offloaded, in
             [0, 1]. Default 1.0. The offloaded groups are spread evenly over the order in which
             ``fully_shard`` is called with this policy object (0.5 offloads every second group);
@@ -170,10 +168,9 @@ class CoherentOffload(CPUOffloadPolicy):
             With host optimizer steps, giving the policy (``module_fraction=1.0``) per module to
             the *last* blocks instead, and no ``offload_policy`` to the others and the root, is
             faster: their gradients land first in backward, so their host steps can end before
-            the next forward needs them (measured on our H200 with half of the 1.6B model's
-            blocks: bs 16 0.573 s, as fast as GPU-resident, against 0.645 s spread; bs 8 0.390
-            against 0.418 s). ``fully_shard`` decides where a group's shards live when it is
-            called, before the number of groups is known, so this placement is the caller's:
+            the next forward needs them (docs/benchmarks.md). ``fully_shard`` decides where a
+            group's shards live when it is called, before the number of groups is known, so this
+            placement is the caller's:
             :func:`fully_shard_with_policy` with ``last_blocks``.
         activations (bool or float): offload what the ``fully_shard``-ed blocks save for
             backward to pinned host memory, and prefetch it back a block ahead in backward
@@ -201,6 +198,9 @@ class CoherentOffload(CPUOffloadPolicy):
             not fit (``MemAvailable``, ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES``, ``ulimit -l``).
         TypeError: ``memory=``, a knob that was removed (the platform decides the memory).
         AttributeError: an assignment to an attribute that is not a knob.
+        RuntimeError: at construction, when torch_fsdp_offload's FSDP integration is not
+            installed (after ``torch_fsdp_offload.uninstall()``, or on an unsupported torch): call
+            ``torch_fsdp_offload.install()``.
 
     Every refusal by ``fully_shard`` comes before any parameter is converted and leaves the
     module as it was: it can be sharded again, with or without a policy, or run as it is.
@@ -328,11 +328,9 @@ class CoherentOffload(CPUOffloadPolicy):
                 f"CoherentOffload(platform={self.platform!r}) is not a platform class; use one "
                 f"of {', '.join(repr(k.value) for k in PlatformKind)}, or None to detect it."
             )
-        # Installs the FSDP2 integration (idempotent); fails with a clear message on an
-        # unsupported torch before any module is sharded.
-        from torch_fsdp_offload._fsdp2 import install
-
-        install()
+        # The integration applies the policy inside FSDP; without it FSDP would run its own CPU
+        # offload with this policy, silently.
+        require_installed("CoherentOffload()")
 
     def _check_placements_need_copies(self, why: str, otherwise: str) -> None:
         """Refuse an ``optimizer`` or ``cast_on`` placement where ``why`` says nothing is copied;

@@ -40,8 +40,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from torch_fsdp_offload._integration import fsdp2_shards_on_host
 from torch_fsdp_offload.models import (
     HF_CONFIGS,
     MODEL_CONFIGS,
@@ -280,11 +281,7 @@ def _transformer_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def _shard_home(module: nn.Module, device: torch.device) -> torch.device:
-    # FSDP keeps a group's shards on the host exactly when the group's policy is a CPUOffloadPolicy
-    # (CoherentOffload leaves resident groups, module_fraction < 1, with a plain OffloadPolicy).
-    group = module._get_fsdp_state()._fsdp_param_group
-    offloaded = group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
-    return torch.device("cpu") if offloaded else device
+    return torch.device("cpu") if fsdp2_shards_on_host(module) else device
 
 
 @torch.no_grad()
@@ -675,5 +672,5 @@ if __name__ == "__main__":
         exit_code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: gloo's threads can abort it on torch 2.13 CPU (fsdp-internals.md §3).
+    # Skip interpreter teardown: gloo's threads can abort it on torch 2.13 CPU.
     os._exit(exit_code)

@@ -16,9 +16,8 @@ import operator
 from typing import Any, Callable, Sequence, Union
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
-from torch.utils import _pytree as pytree
 
+from torch_fsdp_offload._integration.tensors import disable_torch_function_subclass, parse_to_device, pytree
 from torch_fsdp_offload.memory import device_view, managed_empty, pinned_empty
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -98,7 +97,7 @@ def _normalize_device(device: torch.device) -> torch.device:
 
 def _host_alias(transfer_tensor: "TransferTensor") -> torch.Tensor:
     """A plain ``torch.Tensor`` over the same host bytes that stays in the autograd graph."""
-    with DisableTorchFunctionSubclass():
+    with disable_torch_function_subclass():
         return transfer_tensor.as_subclass(torch.Tensor)
 
 
@@ -291,7 +290,7 @@ class TransferTensor(torch.Tensor):
         result = cls.empty(
             tensor.shape, tensor.dtype, memory=memory, platform=platform, requires_grad=False
         )
-        with torch.no_grad(), DisableTorchFunctionSubclass():
+        with torch.no_grad(), disable_torch_function_subclass():
             result.copy_(tensor.detach())
         return result.requires_grad_(requires_grad)
 
@@ -342,7 +341,7 @@ class TransferTensor(torch.Tensor):
 
     def _device_data(self, device: torch.device, *, need_data: bool = True) -> torch.Tensor:
         """The bytes as the device sees them, outside autograd: an alias or an engine copy."""
-        with DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             host = self.detach()
         if self.zero_copy:
             if device.type == "cpu":
@@ -386,7 +385,7 @@ class TransferTensor(torch.Tensor):
                 # The device wrote the host bytes in place; the host may read them once it is done.
                 torch.cuda.current_stream(written.device).synchronize()
             return
-        with DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             host = self.detach()
         engine = get_transfer_engine(written.device)
         engine.d2h(written, host, label="transfer_tensor_write").synchronize()
@@ -398,20 +397,20 @@ class TransferTensor(torch.Tensor):
         for transfer_tensor in written:
             transfer_tensor._wait_for_device_reads()
         if func in _NATIVE_FUNCTIONS or getattr(func, "__name__", None) in _DESCRIPTOR_NAMES:
-            with DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
             return cls._move(func, args, kwargs)
         if func is torch.Tensor.detach:
             # Still the same host bytes, so still a TransferTensor: this is also what lets
             # nn.Parameter wrap one (Parameter checks that detach() keeps the type).
-            with DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 detached = func(*args, **kwargs)
             return cls._wrap(detached, args[0]._host_bytes, requires_grad=False)
         flat_args, spec = pytree.tree_flatten((args, kwargs))
         device = _compute_device(flat_args)
         if device is None:
-            with DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         return cls._run_on_device(func, args, kwargs, flat_args, spec, device, written)
 
@@ -428,7 +427,7 @@ class TransferTensor(torch.Tensor):
                 target = torch.device(index or "cuda")
         else:
             parse_kwargs = {key: value for key, value in kwargs.items() if key != "copy"}
-            target = torch._C._nn._parse_to(*rest, **parse_kwargs)[0]
+            target = parse_to_device(*rest, **parse_kwargs)
         home = self.home_device
         # Only a move to the home device takes the zero-copy / engine path; a move to the host or
         # to another GPU is an ordinary conversion or copy of the host bytes.
@@ -437,7 +436,7 @@ class TransferTensor(torch.Tensor):
             source = self._read_form(home)
         else:
             source = _host_alias(self)
-        with DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             return func(source, *rest, **kwargs)
 
     @classmethod
@@ -465,7 +464,7 @@ class TransferTensor(torch.Tensor):
         moved_args, moved_kwargs = pytree.tree_unflatten(
             [forms.get(id(arg), arg) for arg in flat_args], spec
         )
-        with DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             result = func(*moved_args, **moved_kwargs)
         for transfer_tensor in zero_copy_reads:
             read_done = torch.cuda.current_stream(device).record_event()
@@ -477,7 +476,7 @@ class TransferTensor(torch.Tensor):
         return pytree.tree_map(lambda out: written_for_form.get(id(out), out), result)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        with DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             body = torch._tensor_str._str(self.detach(), tensor_contents=tensor_contents)
         prefix = "TransferTensor("
         body = body[len("tensor(") : -1].replace("\n", "\n" + " " * (len(prefix) - len("tensor(")))
@@ -486,7 +485,7 @@ class TransferTensor(torch.Tensor):
         return f"{prefix}{body}{grad}, memory={self.memory!r}, platform={platform!r})"
 
     def __reduce_ex__(self, protocol):
-        with DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             data = self.detach()
         return (_rebuild_transfer_tensor, (data, self.requires_grad))
 

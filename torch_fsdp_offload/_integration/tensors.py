@@ -1,10 +1,12 @@
-"""Private tensor, autograd and allocator internals the library reads, each behind one function."""
+"""Private tensor, autograd and allocator internals the library reads, each behind one function,
+and torch's pytree utilities (``torch.utils._pytree``) as ``pytree``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 __all__ = [
     "current_graph_task_id",
@@ -13,6 +15,7 @@ __all__ = [
     "in_backward",
     "local_tensor",
     "parse_to_device",
+    "pytree",
     "version_counter",
 ]
 

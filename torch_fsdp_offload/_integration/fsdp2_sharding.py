@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed import _composable_state
-from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state, FSDPState
 
 # The composable-API bookkeeping fully_shard's @contract writes on each module (the package's
 # ``contract`` attribute is the decorator, so the module is imported by name).
@@ -97,18 +98,22 @@ def note_fully_shard(modules: Sequence[nn.Module]) -> None:
         model.note_call(modules, inside)
 
 
-def install_call_hook() -> None:
-    """Make ``FSDPState.init``, which every ``fully_shard`` call runs once, call
+def _fsdp_state_init(self: Any, modules: Sequence[nn.Module], *args: Any, **kwargs: Any) -> None:
+    """``FSDPState.init``, which every ``fully_shard`` call runs once, then
     :func:`note_fully_shard`: a model's root may build no group of this package's."""
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    _original_fsdp_state_init(self, modules, *args, **kwargs)
+    note_fully_shard(modules)
 
-    original = FSDPState.init
 
-    def init(self: Any, modules: Sequence[nn.Module], *args: Any, **kwargs: Any) -> None:
-        original(self, modules, *args, **kwargs)
-        note_fully_shard(modules)
+_original_fsdp_state_init = FSDPState.init
 
-    FSDPState.init = init
+
+def patches() -> list[tuple[str, Any, str, Any, Any]]:
+    """``(site, owner, name, torch's original, replacement)`` of the ``FSDPState.init`` wrap."""
+    return [
+        ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState.init", FSDPState, "init",
+         _original_fsdp_state_init, _fsdp_state_init),
+    ]
 
 
 def _groups_of(state: Any) -> list[Any]:
@@ -118,6 +123,15 @@ def _groups_of(state: Any) -> list[Any]:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [] if group is None else [group]
     return list(groups)
+
+
+def shards_on_host(module: nn.Module) -> bool:
+    """Whether FSDP keeps the shards of ``module``'s (first) parameter group on the host: exactly
+    when the group's policy is a ``CPUOffloadPolicy`` (``CoherentOffload`` leaves resident groups,
+    ``module_fraction < 1``, with a plain ``OffloadPolicy``)."""
+    state = _get_module_fsdp_state(module)
+    groups = _groups_of(state) if state is not None else []
+    return bool(groups) and isinstance(groups[0].offload_policy, CPUOffloadPolicy)
 
 
 def take_back_refused_call(modules: Sequence[nn.Module], error: BaseException) -> None:

@@ -11,6 +11,7 @@ the staging buffer. Reduced gradients go down on our D2H stream into persistent 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 import threading
@@ -26,8 +27,15 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedSt
 from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
 from torch_fsdp_offload import optim
-from torch_fsdp_offload._fsdp2 import activation_hooks, sharding
-from torch_fsdp_offload._fsdp2.sharding import ModelSharding
+from torch_fsdp_offload._fsdp2 import activation_hooks
+from torch_fsdp_offload._integration import fsdp2_sharding as sharding
+from torch_fsdp_offload._integration.fsdp2_group_state import (
+    assert_in_states,
+    GradCapture,
+    GroupPlacement,
+    SourceFreshness,
+)
+from torch_fsdp_offload._integration.fsdp2_sharding import ModelSharding
 from torch_fsdp_offload.memory import check_host_capacity, pinned_empty
 from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan, spread_group_offloaded
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
@@ -78,7 +86,7 @@ def _plan_group(policy: CoherentOffload, model: ModelSharding, call: dict[str, A
         params = call["params"]
         _check_one_dtype(params)
         numel = sum(_padded_shard_numel(p, call["mesh_info"], call.get("shard_placement_fn")) for p in params)
-        pending = sum(g._offload.host_bytes() for g in _live_groups if g._offload.offloaded and not g._offload.homed)
+        pending = sum(g._offload.host_bytes() for g in _live_groups if g._offload.placement is GroupPlacement.ON_HOST)
         check_host_capacity(
             pending + _host_bytes(numel, params[0].dtype, call["mp_policy"].param_dtype, plan.cast_on),
             pinned=plan.memory == "pinned",
@@ -106,7 +114,7 @@ class CoherentFSDPParam(FSDPParam):
 
     def to_sharded_dtensor(self, tensor: torch.Tensor):
         offload = self._offload
-        if offload.capturing_grads:
+        if offload.grad_capture is GradCapture.CAPTURING:
             # FSDP is handing us this parameter's reduced gradient (still on the device). Keep
             # it for the coalesced D2H and give FSDP the host slot it will land in, so the
             # gradient has the parameter's (host) device as torch requires.
@@ -118,9 +126,9 @@ class CoherentFSDPParam(FSDPParam):
         super().reset_sharded_param()
         # load_state_dict(assign=True) or Module._apply can swap the local tensor out of our
         # host buffer; bring the data home so copies and the optimizer see one layout.
-        if self._offload.homed:
+        if self._offload.placement is GroupPlacement.HOMED:
             self._offload.rehome_param(self)
-            self._offload.mark_dirty()
+            self._offload.mark_stale()
 
 
 class GroupOffload:
@@ -133,17 +141,12 @@ class GroupOffload:
         self.plan = plan
         self.device = group.device
         self.engine = get_transfer_engine(group.device)
-        # Offloaded through FSDP's CPU-offload path; False for groups that stay resident
-        # (module_fraction) and on UNIFIED / HOST_ONLY, where nothing is copied.
-        self.offloaded = offloaded
-        self.homed = False
+        # See fsdp2_group_state for the three states and their transitions.
+        self.placement = GroupPlacement.ON_HOST if offloaded else GroupPlacement.RESIDENT
+        self.freshness = SourceFreshness.STALE
+        self.grad_capture = GradCapture.IDLE
         self.master: torch.Tensor | None = None  # orig-dtype shards, exact size
         self.mirror: torch.Tensor | None = None  # param-dtype copy of master (mixed precision)
-        # Whether the parameters may have changed since the mirror and any in-flight copy were
-        # made: set when gradients land (an optimizer step may follow) and when the shards are
-        # reset or loaded; cleared by refresh_mirror(). Version counters cannot tell: fused
-        # optimizer kernels on DTensors update parameters without bumping them.
-        self.dirty = True
         self.lock = threading.Lock()
         self.grads: torch.Tensor | None = None  # reduced gradient shards, orig dtype
         self.offsets: dict[CoherentFSDPParam, tuple[int, int]] = {}
@@ -154,15 +157,19 @@ class GroupOffload:
         # the H2D stream waits for them before the buffer is dropped (_drop_staging).
         self._staging_readers: list[torch.cuda.Stream] = []
         self.grad_transfer: Transfer | None = None
-        self.capturing_grads = False
         self.captured_grads: dict[CoherentFSDPParam, torch.Tensor] = {}
         # The group's host optimizer step when it may still be running after step() returned
         # (OffloadOptimizer(overlap_next_forward=True)); copy-in waits for it.
         self.update_pending: Any = None
 
     @property
+    def offloaded(self) -> bool:
+        """Whether the group is offloaded through FSDP's CPU-offload path."""
+        return self.placement is not GroupPlacement.RESIDENT
+
+    @property
     def active(self) -> bool:
-        return self.offloaded and self.homed and self.plan.copies
+        return self.placement is GroupPlacement.HOMED and self.plan.copies
 
     def layout(self) -> None:
         offset = 0
@@ -196,15 +203,16 @@ class GroupOffload:
     # -- placement -------------------------------------------------------------------------
     @torch.no_grad()
     def home(self) -> None:
-        """Move every shard of the group into one exact-size host buffer (once, at lazy init)."""
-        if self.homed or not self.offloaded:
+        """Move every shard of the group into one exact-size host buffer (once, at lazy init):
+        the ``ON_HOST`` to ``HOMED`` transition."""
+        if self.placement is not GroupPlacement.ON_HOST:
             return
         self.layout()
         first = self.group.fsdp_params[0]._sharded_param_data
         self.master = pinned_empty((self.numel,), first.dtype)
         for fsdp_param in self.group.fsdp_params:
             self.rehome_param(fsdp_param)
-        self.homed = True
+        self.placement = GroupPlacement.HOMED
 
     @torch.no_grad()
     def rehome_param(self, fsdp_param: CoherentFSDPParam) -> None:
@@ -222,11 +230,20 @@ class GroupOffload:
         ).narrow(shard_dim, 0, length)
 
     # -- copy-in ---------------------------------------------------------------------------
-    def mark_dirty(self) -> None:
-        """The parameters may change (gradients landed, or shards were reset/loaded)."""
+    def mark_stale(self) -> None:
+        """The parameters may change (gradients landed, or shards were reset/loaded): the
+        transition to ``STALE``, dropping any copy-in made from the older source."""
         with self.lock:
-            self.dirty = True
+            assert_in_states(self.freshness, SourceFreshness.STALE, SourceFreshness.CURRENT)
+            self.freshness = SourceFreshness.STALE
             self._drop_staging()
+
+    def mark_current(self) -> None:
+        """The copy-in source was just made from the parameters (the caller holds ``lock``): the
+        transition to ``CURRENT``, dropping any copy-in made from the older source."""
+        assert_in_states(self.placement, GroupPlacement.HOMED)
+        self.freshness = SourceFreshness.CURRENT
+        self._drop_staging()
 
     @torch.no_grad()
     def refresh_mirror(self) -> None:
@@ -236,15 +253,14 @@ class GroupOffload:
         :class:`~torch_fsdp_offload.OffloadOptimizer` calls this right after stepping the group
         (in its worker thread); otherwise the first copy-in after a change does it.
         """
-        if not self.homed:
+        if self.placement is not GroupPlacement.HOMED:
             return  # before lazy init: the first copy-in refreshes
         with self.lock:
             mirror = self._mirror_to_write()
             if mirror is not None:
                 with torch.profiler.record_function("torch_fsdp_offload::cast_master_to_mirror"):
                     mirror.copy_(self.master)
-            self.dirty = False
-            self._drop_staging()
+            self.mark_current()
 
     def wait_update(self, block: bool = True) -> bool:
         """Whether the group's optimizer step has finished, waiting for it unless ``block`` is
@@ -264,7 +280,7 @@ class GroupOffload:
         is still running; its own unshard starts the copy then."""
         if not self.wait_update(block):
             return
-        if self.dirty:
+        if self.freshness is SourceFreshness.STALE:
             self.refresh_mirror()
         with self.lock:
             if self._inflight is not None:
@@ -312,6 +328,17 @@ class GroupOffload:
         self._inflight = None
 
     # -- gradients -------------------------------------------------------------------------
+    def begin_grad_capture(self) -> None:
+        """FSDP's ``post_backward`` is about to hand over the reduced gradients: ``IDLE`` to
+        ``CAPTURING``."""
+        assert_in_states(self.grad_capture, GradCapture.IDLE)
+        self.grad_capture = GradCapture.CAPTURING
+
+    def end_grad_capture(self) -> None:
+        """FSDP's ``post_backward`` returned: ``CAPTURING`` to ``IDLE``."""
+        assert_in_states(self.grad_capture, GradCapture.CAPTURING)
+        self.grad_capture = GradCapture.IDLE
+
     def host_grad_view(self, fsdp_param: CoherentFSDPParam) -> torch.Tensor:
         """``fsdp_param``'s slot in the persistent host gradient buffer."""
         if self.grads is None:
@@ -445,8 +472,7 @@ class GroupOffload:
                 transfers.append(
                     self.engine.d2h(master_on_device.to(mirror.dtype), mirror[start:stop], label="optimizer_d2h_mirror")
                 )
-            self.dirty = False
-            self._drop_staging()
+            self.mark_current()
         return transfers
 
     def prefetch_next_forward(self) -> None:
@@ -635,18 +661,18 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             if param_hooks:
                 hooks[p] = param_hooks
                 p.sharded_param._post_accumulate_grad_hooks = None
-        offload.capturing_grads = True
+        offload.begin_grad_capture()
         try:
             super().post_backward(*unused)
         finally:
-            offload.capturing_grads = False
+            offload.end_grad_capture()
             for p in params:
                 p.offload_to_cpu = True
             for p, param_hooks in hooks.items():
                 p.sharded_param._post_accumulate_grad_hooks = param_hooks
         if not offload.offload_grads(self._post_reduce_event):
             return
-        offload.mark_dirty()
+        offload.mark_stale()
         if accumulated or hooks:
             # Accumulating across reduce-scatters, and post-accumulate-grad hooks, need the
             # gradient on the host now.
@@ -664,3 +690,23 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         optim.notify_grads_ready(offload, is_last_backward=is_last_backward)
 
 
+
+
+# The modules of ``_fully_shard`` that may bind ``FSDPParamGroup`` at module level and construct
+# it: ``_fsdp_param_group`` always does; ``_fully_shard`` and ``_fsdp_init`` did in torch 2.11 and
+# 2.12, while later releases import it from ``_fsdp_param_group`` when they construct it.
+_PARAM_GROUP_SITES = ("_fsdp_param_group", "_fully_shard", "_fsdp_init")
+
+
+def patches() -> list[tuple[str, Any, str, Any, Any]]:
+    """``(site, owner, name, torch's original, replacement)`` for each module that binds
+    ``FSDPParamGroup``: every binding must be the class :class:`CoherentFSDPParamGroup`
+    subclasses, or install() refuses."""
+    result = []
+    for module_name in _PARAM_GROUP_SITES:
+        module = importlib.import_module(f"torch.distributed.fsdp._fully_shard.{module_name}")
+        if module_name == "_fsdp_param_group" or "FSDPParamGroup" in vars(module):
+            result.append(
+                (f"{module.__name__}.FSDPParamGroup", module, "FSDPParamGroup", _BaseParamGroup, CoherentFSDPParamGroup)
+            )
+    return result
