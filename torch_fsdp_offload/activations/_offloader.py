@@ -376,7 +376,8 @@ class ActivationOffload:
 
     def _block_pre_hook(self, module: nn.Module, args: Any) -> None:
         pass_ = self._pass
-        if pass_ is None and self._copies is not None and not self._warned_outside and torch.is_grad_enabled() and not in_backward():
+        forward_outside_pass = pass_ is None and torch.is_grad_enabled() and not in_backward()
+        if forward_outside_pass and self._copies is not None and not self._warned_outside:
             self._warned_outside = True
             warnings.warn(
                 f"activation offload: block {type(module).__name__} ran with grad enabled outside an "

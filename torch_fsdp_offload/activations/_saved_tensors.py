@@ -18,7 +18,15 @@ from torch.cuda import Event
 from torch_fsdp_offload.memory import PinnedFreeList
 from torch_fsdp_offload.transfer import Transfer
 
-__all__ = ["CPU_LEAD_BLOCKS", "ForwardPass", "KeptTensor", "NO_BLOCK_YET", "OffloadedView", "StoredStorage", "param_storages"]
+__all__ = [
+    "CPU_LEAD_BLOCKS",
+    "ForwardPass",
+    "KeptTensor",
+    "NO_BLOCK_YET",
+    "OffloadedView",
+    "StoredStorage",
+    "param_storages",
+]
 
 # How many blocks the CPU may run ahead of the GPU while activations are offloaded. Copies land in
 # GPU time but are noticed in CPU time: a CPU far ahead would see no copy landed during forward (so
