@@ -1,7 +1,6 @@
 """torch_fsdp_offload: CPU offloading for PyTorch FSDP that runs at the speed of the link."""
 
-from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload
-from torch_fsdp_offload.activations import ActivationOffload, offload_activations
+from torch_fsdp_offload.activations import ActivationOffload, get_activation_offload, offload_activations
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
 from torch_fsdp_offload.optim import OffloadOptimizer
 from torch_fsdp_offload.platform import (
