@@ -6,8 +6,7 @@ names they are to get, so that giving them those names in the library changes th
 """
 
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_PREFETCH_BLOCKS
-from torch_fsdp_offload.optim import _STREAM_RUN_BYTES as STREAM_RUN_BYTES
-from torch_fsdp_offload.optim import _STREAM_RUNS_IN_FLIGHT as STREAM_RUNS_IN_FLIGHT
+from torch_fsdp_offload.optim import STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.policy import _CAST_PLACEMENTS as CAST_PLACEMENTS
 from torch_fsdp_offload.policy import spread_group_offloaded
 
