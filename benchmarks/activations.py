@@ -67,8 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from memory_snapshot import record_step  # noqa: E402
 from rounds import median_of_rounds, round_order  # noqa: E402
 from torch_fsdp_offload import CoherentOffload  # noqa: E402
-from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload  # noqa: E402
-from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, offload_activations  # noqa: E402
+from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, get_activation_offload, offload_activations  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, MODEL_CONFIGS  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402

@@ -26,8 +26,7 @@ from torch.testing._internal.common_utils import (
 from torch.utils.checkpoint import checkpoint
 
 from torch_fsdp_offload import CoherentOffload
-from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload
-from torch_fsdp_offload.activations import ActivationOffload, offload_activations
+from torch_fsdp_offload.activations import ActivationOffload, get_activation_offload, offload_activations
 from torch_fsdp_offload.memory import memory_stats
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -443,6 +442,8 @@ class TestActivationOffload(TestCase):
             offload_activations(nn.Linear(2, 2), blocks=[1], platform="discrete", device="cpu")
         with self.assertRaisesRegex(TypeError, "platform must be"):
             ActivationOffload(platform=3)
+        with self.assertRaisesRegex(TypeError, r"^ActivationOffload\.attach expects nn\.Module instances, got int"):
+            ActivationOffload(platform="discrete", device="cpu").attach(3)
 
 
 class _ElementwiseChain(nn.Module):

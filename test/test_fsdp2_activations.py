@@ -26,9 +26,7 @@ from torch.testing._internal.common_utils import (
 
 from common_offload import GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
-from torch_fsdp_offload._fsdp2 import activation_hooks
-from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload
-from torch_fsdp_offload.activations import ActivationOffload, offload_activations
+from torch_fsdp_offload.activations import _policy_attachment, ActivationOffload, get_activation_offload, offload_activations
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig
 from torch_fsdp_offload.platform import PlatformKind
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -40,7 +38,7 @@ _STEPS = 2
 def _offload_small_tensors() -> contextlib.AbstractContextManager:
     """Offload every saved activation: the tiny model's are far below the default 1 MiB threshold."""
     return mock.patch.object(
-        activation_hooks, "ActivationOffload", functools.partial(ActivationOffload, min_offload_bytes=0)
+        _policy_attachment, "ActivationOffload", functools.partial(ActivationOffload, min_offload_bytes=0)
     )
 
 

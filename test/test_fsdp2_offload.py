@@ -25,7 +25,7 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 
 from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
-from torch_fsdp_offload import optim as optim_module
+from torch_fsdp_offload.optimizer import step_worker, streamed_steps
 from torch_fsdp_offload._integration.fsdp2_param_group import GroupOffload
 from torch_fsdp_offload.memory import empty_cache, memory_stats
 from torch_fsdp_offload.planner.report import Recommendation
@@ -192,7 +192,7 @@ class HostStepWorkerOrderTest(TestCase):
         # In backward the host submits a group's step when it issues the gradient copy, ahead of
         # the GPU: the worker must not wait on the newest (its gradients land last) while older
         # groups' gradients have landed.
-        worker = optim_module._StepWorker("test_worker")
+        worker = step_worker.StepWorker("test_worker")
         gate, order = threading.Event(), []
         landed = {"a": False, "b": False, "c": False}
         worker.submit(gate.wait)  # holds the thread while the queue fills
@@ -400,13 +400,13 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         # Every step after the first (which creates the state) handed the pipeline to its thread.
         self.assertEqual(submitted.call_count, STEPS - 1)
         # One parameter per pipelined run: uploads of the next run overlap this run's step.
-        with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", 1), mock.patch.object(
+        with mock.patch.object(streamed_steps, "STREAM_RUN_BYTES", 1), mock.patch.object(
             OffloadOptimizer, "_step_run", autospec=True, side_effect=step_run
         ) as runs:
             self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
         # Every step after the first (which creates the state) is pipelined, in several runs.
         self.assertGreater(runs.call_count, 2 * (STEPS - 1))
-        # The window: never more than _STREAM_RUNS_IN_FLIGHT runs uploaded and not yet landed.
+        # The window: never more than STREAM_RUNS_IN_FLIGHT runs uploaded and not yet landed.
         uploaded, stepped, landed, widest = [0], [0], set(), [0]
         upload_run = OffloadOptimizer._upload_run
 
@@ -427,11 +427,11 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             stepped[0] += 1
             return [Landing(t, stepped[0]) for t in step_run(optimizer, owner, run, upload)]
 
-        with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", 1), mock.patch.object(
+        with mock.patch.object(streamed_steps, "STREAM_RUN_BYTES", 1), mock.patch.object(
             OffloadOptimizer, "_upload_run", counting_upload
         ), mock.patch.object(OffloadOptimizer, "_step_run", recording_step):
             self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
-        self.assertEqual(widest[0], optim_module._STREAM_RUNS_IN_FLIGHT)
+        self.assertEqual(widest[0], streamed_steps.STREAM_RUNS_IN_FLIGHT)
 
     def test_parity_policy_on_the_last_blocks_only(self):
         # The per-module recipe for partial offload with host steps: the policy on the last blocks

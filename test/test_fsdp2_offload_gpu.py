@@ -19,9 +19,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
-from torch_fsdp_offload import optim as optim_module
 from torch_fsdp_offload.memory import memory_stats
 from torch_fsdp_offload.models import build_model, causal_lm_loss
+from torch_fsdp_offload.optimizer import streamed_steps
+from torch_fsdp_offload.optimizer.overlap import OverlapState
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 
@@ -126,7 +127,7 @@ class CoherentOffloadGPUTest(TestCase):
             self._train_both(reference, reference_optim, model, optim, rtol=1e-6)
             optim.synchronize()
             self._assert_params_close(model, reference)
-            self.assertTrue(optim._overlap_learned)
+            self.assertIs(optim._overlap.state, OverlapState.ON)
 
     def test_parity_with_activation_checkpointing(self):
         # Checkpointed blocks recompute their forward inside backward, after our copy-in for
@@ -240,8 +241,8 @@ class CoherentOffloadGPUTest(TestCase):
     def test_streamed_optimizer_matches_resident(self):
         # Streamed steps run the same CUDA fused AdamW kernel as GPU-resident FSDP2, whether a
         # group goes up in one run or one parameter per run (uploads overlapping steps).
-        for run_bytes in (optim_module._STREAM_RUN_BYTES, 1):
-            with mock.patch.object(optim_module, "_STREAM_RUN_BYTES", run_bytes):
+        for run_bytes in (streamed_steps.STREAM_RUN_BYTES, 1):
+            with mock.patch.object(streamed_steps, "STREAM_RUN_BYTES", run_bytes):
                 pair = self._pair(2, reference_policy=OffloadPolicy(), optimizer="stream")
                 self._train_both(*pair, rtol=1e-6)
                 self._assert_params_close(pair[2], pair[0])

@@ -7,9 +7,8 @@ verified. :func:`uninstall` restores torch's originals; while uninstalled, const
 [Installing the integration] in docs/design.md.
 """
 
-from torch_fsdp_offload._fsdp2.activation_hooks import get_activation_offload
 from torch_fsdp_offload._integration import install, install_on_import as _install_on_import, uninstall
-from torch_fsdp_offload.activations import ActivationOffload, offload_activations
+from torch_fsdp_offload.activations import ActivationOffload, get_activation_offload, offload_activations
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
 from torch_fsdp_offload.optim import OffloadOptimizer
 from torch_fsdp_offload.platform import (

@@ -43,6 +43,7 @@ __all__ = [
     "ENV_HOST_MEMORY",
     "HostMemoryError",
     "ManagedBuffer",
+    "PinnedFreeList",
     "check_host_capacity",
     "device_view",
     "empty_cache",
@@ -422,6 +423,57 @@ def pinned_empty(
     view = _pinned_pool.allocate(nbytes, pin_device is not None, pin_device)
     # torch.frombuffer keeps ``view`` alive for as long as the storage lives.
     return torch.frombuffer(view, dtype=dtype).view(dims)
+
+
+class PinnedFreeList:
+    """Buffers from :func:`pinned_empty` that one owner keeps for itself, by exact byte size.
+
+    For an owner that needs the same sizes every step and writes a buffer asynchronously: each buffer
+    comes back with the event recorded after the last copy that read it (None when none did), which
+    the stream of the next write into it must wait for. A buffer taken back is never handed to
+    another owner, so no other write can race that copy. Every buffer returns to the
+    :func:`pinned_empty` pool when the free list dies.
+
+    Args:
+        device (torch.device | str | int | None): the accelerator the memory is pinned for, as in
+            :func:`pinned_empty`.
+
+    Example::
+
+        >>> free_list = PinnedFreeList("cuda")
+        >>> buffer, read_done = free_list.take(1 << 20)  # (a new buffer, None) the first time
+        >>> free_list.give_back(buffer, None)
+        >>> free_list.take(1 << 20)[0] is buffer
+        True
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        self._device = device
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._lock = threading.Lock()
+        self.held_bytes = 0  # bytes of every buffer this list made, taken or free
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, Any]:
+        """A free ``uint8`` buffer of ``nbytes`` and the event its last reader recorded, or a new
+        buffer and None.
+
+        Raises:
+            HostMemoryError: as :func:`pinned_empty`, when a new buffer cannot be had.
+        """
+        with self._lock:
+            free_buffers = self._free.get(nbytes)
+            if free_buffers:
+                return free_buffers.pop()
+        buffer = pinned_empty(nbytes, torch.uint8, device=self._device)
+        with self._lock:
+            self.held_bytes += nbytes
+        return buffer, None
+
+    def give_back(self, buffer: torch.Tensor, read_done: Any) -> None:
+        """Keep ``buffer`` (from :meth:`take`) for the next :meth:`take` of its size, with the event
+        (or None) that a write into it must wait for."""
+        with self._lock:
+            self._free.setdefault(buffer.numel(), []).append((buffer, read_done))
 
 
 def empty_cache() -> None:

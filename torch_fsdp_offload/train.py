@@ -49,6 +49,7 @@ from torch_fsdp_offload.models import (
     build_hf_causal_lm,
     build_model,
     causal_lm_loss,
+    find_blocks,
 )
 from torch_fsdp_offload.activations import offload_activations
 from torch_fsdp_offload.optim import OffloadOptimizer
@@ -269,17 +270,6 @@ def _init_distributed(args: argparse.Namespace) -> _Distributed:
     return _Distributed(dist.get_rank(), world_size, device, mesh, owns_process_group)
 
 
-def _transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The per-layer modules to shard one by one: ``model.blocks``, or the largest ``ModuleList``
-    (``model.model.layers`` in Llama-like transformers models)."""
-    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
-        return model.blocks
-    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
-    if not lists:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of layers to shard per block")
-    return max(lists, key=len)
-
-
 def _shard_home(module: nn.Module, device: torch.device) -> torch.device:
     return torch.device("cpu") if fsdp2_shards_on_host(module) else device
 
@@ -350,7 +340,7 @@ def build_sharded_model(args: argparse.Namespace, dist_env: _Distributed) -> nn.
         model = build_hf_causal_lm(args.hf_config)
     else:
         model = build_model(args.model, device="meta")
-    for block in _transformer_blocks(model):
+    for block in find_blocks(model):
         fully_shard(block, mesh=dist_env.mesh, mp_policy=mp_policy, offload_policy=args.policy)
     fully_shard(model, mesh=dist_env.mesh, mp_policy=mp_policy, offload_policy=args.policy)
     if args.hf_config is None:
@@ -358,7 +348,7 @@ def build_sharded_model(args: argparse.Namespace, dist_env: _Distributed) -> nn.
         model.init_weights(seed=args.seed)
     if args.offload_activations:
         # Kept alive by the hooks it registers on the model.
-        offload_activations(model, blocks=list(_transformer_blocks(model)), fraction=args.offload_activations)
+        offload_activations(model, fraction=args.offload_activations)
     return model
 
 

@@ -27,7 +27,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedSt
 from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
 from torch_fsdp_offload import optim
-from torch_fsdp_offload._fsdp2 import activation_hooks
 from torch_fsdp_offload._integration import fsdp2_sharding as sharding
 from torch_fsdp_offload._integration.fsdp2_group_state import (
     assert_in_states,
@@ -36,6 +35,7 @@ from torch_fsdp_offload._integration.fsdp2_group_state import (
     SourceFreshness,
 )
 from torch_fsdp_offload._integration.fsdp2_sharding import ModelSharding
+from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
 from torch_fsdp_offload.memory import check_host_capacity, pinned_empty
 from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan, spread_group_offloaded
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer

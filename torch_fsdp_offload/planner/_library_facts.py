@@ -5,11 +5,8 @@ than copies of them. The names the library keeps private are imported here only,
 names they are to get, so that giving them those names in the library changes this file alone.
 """
 
-import inspect
-
-from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, offload_activations
-from torch_fsdp_offload.optim import _STREAM_RUN_BYTES as STREAM_RUN_BYTES
-from torch_fsdp_offload.optim import _STREAM_RUNS_IN_FLIGHT as STREAM_RUNS_IN_FLIGHT
+from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_PREFETCH_BLOCKS
+from torch_fsdp_offload.optim import STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.policy import _CAST_PLACEMENTS as CAST_PLACEMENTS
 from torch_fsdp_offload.policy import spread_group_offloaded
 
@@ -24,4 +21,4 @@ __all__ = [
 
 # Blocks ahead of the one in backward whose offloaded activations are reloaded: offload_activations'
 # default, which Recommendation.apply uses.
-ACTIVATION_PREFETCH_BLOCKS: int = inspect.signature(offload_activations).parameters["prefetch_blocks"].default
+ACTIVATION_PREFETCH_BLOCKS: int = DEFAULT_PREFETCH_BLOCKS

@@ -1,0 +1,86 @@
+"""The one record of which offloader offloads each module's activations, and who made that offloader.
+
+A module carries the hooks of at most one live offloader, as a model or as a block: a second would
+offload what the module saves twice. Every front door (:func:`offload_activations`,
+:class:`ActivationOffload` used directly, ``CoherentOffload(activations=...)``) checks and writes this
+record through the same functions, before anything is hooked.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["MadeBy", "check_can_hook", "forget_owner", "offloader_of", "record_owner"]
+
+
+class MadeBy(enum.Enum):
+    """How an offloader was made; its value names it in the refusal of a second one."""
+
+    CALL = "offload_activations(...)"
+    CLASS = "ActivationOffload.attach/register_blocks"
+    POLICY = "fully_shard(..., offload_policy=CoherentOffload(activations=...))"
+
+
+_KEEP_ONE = {
+    MadeBy.CALL: "call .remove() on the object offload_activations returned first, or keep it and drop this call",
+    MadeBy.CLASS: "call .remove() on that ActivationOffload first, or keep it and drop this call",
+    MadeBy.POLICY: (
+        "drop this call (the model's CoherentOffload(activations=...) offloads it already), or shard "
+        "with activations=False and use offload_activations alone"
+    ),
+}
+
+# Weak both ways: the record keeps neither the module nor its offloader alive.
+_offloader_of_module: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def offloader_of(module: nn.Module) -> Any:
+    """The live offloader whose hooks ``module`` carries (as a model or a block), or None."""
+    return _offloader_of_module.get(module)
+
+
+def check_can_hook(modules: Iterable[Any], offload: Any, caller: str) -> None:
+    """Refuse, before any is hooked, entries that are not modules or whose activations an offloader
+    other than ``offload`` already offloads.
+
+    Args:
+        modules (Iterable): the modules about to be hooked.
+        offload: the offloader about to hook them, or None for one not made yet.
+        caller (str): the call that refuses, as the message's first words.
+
+    Raises:
+        TypeError: an entry is not an ``nn.Module``.
+        ValueError: naming the module, the offloader that has it and how to keep only one.
+    """
+    modules = list(modules)
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"{caller} expects nn.Module instances, got {type(module).__name__}; pass the model "
+                "and its blocks themselves (e.g. model.blocks)"
+            )
+    for module in modules:
+        other = _offloader_of_module.get(module)
+        if other is None or other is offload:
+            continue
+        raise ValueError(
+            f"{caller}: {type(module).__name__} already has its activations offloaded by "
+            f"{other._made_by.value}; a second offloader on it would copy them twice. "
+            f"Keep one: {_KEEP_ONE[other._made_by]}."
+        )
+
+
+def record_owner(module: nn.Module, offload: Any) -> None:
+    """Note that ``offload``'s hooks are on ``module`` (checked with :func:`check_can_hook`)."""
+    _offloader_of_module[module] = offload
+
+
+def forget_owner(offload: Any) -> None:
+    """Release every module ``offload`` hooked (it removed its hooks)."""
+    for module in [module for module, owner in _offloader_of_module.items() if owner is offload]:
+        del _offloader_of_module[module]

@@ -1,0 +1,443 @@
+"""``OffloadOptimizer``: a ``torch.optim.Optimizer`` that steps each offloaded FSDP parameter group
+where and when it pays.
+
+FSDP hands a standard ``torch.optim`` optimizer sharded parameters whose data lives in host
+memory; stepping them all after backward leaves the GPU idle for the whole host step (the main
+cost of stock CPU offload). ``OffloadOptimizer`` wraps any ``torch.optim`` optimizer class and
+keeps one inner optimizer per offloaded FSDP parameter group, so each group's host step starts as
+soon as that group's gradients have landed, overlapping the rest of backward, and refreshes the
+group's compute-dtype mirror right after (``CoherentOffload(cast_on="host")``), ready for the next
+forward's copy-in. This module holds the wrapper (construction, ``step``, ``zero_grad``, state
+dicts, pickling); the host steps, the streamed steps and the learned overlap live in their own
+modules of this package.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from torch_fsdp_offload._integration.tensors import local_tensor
+from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr
+from torch_fsdp_offload.optimizer.groups import attach_optimizer, OffloadedGroup, offloaded_group
+from torch_fsdp_offload.optimizer.host_steps import HostSteps
+from torch_fsdp_offload.optimizer.hyperparameters import hyperparameters_changed
+from torch_fsdp_offload.optimizer.overlap import (
+    CHANGED_AFTER_STEP,
+    HYPERPARAMETERS_CHANGED,
+    LearnedOverlap,
+    OverlapState,
+    SECOND_GRADIENT,
+)
+from torch_fsdp_offload.optimizer.step_worker import StepWorker
+from torch_fsdp_offload.optimizer.streamed_steps import StreamedSteps
+
+__all__ = ["OffloadOptimizer"]
+
+
+class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
+    """Runs any ``torch.optim`` optimizer over a model sharded with ``CoherentOffload``, stepping
+    each offloaded parameter group on the host as soon as its gradients landed.
+
+    It is a ``torch.optim.Optimizer``: learning-rate schedulers, ``zero_grad``, ``state_dict`` /
+    ``load_state_dict`` and ``torch.distributed.checkpoint.state_dict.get_state_dict`` work as
+    with the wrapped class, and the state is keyed and shaped exactly as the wrapped class would
+    keep it (a checkpoint can be loaded into either).
+
+    Overlap with backward is learned, never assumed: the first ``step()`` runs every group after
+    backward and watches how gradients arrive. Overlap turns on only if each offloaded group
+    received exactly one gradient per step and nothing modified the gradients between their
+    arrival and ``step()`` (as ``clip_grad_norm_`` or a gradient scaler would; clip with
+    ``max_grad_norm=`` here instead, which is applied before any group steps, at the cost of the
+    overlap). Gradient accumulation with ``set_requires_gradient_sync(False)`` or
+    ``set_is_last_backward(False)`` keeps the overlap. If the pattern later changes while overlap
+    is on, the step raises instead of applying a gradient twice or unclipped. Every in-place
+    change of a gradient (foreach ops included) and every new ``.grad`` tensor is seen; a write
+    through ``.grad.data`` is not, as autograd's own version checks do not see it.
+
+    Args:
+        params (nn.Module or iterable): the FSDP-sharded model, or its parameters / parameter
+            groups as for any ``torch.optim`` optimizer.
+        optimizer_class (type): the optimizer to run, e.g. ``torch.optim.AdamW``. For host
+            steps pass ``fused=True`` where the class supports it (AdamW, Adam, SGD): the fused
+            CPU kernel is much faster than the default per-tensor loop.
+        overlap (bool): allow stepping groups during backward once it is known to be safe.
+            Default True.
+        max_grad_norm (float or None): clip the global gradient norm to this value before
+            stepping (disables overlap). Default None.
+        host_threads (int or None): CPU threads for host steps. Default: torch's intra-op
+            thread count minus one, leaving a core to the thread that launches GPU work.
+        overlap_next_forward (bool): let ``step()`` return while host steps, and the streamed
+            groups' pipeline (in a thread and on a CUDA stream of its own), still run, each
+            group's step finishing before the next forward copies that group in (groups whose
+            gradients have landed are stepped newest first, which after backward is forward
+            order). The host and streamed work then overlaps the next forward as well as
+            backward. Until a group's step finished its parameters hold the previous values:
+            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` of this optimizer and of
+            the model it was built from wait as needed; other reads of the parameters between
+            ``step()`` and the next forward must call :meth:`synchronize` first. Default False.
+        **optimizer_kwargs: passed to ``optimizer_class``.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass (or is an
+            instance, or ``OffloadOptimizer``); ``lr`` (also a parameter group's) is not a real
+            number or a one-element tensor; ``max_grad_norm`` is not a real number or None;
+            ``host_threads`` is not an int or None; ``overlap`` or ``overlap_next_forward`` is
+            not a bool; ``optimizer_class`` rejects the type of an ``optimizer_kwargs`` value.
+        ValueError: ``lr`` is negative or not finite; ``max_grad_norm`` is not finite and
+            positive; ``host_threads`` is below 1; ``optimizer_class`` rejects a value of
+            ``optimizer_kwargs``. All are checked before anything is built.
+        ValueError: at ``load_state_dict()``, for the state of another optimizer class or of
+            another model (other parameter groups, or a state tensor of another shape).
+        RuntimeError: at ``step()``, when overlap was on and a group received a second
+            gradient before ``step()``, or its gradients or the hyperparameters (lr, ...) were
+            modified after it had stepped during backward. Schedulers that change the lr after
+            ``step()`` are fine: each group's step uses the values of the moment it was started.
+
+    Example::
+
+        >>> policy = CoherentOffload()
+        >>> for block in model.blocks:
+        ...     fully_shard(block, offload_policy=policy)
+        >>> fully_shard(model, offload_policy=policy)
+        >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+        >>> scheduler = torch.optim.lr_scheduler.LinearLR(optim, 0.1, 1.0, total_iters=100)
+        >>> for batch in loader:
+        ...     model(batch).sum().backward()
+        ...     optim.step()
+        ...     optim.zero_grad()
+        ...     scheduler.step()
+    """
+
+    def __init__(
+        self,
+        params: nn.Module | Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        overlap: bool = True,
+        max_grad_norm: float | None = None,
+        host_threads: int | None = None,
+        overlap_next_forward: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        check_arguments(OffloadOptimizer, optimizer_class, overlap, max_grad_norm, host_threads, overlap_next_forward)
+        if "lr" in optimizer_kwargs:
+            check_lr(optimizer_kwargs["lr"], "lr")
+        model = params if isinstance(params, nn.Module) else None
+        if model is not None:
+            params = model.parameters()
+        # A throwaway instance validates the kwargs and yields the class's defaults.
+        try:
+            defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs).defaults
+        except (TypeError, ValueError) as error:
+            given = ", ".join(f"{key}={value!r}" for key, value in optimizer_kwargs.items())
+            raise type(error)(
+                f"OffloadOptimizer: {optimizer_class.__name__}({given}) refused the optimizer arguments: "
+                f"{error}. Pass the keyword arguments {optimizer_class.__name__} takes, with valid values."
+            ) from error
+        super().__init__(params, defaults)
+        if not any(offloaded_group(param) for group in self.param_groups for param in group["params"]):
+            warnings.warn(
+                "OffloadOptimizer: none of its parameters is in a parameter group that CoherentOffload "
+                "offloads (the model was not sharded with fully_shard(..., offload_policy=CoherentOffload()) "
+                "before this optimizer was built, or the policy offloads nothing here: module_fraction=0, "
+                "or a unified-memory or GPU-less platform), so it steps them as "
+                f"{optimizer_class.__name__} alone would. Use {optimizer_class.__name__} itself, or shard "
+                "the model with CoherentOffload before building this optimizer to offload it.",
+                stacklevel=2,
+            )
+        # The parameters' names (by position, as state_dict() numbers them) for error messages.
+        names = {id(param): name for name, param in model.named_parameters()} if model is not None else {}
+        self._param_names = [names.get(id(p)) for group in self.param_groups for p in group["params"]]
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = optimizer_kwargs
+        self.overlap = overlap
+        self.max_grad_norm = max_grad_norm
+        self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
+        self.overlap_next_forward = overlap_next_forward
+        # Host steps still running after step() returned (overlap_next_forward), and the
+        # zero_grad() calls deferred until they finish: key group, value set_to_none.
+        self._finishing: dict[OffloadedGroup, concurrent.futures.Future] = {}
+        self._finished: set[OffloadedGroup] = set()
+        self._zero_after: dict[OffloadedGroup, bool] = {}
+        self._finish_lock = threading.Lock()
+        if model is not None and overlap_next_forward:
+            # Reading or replacing the model's parameters must see every step finished.
+            optimizer_ref = weakref.ref(self)
+
+            def synchronize_hook(*unused: Any) -> None:
+                optimizer = optimizer_ref()
+                if optimizer is not None:
+                    optimizer.synchronize()
+
+            model.register_state_dict_pre_hook(synchronize_hook)
+            model.register_load_state_dict_pre_hook(synchronize_hook)
+        # key: an offloaded group, or None for every other parameter (GPU-resident ones).
+        self._inner: dict[OffloadedGroup | None, tuple[torch.optim.Optimizer, list]] | None = None
+        self._executor: StepWorker | None = None
+        # Streamed steps that outlive step() (overlap_next_forward) run in a thread of their own,
+        # on a stream of their own per device.
+        self._stream_executor: StepWorker | None = None
+        self._optimizer_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._stream_task: concurrent.futures.Future | None = None
+        self._pending: dict[OffloadedGroup, concurrent.futures.Future] = {}
+        self._overlap = LearnedOverlap()
+        self._host_seconds = 0.0
+        self._host_wait_seconds = 0.0
+        self._streamed: set[OffloadedGroup] = set()
+        # Per host-stepped group: the optimizer class over plain aliases of its local shards
+        # (see _host_step).
+        self._plain_twins: dict[OffloadedGroup, tuple[torch.optim.Optimizer, list[nn.Parameter]]] = {}
+        # Per streamed group: its optimizer state moved into flat pinned buffers (one per state
+        # key, laid out like the master), and a same-class optimizer over device proxies.
+        self._flat_state: dict[OffloadedGroup, dict[str, torch.Tensor]] = {}
+        self._device_inner: dict[OffloadedGroup, tuple[torch.optim.Optimizer, list[nn.Parameter]]] = {}
+        # Per streamed group and parameter: the state that is not parameter-shaped (step
+        # counters), kept on the device between steps so a pipelined step never waits on a
+        # host-to-device copy of a scalar; mirrored into the host state after each step.
+        self._device_scalars: dict[OffloadedGroup, list[dict[str, Any]]] = {}
+        self._seconds_lock = threading.Lock()
+        #: Host seconds spent stepping offloaded groups in the last ``step()`` (waits for
+        #: gradient copies included), whether they ran during backward or in ``step()``.
+        self.last_host_step_seconds = 0.0
+        #: The part of ``last_host_step_seconds`` spent waiting for gradient copies to land.
+        self.last_host_wait_seconds = 0.0
+        #: Seconds spent in streamed (GPU) steps in the last ``step()``, copies included (with
+        #: ``overlap_next_forward``, set by the pipeline's thread when it ends).
+        self.last_stream_step_seconds = 0.0
+
+    @property
+    def stepped_numel(self) -> dict[str, int]:
+        """This rank's parameter elements by where their optimizer step runs: ``"host"`` (offloaded
+        groups stepped on the CPU), ``"streamed"`` (offloaded groups stepped on the GPU in runs:
+        whole groups, the first ``round(fraction * offloaded groups)`` in forward order) and
+        ``"device"`` (groups that stay on the GPU). Streamed groups are chosen from the forward
+        order, so read this after the first forward.
+
+        Example::
+
+            >>> loss.backward(); optim.step()
+            >>> optim.stepped_numel
+            {'host': 805306368, 'streamed': 201326592, 'device': 604246016}
+        """
+        self._build()
+        counts = {"host": 0, "streamed": 0, "device": 0}
+        for owner, (inner, _) in self._inner.items():
+            where = "device" if owner is None else "streamed" if owner in self._streamed else "host"
+            counts[where] += sum(local_tensor(param).numel() for group in inner.param_groups for param in group["params"])
+        return counts
+
+    # -- inner optimizers --------------------------------------------------------------
+    def _build(self) -> None:
+        if self._inner is not None:
+            return
+        owners: dict[OffloadedGroup | None, dict[int, list[nn.Parameter]]] = {}
+        for index, group in enumerate(self.param_groups):
+            for param in group["params"]:
+                owners.setdefault(offloaded_group(param), {}).setdefault(index, []).append(param)
+        self._inner = {}
+        for owner, by_outer in owners.items():
+            inner_groups = [
+                {**self.param_groups[index], "params": params} for index, params in by_outer.items()
+            ]
+            inner = self.optimizer_class(inner_groups, **self.optimizer_kwargs)
+            inner.state = self.state  # one state, keyed by parameter, shared by all inners
+            pairs = list(zip(inner.param_groups, (self.param_groups[i] for i in by_outer)))
+            self._inner[owner] = (inner, pairs)
+            if owner is not None:
+                attach_optimizer(owner, self)
+        offloaded = sorted((o for o in self._inner if o is not None), key=lambda o: o.forward_index())
+        if offloaded:
+            # Stream the groups that run first in forward: their gradients land last, so a host
+            # step could not overlap backward anyway, and the next forward needs them first.
+            fraction = offloaded[0].plan.optimizer_gpu_fraction
+            self._streamed = set(offloaded[: round(fraction * len(offloaded))])
+
+    def _finish_group(self, owner: OffloadedGroup) -> None:
+        """A group's step that may have outlived ``step()`` (overlap_next_forward) has finished."""
+        with self._finish_lock:
+            set_to_none = self._zero_after.pop(owner, None)
+            self._finished.add(owner)
+        if set_to_none is not None:
+            # zero_grad() came while this group was stepping.
+            _zero_grads(owner.params, set_to_none)
+
+    # -- overlap ------------------------------------------------------------------------
+    def _on_grads_ready(self, owner: OffloadedGroup, is_last_backward: bool) -> None:
+        self._overlap.on_landing(owner)
+        if owner in self._pending:
+            raise RuntimeError(SECOND_GRADIENT)
+        overlapping = self.overlap and self._overlap.state is OverlapState.ON and is_last_backward
+        if not overlapping or owner in self._streamed:
+            return
+        self._build()
+        self._pending[owner] = self._submit_host_step(owner)
+
+    # -- public ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._build()
+        self.synchronize()
+        stepped = set(self._pending)
+        changed = [owner for owner in stepped if hyperparameters_changed(self._inner[owner][1])]
+        if changed:
+            self._refuse_step(HYPERPARAMETERS_CHANGED)
+        # Reading gradient versions is safe while those groups still step in the worker.
+        safe_pattern = self._overlap.pattern_is_safe(clipping=self.max_grad_norm is not None)
+        if stepped and not safe_pattern:
+            self._refuse_step(CHANGED_AFTER_STEP)
+        if self.max_grad_norm is not None:
+            self._clip_grad_norm(self.max_grad_norm)
+        todo = [owner for owner in self._inner if owner is not None and owner not in stepped]
+        host_todo = [owner for owner in todo if owner not in self._streamed]
+        streamed_todo = [owner for owner in todo if owner in self._streamed]
+        host_futures = dict(self._pending)
+        if streamed_todo or self.overlap_next_forward:
+            # Host cores step their groups (some may still be stepping since backward) while
+            # the link and the GPU step the streamed ones; of the groups whose gradients have
+            # landed the worker runs the newest submission first, so submit in reverse forward
+            # order.
+            for owner in sorted(host_todo, key=lambda o: o.forward_index(), reverse=True):
+                host_futures[owner] = self._submit_host_step(owner)
+        else:
+            for future in host_futures.values():
+                future.result()
+            host_futures = {}
+            for owner in host_todo:
+                self._step_inner(owner)
+        if self.overlap_next_forward and streamed_todo and all(self._pipeline_ready(o) for o in streamed_todo):
+            # The streamed groups' pipeline also runs on while the next forward starts (the
+            # groups before them in forward order need none of it); like a host step, each
+            # group's next copy-in waits for its own.
+            host_futures.update(self._submit_stream_steps(streamed_todo))
+        else:
+            started = time.perf_counter()
+            self._stream_steps(streamed_todo)
+            self.last_stream_step_seconds = time.perf_counter() - started
+        if self.overlap_next_forward:
+            # Each group's next copy-in waits for its own step; nothing else waits here.
+            for owner, future in host_futures.items():
+                owner.update_pending = future
+            self._finishing = host_futures
+        else:
+            for future in host_futures.values():
+                future.result()
+        if None in self._inner:
+            self._step_inner(None)
+        self._reset_cycle(learned_safe=safe_pattern)
+        with self._seconds_lock:
+            self.last_host_step_seconds, self._host_seconds = self._host_seconds, 0.0
+            self.last_host_wait_seconds, self._host_wait_seconds = self._host_wait_seconds, 0.0
+        for owner in self._inner:
+            if owner is not None:
+                owner.prefetch_next_forward()
+                break
+        return loss
+
+    def synchronize(self) -> None:
+        """Wait until every step has finished (only host steps and the streamed groups' pipeline
+        of ``overlap_next_forward`` can still run after ``step()`` returned); re-raise an error a
+        step raised.
+
+        Call it also before dropping the model and the optimizer: a step still running holds the
+        optimizer, and through it the groups' memory, until it ends (and the model, whose FSDP
+        state holds reference cycles, then waits for the next garbage collection).
+
+        Example::
+
+            >>> optim.step()
+            >>> optim.synchronize()
+            >>> log_norms(model)  # reads the updated parameters
+        """
+        finishing, self._finishing = self._finishing, {}
+        for owner, future in finishing.items():
+            future.result()
+            owner.update_pending = None
+        # The pipeline's thread sets a group's future before it returns: wait for the return too.
+        task, self._stream_task = self._stream_task, None
+        if task is not None:
+            task.result()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        deferred = set()
+        with self._finish_lock:
+            for owner in self._finishing:
+                if owner not in self._finished:
+                    self._zero_after[owner] = set_to_none
+                    deferred.add(owner)
+        skip = {id(param) for owner in deferred for param in owner.params}
+        _zero_grads(
+            [p for group in self.param_groups for p in group["params"] if id(p) not in skip], set_to_none
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return super().state_dict()
+
+    def _refuse_step(self, message: str) -> None:
+        """Let the groups already stepping finish, forget this cycle, and raise ``message``."""
+        for future in self._pending.values():
+            future.result()
+        self._reset_cycle()
+        raise RuntimeError(message)
+
+    def _reset_cycle(self, learned_safe: bool = False) -> None:
+        self._pending.clear()
+        self._overlap.end_cycle(learned_safe)
+
+    def _clip_grad_norm(self, max_norm: float) -> None:
+        for owner in self._inner:
+            if owner is not None:
+                owner.wait_grads()
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_loadable(self, state_dict, self._param_names)
+        self.synchronize()
+        super().load_state_dict(state_dict)
+        # Loaded state is new tensors: streamed groups move it into their flat buffers again.
+        self._flat_state.clear()
+        self._device_scalars.clear()
+        if self._inner is not None:
+            for inner, _ in self._inner.values():
+                inner.state = self.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and "lr" in param_group:
+            check_lr(param_group["lr"], f"param_groups[{len(self.param_groups)}]['lr']")
+        super().add_param_group(param_group)
+        self._inner = None  # rebuilt with the new group at the next step
+        self._plain_twins = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_finish_lock", "_finishing", "_device_inner", "_flat_state", "_streamed", "_device_scalars", "_plain_twins"):
+            state.pop(transient, None)
+        return state
+
+
+def _zero_grads(params: Iterable[nn.Parameter], set_to_none: bool) -> None:
+    """``zero_grad`` of ``params``, as ``torch.optim.Optimizer.zero_grad`` does it."""
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
+            else:
+                param.grad.requires_grad_(False)
+            param.grad.zero_()
