@@ -17,7 +17,13 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from torch_fsdp_offload._integration.tensors import disable_torch_function_subclass, parse_to_device, pytree
+from torch_fsdp_offload._integration.tensors import (
+    disable_torch_function_subclass,
+    make_subclass,
+    parse_to_device,
+    pytree,
+    tensor_str,
+)
 from torch_fsdp_offload.memory import device_view, managed_empty, pinned_empty
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -315,7 +321,7 @@ class TransferTensor(torch.Tensor):
 
     @classmethod
     def _wrap(cls, host: torch.Tensor, host_bytes: _HostBytes, requires_grad: bool) -> "TransferTensor":
-        result = torch.Tensor._make_subclass(cls, host, requires_grad)
+        result = make_subclass(cls, host, requires_grad)
         result._host_bytes = host_bytes
         return result
 
@@ -477,7 +483,7 @@ class TransferTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         with disable_torch_function_subclass():
-            body = torch._tensor_str._str(self.detach(), tensor_contents=tensor_contents)
+            body = tensor_str(self.detach(), tensor_contents=tensor_contents)
         prefix = "TransferTensor("
         body = body[len("tensor(") : -1].replace("\n", "\n" + " " * (len(prefix) - len("tensor(")))
         grad = ", requires_grad=True" if self.requires_grad else ""

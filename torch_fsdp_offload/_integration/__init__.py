@@ -1,7 +1,7 @@
 """Every use of torch's private internals in torch_fsdp_offload lives in this package.
 
 The rest of the library uses public torch API, and reaches these internals only through the small
-functions exported here and in :mod:`~torch_fsdp_offload._integration.tensors`.
+functions exported here and in its ``tensors``, ``dtensor_grads`` and ``installation`` modules.
 
 Modules, named by what they patch or read:
 
@@ -11,7 +11,9 @@ Modules, named by what they patch or read:
 * ``fsdp2_sharding``: the ``FSDPState.init`` wrap that sees every ``fully_shard`` call, and the
   undoing of a call the policy refused;
 * ``fsdp1_handles``: the seven FSDP1 ``FlatParamHandle`` / ``_runtime_utils`` patch points;
-* ``tensors``: DTensor, autograd and allocator internals, each behind one function.
+* ``tensors``: DTensor, autograd and allocator internals, each behind one function;
+* ``dtensor_grads``: watching a gradient DTensor for in-place changes (the optimizer's);
+* ``installation``: whether :func:`install` is in effect, for the code that must refuse without it.
 
 ``import torch_fsdp_offload`` calls :func:`install` once (see Note: [Installing the integration] in
 docs/design.md).

@@ -1,5 +1,7 @@
 """What sharding with a :class:`~torch_fsdp_offload.CoherentOffload` decides per model, kept outside
-the policy object, and the undoing of a ``fully_shard`` call this package refused.
+the policy object; the ``FSDPState.init`` wrap through which every ``fully_shard`` call is seen
+(applied by :func:`torch_fsdp_offload._integration.install`); and the undoing of a ``fully_shard``
+call this package refused.
 
 A policy object is configuration only, so one object can shard any number of models. What a model's
 sharding accumulates (how many of its groups were built, which ``module_fraction`` spreads over,

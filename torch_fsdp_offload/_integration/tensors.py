@@ -14,8 +14,10 @@ __all__ = [
     "host_empty_cache",
     "in_backward",
     "local_tensor",
+    "make_subclass",
     "parse_to_device",
     "pytree",
+    "tensor_str",
     "version_counter",
 ]
 
@@ -60,3 +62,14 @@ def host_empty_cache() -> None:
     empty = getattr(torch._C, "_host_emptyCache", None)
     if empty is not None:
         empty()
+
+
+def make_subclass(cls: type, data: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+    """An instance of the tensor subclass ``cls`` sharing ``data``'s storage (how torch's own
+    subclasses such as ``nn.Parameter`` are built)."""
+    return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def tensor_str(tensor: torch.Tensor, tensor_contents: Any = None) -> str:
+    """``repr(tensor)`` as torch formats it, for a subclass's ``__repr__``."""
+    return torch._tensor_str._str(tensor, tensor_contents=tensor_contents)
