@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch_fsdp_offload
 from torch_fsdp_offload import _integration, CoherentOffload, FullyShardedDataParallel, OffloadOptimizer
 from torch_fsdp_offload._integration import fsdp1_handles
+from torch_fsdp_offload._integration.fsdp2_group_state import GradCapture, GroupPlacement
 from torch_fsdp_offload._integration.fsdp2_param_group import CoherentFSDPParamGroup
 from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
 
@@ -177,6 +178,13 @@ class ShardAfterReinstallTest(_ProcessGroupTestCase):
         self.assertTrue(all(isinstance(group, CoherentFSDPParamGroup) for group in groups))
         self.assertTrue(all(group._offload.active for group in groups))
         self.assertEqual(after, before, atol=0, rtol=0)
+        # The group's states are explicit: homed at lazy init, idle between backwards, and a
+        # transition out of order is an assertion, not a silently wrong flag.
+        offload = groups[0]._offload
+        self.assertIs(offload.placement, GroupPlacement.HOMED)
+        self.assertIs(offload.grad_capture, GradCapture.IDLE)
+        with self.assertRaisesRegex(AssertionError, r"Expected to be in one of \['CAPTURING'\], but got IDLE"):
+            offload.end_grad_capture()
 
     def test_uninstall_is_refused_while_an_fsdp1_offload_model_is_alive(self):
         model = FullyShardedDataParallel(
