@@ -19,7 +19,8 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils import _pytree as pytree
 
-from torch_fsdp_offload.memory import device_view, managed_empty, pinned_empty
+from torch_fsdp_offload.device_memory import device_view, managed_empty
+from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 from torch_fsdp_offload.transfer import get_transfer_engine
 
