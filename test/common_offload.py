@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import FILE_SCHEMA
 
-from torch_fsdp_offload._cpu_copy_stream import misuses_detected
+from torch_fsdp_offload.cpu_copy_stream import misuses_detected
 
 
 class GlooMultiProcessTestCase(MultiProcessTestCase):

@@ -1,4 +1,5 @@
-"""Tests for torch_fsdp_offload.memory: exact-size host memory, the pool, capacity checks, managed memory.
+"""Tests for torch_fsdp_offload.memory (exact-size host memory, the pool, capacity checks) and
+torch_fsdp_offload.device_memory (zero-copy device views, managed memory).
 
 The CPU tests drive the real pool (anonymous mappings, page alignment, reuse, release) with
 ``device="cpu"``, which skips only the pinning call; the GPU tests add pinning, managed memory and
@@ -24,14 +25,13 @@ from torch.testing._internal.common_utils import (
 )
 
 from torch_fsdp_offload import memory
+from torch_fsdp_offload.device_memory import device_view, managed_empty
 from torch_fsdp_offload.memory import (
     HUGE_PAGE_SIZE,
     PAGE_SIZE,
     HostMemoryError,
     check_host_capacity,
-    device_view,
     empty_cache,
-    managed_empty,
     memory_stats,
     pinned_empty,
 )

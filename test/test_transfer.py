@@ -1,4 +1,4 @@
-"""Tests for torch_fsdp_offload.transfer: the transfer engine, Transfer handles, the prefetch queue.
+"""Tests for torch_fsdp_offload.transfer: the transfer engine and its Transfer handles.
 
 On the CPU the engine's "device" is the CPU (HOST_ONLY, or a platform forced to ``discrete``): every
 copy still runs, in chunks, and is counted, so all logic except the streams is tested here. The GPU
@@ -25,7 +25,7 @@ from torch.testing._internal.common_utils import (
 )
 
 from torch_fsdp_offload import transfer
-from torch_fsdp_offload._cpu_copy_stream import (
+from torch_fsdp_offload.cpu_copy_stream import (
     CpuAsyncCopies,
     cpu_async_copies,
     misuses_detected,
@@ -35,7 +35,6 @@ from torch_fsdp_offload.memory import memory_stats, pinned_empty
 from torch_fsdp_offload.platform import detect_platform
 from torch_fsdp_offload.transfer import (
     DEFAULT_CHUNK_BYTES,
-    PrefetchQueue,
     TransferEngine,
     TransferStats,
     get_transfer_engine,
@@ -137,47 +136,6 @@ class TestTransferEngineOnCPU(TestCase):
         self.assertEqual(out.shape, ())
         self.assertEqual(out.item(), 3.5)
 
-    def test_coalesced_round_trip_bit_exact(self) -> None:
-        srcs = [
-            _random_bits(5, torch.bfloat16, seed=1).view(5),
-            _random_bits(12, torch.bfloat16, seed=2).view(3, 4),
-            _random_bits(0, torch.bfloat16),
-            _random_bits(1, torch.bfloat16, seed=3).view(()),
-            _random_bits(1000, torch.bfloat16, seed=4).view(10, 100),
-        ]
-        result = self.engine.h2d_coalesced(srcs, chunk_bytes=64)
-        flat = result.wait()
-        self.assertEqual(flat.shape, (1018,))
-        self.assertEqual([view.shape for view in result.views], [src.shape for src in srcs])
-        for view, src in zip(result.views, srcs):
-            self.assertTrue(_same_bits(view, src))
-            self.assertEqual(view.untyped_storage().data_ptr(), flat.untyped_storage().data_ptr())
-        dsts = [torch.empty_like(src) for src in srcs]
-        back = self.engine.d2h_coalesced(flat, dsts)
-        back.synchronize()
-        self.assertIsNone(back.tensor)
-        for dst, src in zip(dsts, srcs):
-            self.assertTrue(_same_bits(dst, src))
-        self.assertEqual(self.engine.stats, TransferStats(2036, 2036, 1, 1))
-
-    def test_coalesced_merges_neighbours_in_one_storage(self) -> None:
-        flat_host = torch.arange(30, dtype=torch.float32)
-        parts = list(flat_host.split([10, 5, 15]))
-        separate = torch.full((4,), 7.0)
-        with mock.patch.object(transfer, "_copy_in_chunks", wraps=transfer._copy_in_chunks) as copy:
-            result = self.engine.h2d_coalesced([*parts, separate, parts[0]])
-            result.wait()
-        # parts[0..2] are back to back in one storage: one copy; ``separate`` and the repeat: one each.
-        self.assertEqual([call.args[0].numel() for call in copy.call_args_list], [120, 16, 40])
-        self.assertEqual(result.tensor, torch.cat([flat_host, separate, parts[0]]))
-
-    def test_into_given_flat_buffer(self) -> None:
-        srcs = [torch.ones(3), torch.full((2, 2), 2.0)]
-        flat = torch.zeros(7)
-        result = self.engine.h2d_coalesced(srcs, flat)
-        self.assertIs(result.wait(), flat)
-        self.assertEqual(flat, torch.tensor([1, 1, 1, 2, 2, 2, 2], dtype=torch.float32))
-
     def test_counters_and_reset(self) -> None:
         self.engine.h2d(torch.ones(10, dtype=torch.float16))
         self.engine.h2d(torch.ones(0))  # nothing crosses: not counted
@@ -190,9 +148,8 @@ class TestTransferEngineOnCPU(TestCase):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             self.engine.h2d(torch.ones(4), label="layer3.weights")
             self.engine.d2h(torch.ones(4), torch.empty(4))
-            self.engine.h2d_coalesced([torch.ones(2), torch.ones(2)])
         names = {event.name for event in profile.events()}
-        for label in ("layer3.weights", "d2h", "h2d_coalesced"):
+        for label in ("layer3.weights", "d2h"):
             self.assertIn(f"torch_fsdp_offload::{label}", names)
 
     def test_errors_raised_before_copying(self) -> None:
@@ -213,20 +170,6 @@ class TestTransferEngineOnCPU(TestCase):
             (lambda: engine.h2d(torch.ones(4), chunk_bytes=0), ValueError, "chunk_bytes must be a positive int"),
             (lambda: engine.h2d(torch.ones(4), chunk_bytes=True), ValueError, "chunk_bytes must be a positive int"),
             (lambda: engine.d2h(torch.ones(4), torch.empty(2, 2).t()), ValueError, "dst must be contiguous"),
-            (lambda: engine.h2d_coalesced([]), ValueError, "srcs is empty"),
-            (
-                lambda: engine.h2d_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)]),
-                ValueError,
-                "mixes dtypes",
-            ),
-            (lambda: engine.h2d_coalesced([torch.ones(2)], torch.empty(3)), ValueError, "with 2 elements"),
-            (lambda: engine.h2d_coalesced([torch.ones(2)], torch.empty(1, 2)), ValueError, "must be 1-D"),
-            (lambda: engine.d2h_coalesced(torch.ones(5), [torch.empty(2), torch.empty(2)]), ValueError, "with 4"),
-            (
-                lambda: engine.d2h_coalesced(torch.ones(4), [torch.empty(2), torch.empty(4)[::2]]),
-                ValueError,
-                r"dsts\[1\] must be contiguous",
-            ),
         ]
         for call, error, message in cases:
             with self.subTest(message=message):
@@ -256,65 +199,6 @@ class TestTransferEngineOnCPU(TestCase):
         engine.h2d(host.fill_(1.0)).wait()
         self.assertEqual(engine.stats.h2d_bytes - before.h2d_bytes, 1024)
         self.assertEqual(engine.stats.h2d_copies - before.h2d_copies, 1)
-
-
-class TestPrefetchQueueOnCPU(TestCase):
-    def setUp(self) -> None:
-        super().setUp()
-        self.engine = TransferEngine("cpu")
-        self.addCleanup(self.engine.synchronize)
-        self.hosts = {name: torch.full((4,), float(index)) for index, name in enumerate("abcde")}
-
-    def test_bound_ordering_and_eviction(self) -> None:
-        queue = PrefetchQueue(self.engine, prefetch_depth=2)
-        self.assertTrue(queue.prefetch("a", self.hosts["a"]))
-        self.assertTrue(queue.prefetch("b", self.hosts["b"]))
-        self.assertFalse(queue.prefetch("a", self.hosts["a"]))  # already queued: no second copy
-        self.assertEqual(queue.names(), ["a", "b"])
-        self.assertTrue(queue.prefetch("c", self.hosts["c"]))  # full: the oldest goes
-        self.assertEqual(queue.names(), ["b", "c"])
-        self.assertEqual(len(queue), 2)
-        self.assertNotIn("a", queue)
-        self.assertEqual(queue.evictions, 1)
-        self.assertEqual(queue.get("c"), self.hosts["c"])  # any queued name, in any order
-        self.assertEqual(queue.names(), ["b"])
-        self.assertEqual(queue.get("b"), self.hosts["b"])
-        self.assertEqual(len(queue), 0)
-        self.assertEqual((queue.hits, queue.misses), (2, 0))
-        self.assertEqual(self.engine.stats.h2d_copies, 3)
-
-    def test_never_more_than_depth_in_flight(self) -> None:
-        queue = PrefetchQueue(self.engine, prefetch_depth=3)
-        for name in "abcde":
-            queue.prefetch(name, self.hosts[name])
-            self.assertLessEqual(len(queue), 3)
-        self.assertEqual(queue.names(), ["c", "d", "e"])
-        self.assertEqual(queue.evictions, 2)
-
-    def test_miss_copies_on_demand(self) -> None:
-        queue = PrefetchQueue(self.engine, prefetch_depth=1)
-        with self.assertRaisesRegex(KeyError, "not queued"):
-            queue.get("a")
-        self.assertEqual(queue.get("a", self.hosts["a"]), self.hosts["a"])
-        self.assertEqual((queue.hits, queue.misses), (0, 1))
-
-    def test_labels_and_clear(self) -> None:
-        queue = PrefetchQueue(self.engine, prefetch_depth=2, label="params")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            queue.prefetch("block0", self.hosts["a"])
-        self.assertIn("torch_fsdp_offload::params:block0", {event.name for event in profile.events()})
-        queue.clear()
-        self.assertEqual(len(queue), 0)
-
-    def test_invalid_depth_and_bad_source(self) -> None:
-        for depth in (0, -1, 1.5, True):
-            with self.assertRaisesRegex(ValueError, "prefetch_depth must be an int >= 1"):
-                PrefetchQueue(self.engine, prefetch_depth=depth)
-        queue = PrefetchQueue(self.engine, prefetch_depth=1)
-        queue.prefetch("a", self.hosts["a"])
-        with self.assertRaisesRegex(ValueError, "src must be contiguous"):
-            queue.prefetch("b", torch.ones(2, 2).t())
-        self.assertEqual(queue.names(), ["a"])  # nothing evicted by the refused copy
 
 
 class _Gate:
@@ -448,12 +332,6 @@ class TestAsyncCopiesOnCPU(TestCase):
             self.assertTrue(up.done())  # copied before h2d returned
             self.assertEqual(up.tensor, torch.ones(3))
 
-    def test_prefetch_queue_get_waits_for_its_copy(self) -> None:
-        queue = PrefetchQueue(self.engine, prefetch_depth=2)
-        queue.prefetch("a", torch.full((4,), 2.0))
-        threading.Timer(0.05, self.gate.open).start()
-        self.assertEqual(queue.get("a"), torch.full((4,), 2.0))
-
     def test_refused_settings(self) -> None:
         cases = [
             ("banana", "is not valid: give '<max delay in ms>' or '<max delay in ms>:<seed>'"),
@@ -545,18 +423,6 @@ class TestTransferEngineOnGPU(TestCase):
         uploaded = self.engine.h2d(staging).wait()  # reads what the download writes: must follow it
         self.assertTrue(bool((uploaded == 9).all()))
 
-    def test_coalesced_round_trip(self) -> None:
-        flat_host = pinned_empty(3 * MiB, torch.bfloat16)
-        flat_host.copy_(_random_bits(3 * MiB, torch.bfloat16))
-        parts = list(flat_host.split([MiB, 2 * MiB - 5, 5]))
-        result = self.engine.h2d_coalesced(parts, chunk_bytes=MiB)
-        flat = result.wait()
-        self.assertTrue(_same_bits(flat.cpu(), flat_host))
-        dsts = [pinned_empty(part.shape, part.dtype) for part in parts]
-        self.engine.d2h_coalesced(flat, dsts).synchronize()
-        for dst, part in zip(dsts, parts):
-            self.assertTrue(_same_bits(dst, part))
-
     def test_wait_on_a_side_stream(self) -> None:
         host = pinned_empty(MiB, torch.float32).fill_(3.0)
         consumer = torch.cuda.Stream()
@@ -566,16 +432,6 @@ class TestTransferEngineOnGPU(TestCase):
         consumer.synchronize()
         self.assertEqual(total.item(), 3.0 * MiB)
         self.assertTrue(result.done())
-
-    def test_prefetch_queue(self) -> None:
-        hosts = [pinned_empty(MiB, torch.float32).fill_(float(i)) for i in range(4)]
-        queue = PrefetchQueue(self.engine, prefetch_depth=2)
-        for index in range(4):
-            for ahead in range(index, min(index + 2, 4)):
-                queue.prefetch(f"block{ahead}", hosts[ahead])
-            self.assertLessEqual(len(queue), 2)
-            self.assertEqual(queue.get(f"block{index}").sum().item(), float(index) * MiB)
-        self.assertEqual((queue.hits, queue.misses, queue.evictions), (4, 0, 0))
 
     def test_cast_on_the_device_after_the_link(self) -> None:
         # The fp32 bytes cross on the H2D stream, chunk after chunk through one landing buffer,
@@ -602,7 +458,7 @@ class TestTransferEngineOnGPU(TestCase):
             import torch
             from torch.cuda._sanitizer import CUDASanitizerErrors
             from torch_fsdp_offload.memory import pinned_empty
-            from torch_fsdp_offload.transfer import PrefetchQueue, get_transfer_engine
+            from torch_fsdp_offload.transfer import get_transfer_engine
 
             engine = get_transfer_engine(torch.cuda.current_device())
             host = pinned_empty((1024, 1024), torch.float32).fill_(1.0)
@@ -610,16 +466,10 @@ class TestTransferEngineOnGPU(TestCase):
             grads = weights * 2
             out = pinned_empty((1024, 1024), torch.float32)
             engine.d2h(grads, out, chunk_bytes=1 << 20).wait()
-            flat = engine.h2d_coalesced(list(host.split(256))).wait()
             cast = engine.h2d(host, dtype=torch.bfloat16, chunk_bytes=1 << 20).wait()
             assert bool((cast == 1.0).all())
-            engine.d2h_coalesced(flat * 3, [pinned_empty(256 * 1024, torch.float32) for _ in range(4)]).wait()
-            queue = PrefetchQueue(engine, prefetch_depth=2)
-            for index in range(3):
-                queue.prefetch(f"b{index}", host)
-            total = queue.get("b2").sum() + queue.get("b1").sum()
             engine.synchronize()
-            assert bool((out == 2.0).all()) and total.item() == 2 * 1024 * 1024
+            assert bool((out == 2.0).all())
             try:  # a consumer that skips Transfer.wait must be caught: proves the sanitizer is on
                 engine.h2d(host).tensor.sum()
             except CUDASanitizerErrors:

@@ -1,4 +1,4 @@
-"""Host memory for offloading: exact-size pinned tensors, managed allocations, zero-copy device views.
+"""Host memory for offloading: exact-size pinned tensors, and capacity checks before allocating.
 
 PyTorch's pinned memory (``torch.empty(..., pin_memory=True)``, ``Tensor.pin_memory()``) comes from its
 caching host allocator, which rounds every block up to a power of two: a 2.1 GiB shard pins 4 GiB, and
@@ -8,13 +8,10 @@ the pages it needs (2 MiB aligned and huge-page backed once a buffer is that lar
 Without an accelerator the same code returns page-aligned, unpinned host tensors, so its logic runs in
 CPU tests.
 
-:func:`managed_empty` hands out ``cudaMallocManaged`` memory as a CUDA tensor plus a CPU view of the same
-bytes (``TransferTensor(memory="managed")`` is built on it).
-:func:`device_view` turns pinned host memory into a CUDA tensor that reads it over the link, no copy.
-
-Every allocation is checked against what the machine can give (``MemAvailable``, ``ulimit -l``, free GPU
-memory) before anything is allocated, and :func:`memory_stats` reports what is live, so tests can show
-that the totals return to where they started.
+Every allocation is checked against what the machine can give (``MemAvailable``, ``ulimit -l``) before
+anything is allocated, and :func:`memory_stats` reports what is live (managed allocations of
+:mod:`torch_fsdp_offload.device_memory` included), so tests can show that the totals return to where
+they started.
 """
 
 from __future__ import annotations
@@ -32,42 +29,31 @@ from typing import Any
 
 import torch
 
-from torch_fsdp_offload.platform import (
-    detect_platform,
-    read_host_available_bytes,
-    read_locked_memory_limit_bytes,
-    resolve_device,
-)
+from torch_fsdp_offload.platform import read_host_available_bytes, read_locked_memory_limit_bytes, resolve_device
 
 __all__ = [
     "ENV_HOST_MEMORY",
     "HostMemoryError",
-    "ManagedBuffer",
     "PinnedFreeList",
     "check_host_capacity",
-    "device_view",
     "empty_cache",
     "host_capacity_bytes",
-    "managed_empty",
     "memory_stats",
     "pinned_empty",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
 # Replaces MemAvailable in the capacity checks. For machines whose MemAvailable understates what they
-# can give: VMs whose memory is hot-plugged as it is touched (a 2 x H200 VM reads 31 GiB at start and
-# grows to 255 GiB), or hosts whose page cache the kernel will drop but does not count as available.
+# can give: VMs whose memory is hot-plugged as it is touched (MemAvailable then reads a fraction of
+# what the VM grows to), or hosts whose page cache the kernel will drop but does not count as available.
 ENV_HOST_MEMORY = "TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES"
 _BYTE_UNITS = {
     "": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
 HUGE_PAGE_SIZE = 2 << 20
-# cudaHostRegisterPortable: the pages count as pinned for every CUDA context of the process, as in
-# torch.cuda._pin_memory_utils.
+# cudaHostRegisterPortable: the pages count as pinned for every CUDA context of the process.
 _CUDA_HOST_REGISTER_PORTABLE = 1
-# cudaMemAttachGlobal (a #define in cuda_runtime_api.h): any stream on any device may access the memory.
-_CUDA_MEM_ATTACH_GLOBAL = 1
 # Linux capability that lets a process lock memory beyond RLIMIT_MEMLOCK (include/uapi/linux/capability.h).
 _CAP_IPC_LOCK = 14
 
@@ -532,248 +518,7 @@ def memory_stats() -> dict[str, int]:
     return stats
 
 
-# --------------------------------------------------------------------------------------------------
-# Zero-copy CUDA tensors over memory torch did not allocate.
-
-
-class _CudaArrayInterface:
-    """Presents ``nbytes`` at ``ptr`` as a CUDA byte array; holds ``owner`` while a tensor uses it."""
-
-    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
-        self.owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 3,
-        }
-
-
-def _wrap_device_bytes(ptr: int, nbytes: int, owner: Any, device: torch.device) -> torch.Tensor:
-    with torch.cuda.device(device):
-        byte_tensor = torch.as_tensor(_CudaArrayInterface(ptr, nbytes, owner), device=device)
-    if byte_tensor.data_ptr() != ptr:
-        # torch.as_tensor infers the device from the pointer and copies when it differs.
-        raise RuntimeError(
-            f"the memory at {ptr:#x} is attributed to another device than {device}; "
-            "allocate or pin it with that device current (torch.cuda.set_device)."
-        )
-    return byte_tensor
-
-
-def _cuda_device(device: torch.device | str | int, fn: str) -> torch.device:
-    resolved = resolve_device(device)
-    if resolved.type != "cuda":
-        raise ValueError(f"{fn}: device must be a CUDA device, got {resolved}")
-    return resolved
-
-
-def _element_span_bytes(tensor: torch.Tensor) -> int:
-    """Bytes from ``data_ptr()`` to the end of the last element the tensor can reach."""
-    if tensor.numel() == 0:
-        return 0
-    if any(stride < 0 for stride in tensor.stride()):
-        raise ValueError("negative strides are not supported")
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return (last + 1) * tensor.element_size()
-
-
-def device_view(host_tensor: torch.Tensor, device: torch.device | str | int) -> torch.Tensor:
-    """Return a CUDA tensor that aliases pinned host memory: the GPU reads it over the link, no copy.
-
-    Under unified virtual addressing a pinned host pointer is also a device pointer, so kernels can
-    read (and write) ``host_tensor`` in place. Reads cross the CPU-GPU link at link speed each time,
-    which pays for data touched once (streaming) and on machines where the link is fast (NVLink-C2C).
-    The view keeps ``host_tensor`` alive.
-
-    Args:
-        host_tensor (torch.Tensor): a pinned CPU tensor, e.g. from :func:`pinned_empty`; any shape and
-            non-negative strides.
-        device (torch.device | str | int): the CUDA device that will read it.
-
-    Returns:
-        torch.Tensor: a tensor on ``device`` with ``host_tensor``'s shape, strides and dtype, sharing
-        its memory.
-
-    Raises:
-        ValueError: if ``host_tensor`` is not on the CPU, is not pinned (pageable memory is not
-            addressable by a discrete GPU), has negative strides, or ``device`` is not an available
-            CUDA device.
-        RuntimeError: if torch wraps the pointer on another device than ``device``.
-
-    Example::
-
-        >>> host = pinned_empty(1 << 20, torch.float32).fill_(1.0)
-        >>> device_view(host, "cuda").sum().item()
-        1048576.0
-    """
-    device = _cuda_device(device, "device_view")
-    if host_tensor.device.type != "cpu":
-        raise ValueError(f"device_view: host_tensor must be a CPU tensor, got one on {host_tensor.device}")
-    if not host_tensor.is_pinned():
-        raise ValueError(
-            "device_view: host_tensor is pageable; a discrete GPU can only address pinned host memory. "
-            "Allocate it with torch_fsdp_offload.memory.pinned_empty (or copy it into such a buffer)."
-        )
-    span = _element_span_bytes(host_tensor)
-    if span == 0:
-        return torch.empty(host_tensor.shape, dtype=host_tensor.dtype, device=device)
-    byte_tensor = _wrap_device_bytes(host_tensor.data_ptr(), span, host_tensor, device)
-    return torch.as_strided(byte_tensor.view(host_tensor.dtype), host_tensor.shape, host_tensor.stride())
-
-
-# --------------------------------------------------------------------------------------------------
-# Managed (unified) memory through cuda.bindings.
-
+# The live allocations of :func:`torch_fsdp_offload.device_memory.managed_empty`, which
+# :func:`memory_stats` reports.
 _managed_lock = threading.Lock()
 _managed_totals = {"bytes": 0, "count": 0}
-
-
-def _cuda_runtime():
-    """``cuda.bindings.runtime`` (or the older ``cuda.cudart`` layout), or a clear error."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        try:
-            from cuda import cudart as runtime
-        except ImportError:
-            raise RuntimeError(
-                "managed memory needs NVIDIA's cuda.bindings (cudaMallocManaged has no torch API): "
-                "`pip install cuda-bindings` matching your CUDA major version (the torch CUDA wheels "
-                "depend on it), or use memory=\"pinned\"."
-            ) from None
-    return runtime
-
-
-def _check_cuda(runtime, result: tuple, call: str) -> tuple:
-    error, *values = result
-    if error != runtime.cudaError_t.cudaSuccess:
-        _, name = runtime.cudaGetErrorString(error)
-        raise RuntimeError(f"{call} failed: {name.decode() if isinstance(name, bytes) else name} ({error})")
-    return tuple(values)
-
-
-class _ManagedAllocation:
-    """Owns one ``cudaMallocManaged`` range; both tensor views hold it, ``cudaFree`` runs when both die."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.ptr = ptr
-        self.nbytes = nbytes
-        finalizer = weakref.finalize(self, _free_managed, ptr, nbytes)
-        finalizer.atexit = False
-
-
-def _free_managed(ptr: int, nbytes: int) -> None:
-    runtime = _cuda_runtime()
-    # cudaFree waits for outstanding work on the range, so a kernel still reading it is safe.
-    _check_cuda(runtime, runtime.cudaFree(ptr), "cudaFree")
-    with _managed_lock:
-        _managed_totals["bytes"] -= nbytes
-        _managed_totals["count"] -= 1
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ManagedBuffer:
-    """A ``cudaMallocManaged`` allocation seen from both sides.
-
-    Attributes:
-        device_tensor (torch.Tensor): the bytes as a tensor on the CUDA device.
-        host_view (torch.Tensor): the same bytes as a CPU tensor (the CPU touches them in place; the
-            driver migrates pages on demand).
-        nbytes (int): size of the allocation in bytes.
-
-    The memory is freed with ``cudaFree`` when both tensors (and every view of them) are gone.
-
-    Example::
-
-        >>> buffer = managed_empty(1024, torch.float32, "cuda")
-        >>> buffer.host_view.fill_(1.0)  # written by the CPU ...
-        >>> buffer.device_tensor.sum().item()  # ... read by the GPU, same bytes
-        1024.0
-    """
-
-    device_tensor: torch.Tensor
-    host_view: torch.Tensor
-    nbytes: int
-
-
-def managed_empty(
-    shape: int | Sequence[int] | torch.Size,
-    dtype: torch.dtype,
-    device: torch.device | str | int,
-) -> ManagedBuffer:
-    """Allocate managed (unified) memory of exactly ``shape`` and return its CUDA and CPU views.
-
-    Managed memory has one address for CPU and GPU; the driver moves pages to whichever side touches
-    them (on discrete GPUs by page fault, slow unless prefetched), and on unified-memory machines
-    (Grace Hopper, DGX Spark) it is cached in GPU L2. The request must fit in the GPU's free memory:
-    oversubscribing managed memory can stall the GPU.
-
-    Args:
-        shape (int | Sequence[int]): shape of both tensors.
-        dtype (torch.dtype): element type.
-        device (torch.device | str | int): the CUDA device the allocation belongs to.
-
-    Returns:
-        ManagedBuffer: ``device_tensor`` (on ``device``) and ``host_view`` (CPU) over the same bytes.
-
-    Raises:
-        ValueError: if ``shape`` is invalid or ``device`` is not an available CUDA device.
-        TypeError: if ``dtype`` is not a ``torch.dtype``.
-        RuntimeError: if ``cuda.bindings`` is not available, the device does not support
-            concurrent managed memory, or ``cudaMallocManaged`` fails.
-        HostMemoryError: if the request exceeds the GPU's free memory.
-
-    Example::
-
-        >>> buffer = managed_empty((1024, 1024), torch.float32, "cuda")
-        >>> buffer.device_tensor.fill_(2.0); torch.cuda.synchronize()
-        >>> buffer.host_view[0, 0].item()
-        2.0
-    """
-    dims = _normalize_shape(shape)
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"managed_empty: dtype must be a torch.dtype, got {dtype!r}")
-    device = _cuda_device(device, "managed_empty")
-    nbytes = math.prod(dims) * dtype.itemsize
-    runtime = _cuda_runtime()
-    _require_managed_support(device)
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    if nbytes > free_bytes:
-        raise HostMemoryError(
-            f"Cannot allocate {_format_bytes(nbytes)} of managed memory on {device}: only "
-            f"{_format_bytes(free_bytes)} of its {_format_bytes(total_bytes)} is free (cudaMemGetInfo), "
-            "and oversubscribing managed memory can stall the GPU. Lower the offload fraction, "
-            "split the allocation, or use memory=\"pinned\"."
-        )
-    if nbytes == 0:
-        empty = torch.empty(dims, dtype=dtype)
-        return ManagedBuffer(empty.to(device), empty, 0)
-    with torch.cuda.device(device):
-        (ptr,) = _check_cuda(
-            runtime,
-            runtime.cudaMallocManaged(nbytes, _CUDA_MEM_ATTACH_GLOBAL),
-            f"cudaMallocManaged({nbytes})",
-        )
-    ptr = int(ptr)
-    with _managed_lock:
-        _managed_totals["bytes"] += nbytes
-        _managed_totals["count"] += 1
-    owner = _ManagedAllocation(ptr, nbytes)
-    device_bytes = _wrap_device_bytes(ptr, nbytes, owner, device)
-    host_bytes = (ctypes.c_uint8 * nbytes).from_address(ptr)
-    host_bytes.owner = owner  # the CPU view keeps the allocation alive too
-    host_view = torch.frombuffer(host_bytes, dtype=dtype).view(dims)
-    return ManagedBuffer(device_bytes.view(dtype).view(dims), host_view, nbytes)
-
-
-def _require_managed_support(device: torch.device) -> None:
-    platform = detect_platform(device)
-    if not platform.supports_managed_memory:
-        found = {name: platform.attributes.get(name) for name in ("ManagedMemory", "ConcurrentManagedAccess")}
-        raise RuntimeError(
-            f"{device} does not support managed memory shared by CPU and GPU at the same time "
-            f"(needs ManagedMemory=1 and ConcurrentManagedAccess=1, read {found}); "
-            "use memory=\"pinned\"."
-        )

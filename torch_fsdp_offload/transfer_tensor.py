@@ -24,7 +24,8 @@ from torch_fsdp_offload._integration.tensors import (
     pytree,
     tensor_str,
 )
-from torch_fsdp_offload.memory import device_view, managed_empty, pinned_empty
+from torch_fsdp_offload.device_memory import device_view, managed_empty
+from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 from torch_fsdp_offload.transfer import get_transfer_engine
 

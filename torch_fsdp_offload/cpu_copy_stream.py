@@ -40,6 +40,18 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+__all__ = [
+    "ENV_CPU_ASYNC_COPIES",
+    "CpuAsyncCopies",
+    "CpuCopyEvent",
+    "CpuCopyStream",
+    "cpu_async_copies",
+    "current_cpu_async_copies",
+    "misuses_detected",
+    "parse_cpu_async_copies",
+    "versioned_at_issue",
+]
+
 ENV_CPU_ASYNC_COPIES = "TORCH_FSDP_OFFLOAD_CPU_ASYNC_COPIES"
 _POISON = 0xFF
 
