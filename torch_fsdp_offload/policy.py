@@ -22,7 +22,7 @@ CastPlacement = Literal["host", "device"]
 OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
-_CAST_PLACEMENTS = ("host", "device")
+CAST_PLACEMENTS = ("host", "device")
 # GPU share of the optimizer step on a PCIe machine under optimizer="auto". A streamed step moves
 # its group's fp32 parameters, gradients and Adam moments up and back over the link, while a host
 # step spends host time per parameter; streamed steps run beside the host steps, so the step is
@@ -287,7 +287,7 @@ class CoherentOffload(CPUOffloadPolicy):
                 "'host', 'stream', or a float in [0, 1]: the fraction of offloaded groups whose "
                 "step is streamed through the GPU."
             )
-        if self.cast_on not in _CAST_PLACEMENTS:
+        if self.cast_on not in CAST_PLACEMENTS:
             raise ValueError(
                 f"CoherentOffload(cast_on={self.cast_on!r}) is not a cast placement; use 'host' "
                 "(compute-dtype bytes cross the link) or 'device' (the fp32 master crosses and is "

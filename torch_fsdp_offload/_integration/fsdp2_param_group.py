@@ -34,10 +34,10 @@ from torch_fsdp_offload._integration.fsdp2_group_state import (
     GroupPlacement,
     SourceFreshness,
 )
-from torch_fsdp_offload._integration.fsdp2_sharding import ModelSharding
+from torch_fsdp_offload._integration.fsdp2_group_plan import host_bytes, plan_group
 from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
-from torch_fsdp_offload.memory import check_host_capacity, pinned_empty
-from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan, spread_group_offloaded
+from torch_fsdp_offload.memory import pinned_empty
+from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
 
 logger = logging.getLogger(__name__)
@@ -47,52 +47,6 @@ _BaseParamGroup = fsdp_param_group_module.FSDPParamGroup
 # Every live coherent group, so a root can find its groups at lazy init.
 _live_groups: "weakref.WeakSet[CoherentFSDPParamGroup]" = weakref.WeakSet()
 _base_init_signature = inspect.signature(_BaseParamGroup.__init__)
-
-
-def _host_bytes(numel: int, master_dtype: torch.dtype, param_dtype: torch.dtype | None, cast_on: str) -> int:
-    """Host bytes an offloaded group of ``numel`` padded shard elements pins: master, gradient
-    buffer and, when the copy-in reads one (``cast_on="host"`` with a compute dtype other than the
-    master's), a mirror."""
-    mirrored = cast_on == "host" and param_dtype is not None and param_dtype != master_dtype
-    return numel * master_dtype.itemsize * 2 + (numel * param_dtype.itemsize if mirrored else 0)
-
-
-def _padded_shard_numel(param: nn.Parameter, mesh_info: Any, shard_placement_fn: Any) -> int:
-    """Elements of ``param``'s padded shard, as ``FSDPParam`` will lay it out (``torch.chunk``
-    along the shard dim: every shard as large as the first), before FSDP shards it."""
-    result = shard_placement_fn(param) if shard_placement_fn is not None else None
-    placement = getattr(result, "placement", result)
-    world_size = getattr(getattr(result, "mesh_info", mesh_info), "shard_mesh_size", 1)
-    if param.dim() == 0:
-        return 1
-    dim = placement.dim % param.dim() if placement is not None else 0
-    size = param.shape[dim]
-    return 0 if size == 0 else -(-size // world_size) * (param.numel() // size)
-
-
-def _plan_group(policy: CoherentOffload, model: ModelSharding, call: dict[str, Any]) -> tuple[ResolvedPlan, bool]:
-    """The policy's plan for the group ``fully_shard`` is about to build from ``call`` (the base
-    constructor's arguments) and whether it is offloaded, raising every refusal the policy makes,
-    all before FSDP converts a parameter.
-
-    The offloaded groups are spread evenly over the order in which ``fully_shard`` builds the
-    model's groups (0.5 offloads every second group), decided when each group is built: a
-    resident group must never have had its shards placed on the host, since its parameters keep
-    the device they were created with.
-    """
-    plan = policy.resolve()
-    offloaded = plan.copies and spread_group_offloaded(model.groups_built, plan.module_fraction)
-    if offloaded:
-        params = call["params"]
-        _check_one_dtype(params)
-        numel = sum(_padded_shard_numel(p, call["mesh_info"], call.get("shard_placement_fn")) for p in params)
-        pending = sum(g._offload.host_bytes() for g in _live_groups if g._offload.placement is GroupPlacement.ON_HOST)
-        check_host_capacity(
-            pending + _host_bytes(numel, params[0].dtype, call["mp_policy"].param_dtype, plan.cast_on),
-            pinned=plan.memory == "pinned",
-            what="CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')",
-        )
-    return plan, offloaded
 
 
 class CoherentFSDPParam(FSDPParam):
@@ -180,10 +134,10 @@ class GroupOffload:
         self.numel = offset
 
     def host_bytes(self) -> int:
-        """Host bytes this group will pin (see :func:`_host_bytes`)."""
+        """Host bytes this group will pin (see :func:`~torch_fsdp_offload._integration.fsdp2_group_plan.host_bytes`)."""
         master_dtype = self.group.fsdp_params[0]._sharded_param_data.dtype
         # Read from the policy: FSDPParam.param_dtype is set only at lazy init.
-        return _host_bytes(self.numel, master_dtype, self.group.mp_policy.param_dtype, self.plan.cast_on)
+        return host_bytes(self.numel, master_dtype, self.group.mp_policy.param_dtype, self.plan.cast_on)
 
     def _param_dtype_to_cast(self) -> torch.dtype | None:
         """The compute dtype the master is cast to for the copy-in, None if it needs no cast."""
@@ -482,19 +436,6 @@ class GroupOffload:
             schedule.prefetch_first(self.plan.prefetch_depth)
 
 
-def _check_one_dtype(params: list[nn.Parameter]) -> None:
-    """An offloaded group's shards live in one flat host buffer of one dtype: a group mixing dtypes
-    would have its parameters silently converted to the first one's. Refused before FSDP shards."""
-    dtypes = sorted({str(param.dtype) for param in params})
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"CoherentOffload keeps an FSDP group's shards in one host buffer of one dtype, but this "
-            f"group's parameters mix {', '.join(dtypes)}. Cast them to one dtype before fully_shard, or "
-            "call fully_shard (with the policy) on the submodules of each dtype first, so that each "
-            "dtype gets its own group"
-        )
-
-
 def _is_host_grad(offload: GroupOffload, fsdp_param: FSDPParam) -> bool:
     if offload.grads is None:
         return False
@@ -551,7 +492,8 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         model = sharding.model_sharding(policy, call["modules"])
         try:
             activation_hooks.check_activation_offload(policy, call["modules"])
-            plan, offloaded = _plan_group(policy, model, call)
+            pending = sum(g._offload.host_bytes() for g in _live_groups if g._offload.placement is GroupPlacement.ON_HOST)
+            plan, offloaded = plan_group(policy, model, call, pending_host_bytes=pending)
         except Exception as error:
             sharding.take_back_refused_call(call["modules"], error)
             raise

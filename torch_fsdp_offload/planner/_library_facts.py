@@ -1,13 +1,12 @@
-"""What the planner's cost model takes from the library: the one place it imports library internals.
+"""What the planner's cost model takes from the library, in one place.
 
-The step model must predict what the library does, so it reads the library's own constants rather
-than copies of them. The names the library keeps private are imported here only, under the public
-names they are to get, so that giving them those names in the library changes this file alone.
+The step model must predict what the library does, so it reads the library's own public constants
+rather than copies of them.
 """
 
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_PREFETCH_BLOCKS
 from torch_fsdp_offload.optim import STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
-from torch_fsdp_offload.policy import _CAST_PLACEMENTS as CAST_PLACEMENTS
+from torch_fsdp_offload.policy import CAST_PLACEMENTS
 from torch_fsdp_offload.policy import spread_group_offloaded
 
 __all__ = [

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch_fsdp_offload._integration.tensors import pytree
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -287,7 +287,7 @@ def _checkpoint_flops(block: nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     # Keyword objects that are neither tensors nor plain values (a transformers KV cache the trace
     # filled) are left out: the count must not append to them.
     kept = {k: v for k, v in kwargs.items() if _plain_value(v)}
-    detached_args, detached_kwargs = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kept))
+    detached_args, detached_kwargs = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kept))
     # The hidden state is the first positional argument, else the first keyword one.
     hidden_key = None if args else next(iter(kwargs))
     hidden = args[0] if args else kwargs[hidden_key]

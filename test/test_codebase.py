@@ -1,0 +1,150 @@
+"""The codebase's own rules, checked on every run: private torch internals only in the integration
+package, no import cycles inside the library, modules of at most 700 lines, documentation within its
+size limits, and a repository that neither narrates its history nor points outside itself."""
+
+import ast
+import os
+import re
+import subprocess
+
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "torch_fsdp_offload")
+INTEGRATION = os.path.join(PACKAGE, "_integration")
+MAX_MODULE_LINES = 700
+
+# Spellings of torch's private internals: FSDP2's and FSDP1's private modules, torch._C, the
+# private attributes of tensors and FSDP objects we read, and the pin_memory swap.
+PRIVATE_TORCH = re.compile(
+    r"\btorch(?:\.\w+)*\._(?!_)\w+|_fully_shard\b|_fsdp_param|_fsdp_state|_fsdp_common|_runtime_utils|"
+    r"_flat_param\b|_sharded_param_data|_sharded_local_tensor|\._local_tensor\b|\._version\b|"
+    r"Tensor\.pin_memory\s*=|_get_fsdp_state|_pin_memory_utils|from torch(?:\.\w+)* import _\w+"
+)
+HISTORY = re.compile(
+    r"\bsessions?\b|\bround [0-9]+\b|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|"
+    r"eleventh|twelfth|thirteenth|fourteenth|fifteenth)\s+session\b|\b(?:fifth|sixth|seventh|eighth|ninth|tenth|"
+    r"eleventh|twelfth|thirteenth|fourteenth|fifteenth)\s+(?:run|round)s?\b",
+    re.IGNORECASE,
+)
+OUTSIDE = re.compile(r"\.\./shared|shared/reference|shared/design|fsdp-internals\.md|anchors\.md")
+
+
+def _library_modules() -> dict[str, str]:
+    modules = {}
+    for directory, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                relative = os.path.relpath(path, ROOT)[: -len(".py")].replace(os.sep, ".")
+                modules[relative.removesuffix(".__init__")] = path
+    return modules
+
+
+def _tracked_files() -> list[str]:
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [line for line in listed.stdout.splitlines() if line]
+
+
+def _imports(path: str, module: str, known: set[str]) -> set[str]:
+    """The library modules ``module`` imports, at module level or inside functions."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+class TestCodebase(TestCase):
+    def test_private_torch_internals_only_in_the_integration_package(self):
+        offenders = []
+        for module, path in _library_modules().items():
+            if path.startswith(INTEGRATION + os.sep):
+                continue
+            for number, line in enumerate(open(path, encoding="utf-8"), 1):
+                if PRIVATE_TORCH.search(line.split("#", 1)[0]):
+                    offenders.append(f"{module}:{number}: {line.strip()}")
+        self.assertEqual(offenders, [], "private torch internals outside torch_fsdp_offload._integration")
+
+    def test_no_import_cycles(self):
+        modules = _library_modules()
+        known = set(modules)
+        graph = {module: _imports(path, module, known) for module, path in modules.items()}
+        # A package's __init__ re-exporting its submodules is not a cycle with them.
+        for module in graph:
+            graph[module] = {m for m in graph[module] if not module.startswith(m + ".")}
+        cycles = []
+        state: dict[str, int] = {}
+
+        def visit(module: str, stack: list[str]) -> None:
+            state[module] = 1
+            stack.append(module)
+            for target in sorted(graph[module]):
+                if state.get(target) == 1:
+                    cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+                elif target not in state:
+                    visit(target, stack)
+            stack.pop()
+            state[module] = 2
+
+        for module in sorted(graph):
+            if module not in state:
+                visit(module, [])
+        self.assertEqual(cycles, [])
+
+    def test_modules_are_at_most_700_lines(self):
+        long = {
+            module: sum(1 for _ in open(path, encoding="utf-8"))
+            for module, path in _library_modules().items()
+        }
+        self.assertEqual({m: n for m, n in long.items() if n > MAX_MODULE_LINES}, {})
+
+    def test_docs_within_their_size_limits(self):
+        docs = os.path.join(ROOT, "docs")
+        lengths = {
+            name: sum(1 for _ in open(os.path.join(docs, name), encoding="utf-8"))
+            for name in os.listdir(docs)
+            if name.endswith(".md")
+        }
+        self.assertEqual({n: k for n, k in lengths.items() if k > 400}, {})
+        self.assertLessEqual(sum(lengths.values()), 1500)
+        readme = sum(1 for _ in open(os.path.join(ROOT, "README.md"), encoding="utf-8"))
+        self.assertLessEqual(readme, 200)
+
+    def test_repository_neither_narrates_history_nor_points_outside(self):
+        found = []
+        for name in _tracked_files():
+            path = os.path.join(ROOT, name)
+            if HISTORY.search(name):
+                found.append(f"file name: {name}")
+            if not name.endswith((".py", ".md", ".sh", ".txt", ".cfg", ".toml")) or not os.path.isfile(path):
+                continue
+            if name == os.path.relpath(__file__, ROOT):
+                continue
+            for number, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1):
+                if HISTORY.search(line) or OUTSIDE.search(line):
+                    found.append(f"{name}:{number}: {line.strip()[:100]}")
+        self.assertEqual(found, [])
+
+
+if __name__ == "__main__":
+    run_tests()
