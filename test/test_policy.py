@@ -197,7 +197,7 @@ class CoherentOffloadCapacityTest(TestCase):
             ("fp32", "host", MixedPrecisionPolicy()),
         ):
             gc.collect()  # the previous model's group, never homed, would be counted too
-            with mock.patch("torch_fsdp_offload._integration.fsdp2_param_group.check_host_capacity") as check:
+            with mock.patch("torch_fsdp_offload._integration.fsdp2_group_plan.check_host_capacity") as check:
                 fully_shard(
                     nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)),
                     mp_policy=mp_policy,
