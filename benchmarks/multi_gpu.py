@@ -53,7 +53,7 @@ from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa:
 from torch_fsdp_offload.models import build_model, causal_lm_loss, rope_tables  # noqa: E402
 from torch_fsdp_offload.planner import get_profile, predict_per_gpu, TrainingConfig  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
-from torch_fsdp_offload.train import materialize_sharded  # noqa: E402
+from torch_fsdp_offload import materialize_sharded  # noqa: E402
 
 # Set before the process group exists: some multi-GPU VMs refuse NVLink multicast objects.
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})

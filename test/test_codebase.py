@@ -85,6 +85,21 @@ class TestCodebase(TestCase):
                     offenders.append(f"{module}:{number}: {line.strip()}")
         self.assertEqual(offenders, [], "private torch internals outside torch_fsdp_offload._integration")
 
+    def test_planner_platform_report_train_and_benchmarks_use_public_names(self):
+        private = re.compile(r"torch_fsdp_offload(?:\.\w+)*\._\w+|from torch_fsdp_offload(?:\.\w+)* import \(?\s*_\w+")
+        users = [os.path.join(PACKAGE, "planner"), os.path.join(PACKAGE, "platform_cli.py"),
+                 os.path.join(PACKAGE, "train.py"), os.path.join(PACKAGE, "__main__.py"), os.path.join(ROOT, "benchmarks")]
+        offenders = []
+        for user in users:
+            paths = [user] if user.endswith(".py") else [
+                os.path.join(directory, name) for directory, _, names in os.walk(user) for name in names if name.endswith(".py")
+            ]
+            for path in paths:
+                for number, line in enumerate(open(path, encoding="utf-8"), 1):
+                    if private.search(line.split("#", 1)[0]):
+                        offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+        self.assertEqual(offenders, [])
+
     def test_no_import_cycles(self):
         modules = _library_modules()
         known = set(modules)

@@ -34,7 +34,7 @@ from torch_fsdp_offload.planner import (
     ScenarioError,
     TrainingConfig,
 )
-from torch_fsdp_offload.planner._library_facts import DEFAULT_MAX_INFLIGHT_BYTES, STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
+from torch_fsdp_offload.planner.library_facts import DEFAULT_MAX_INFLIGHT_BYTES, STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.memory_breakdown import model_breakdown
 from torch_fsdp_offload.planner.peak_memory import phase_peaks
 from torch_fsdp_offload.planner.search import default_training_configs, search_training

@@ -27,7 +27,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torch_fsdp_offload.models import build_model
 from torch_fsdp_offload.policy import CoherentOffload
-from torch_fsdp_offload.train import materialize_sharded, parse_args
+from torch_fsdp_offload import materialize_sharded
+from torch_fsdp_offload.train import parse_args
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 180

@@ -10,6 +10,7 @@ verified. :func:`uninstall` restores torch's originals; while uninstalled, const
 from torch_fsdp_offload._integration import install, install_on_import as _install_on_import, uninstall
 from torch_fsdp_offload.activations import ActivationOffload, get_activation_offload, offload_activations
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
+from torch_fsdp_offload.materialize import materialize_sharded
 from torch_fsdp_offload.optim import OffloadOptimizer
 from torch_fsdp_offload.platform import (
     BandwidthReport,
@@ -39,6 +40,7 @@ __all__ = [
     "fully_shard_with_policy",
     "get_activation_offload",
     "install",
+    "materialize_sharded",
     "measure_bandwidth",
     "offload_activations",
     "OffloadOptimizer",

@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch_fsdp_offload._integration.tensors import pytree
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -279,6 +278,20 @@ def _plain_value(value: Any) -> bool:
     return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
 
 
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor in it detached, through nested tuples (named ones too), lists
+    and dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_detached(item) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _detached(item) for key, item in value.items()}
+    return value
+
+
 def _checkpoint_flops(block: nn.Module, args: tuple, kwargs: dict) -> tuple[float, int]:
     """(FLOPs a non-reentrant checkpoint of ``block`` recomputes in backward over its forward FLOPs,
     the block's forward FLOPs), counted on the ``meta`` tensors the trace called it with (nothing
@@ -287,7 +300,7 @@ def _checkpoint_flops(block: nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     # Keyword objects that are neither tensors nor plain values (a transformers KV cache the trace
     # filled) are left out: the count must not append to them.
     kept = {k: v for k, v in kwargs.items() if _plain_value(v)}
-    detached_args, detached_kwargs = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kept))
+    detached_args, detached_kwargs = _detached((args, kept))
     # The hidden state is the first positional argument, else the first keyword one.
     hidden_key = None if args else next(iter(kwargs))
     hidden = args[0] if args else kwargs[hidden_key]

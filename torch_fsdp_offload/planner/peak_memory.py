@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch_fsdp_offload.planner._library_facts import (
+from torch_fsdp_offload.planner.library_facts import (
     ACTIVATION_PREFETCH_BLOCKS,
     DEFAULT_MAX_INFLIGHT_BYTES,
     STREAM_RUN_BYTES,

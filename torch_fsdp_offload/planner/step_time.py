@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from torch_fsdp_offload.planner._library_facts import DEFAULT_MAX_INFLIGHT_BYTES
+from torch_fsdp_offload.planner.library_facts import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.planner.peak_memory import phase_peaks
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.traffic import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torch_fsdp_offload.planner._library_facts import CAST_PLACEMENTS, spread_group_offloaded
+from torch_fsdp_offload.planner.library_facts import CAST_PLACEMENTS, spread_group_offloaded
 
 __all__ = ["TrainingConfig"]
 
