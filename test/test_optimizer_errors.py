@@ -22,7 +22,7 @@ from common_offload import GlooMultiProcessTestCase
 from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 
-NOTHING_OFFLOADED = "none of its parameters is in a parameter group that CoherentOffload offloads"
+NOTHING_OFFLOADED = "none of its parameters was sharded with CoherentOffload"
 
 
 def _plain_optimizer(model: nn.Module, *args, **kwargs) -> OffloadOptimizer:

@@ -128,8 +128,15 @@ def attach_optimizer(group: OffloadedGroup, optimizer: torch.optim.Optimizer) ->
     _optimizer_by_group[group] = weakref.ref(optimizer)
 
 
+def managed_group(param: nn.Parameter) -> OffloadedGroup | None:
+    """The group built with ``CoherentOffload`` that holds ``param``, offloaded or not (the policy
+    offloads nothing where the platform copies nothing, or for ``module_fraction=0``); None if
+    ``param`` was not sharded with the policy."""
+    owner_ref = getattr(param, _GROUP_ATTRIBUTE, None)
+    return owner_ref() if owner_ref is not None else None
+
+
 def offloaded_group(param: nn.Parameter) -> OffloadedGroup | None:
     """The offloaded group that manages ``param``, None if none does."""
-    owner_ref = getattr(param, _GROUP_ATTRIBUTE, None)
-    owner = owner_ref() if owner_ref is not None else None
+    owner = managed_group(param)
     return owner if owner is not None and owner.offloaded else None

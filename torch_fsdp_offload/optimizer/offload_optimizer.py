@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr
-from torch_fsdp_offload.optimizer.groups import attach_optimizer, OffloadedGroup, offloaded_group
+from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, OffloadedGroup, offloaded_group
 from torch_fsdp_offload.optimizer.host_steps import HostSteps
 from torch_fsdp_offload.optimizer.hyperparameters import hyperparameters_changed
 from torch_fsdp_offload.optimizer.overlap import (
@@ -143,14 +143,16 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
                 f"{error}. Pass the keyword arguments {optimizer_class.__name__} takes, with valid values."
             ) from error
         super().__init__(params, defaults)
-        if not any(offloaded_group(param) for group in self.param_groups for param in group["params"]):
+        # Where the policy was applied but offloads nothing (a unified-memory or GPU-less platform,
+        # module_fraction=0), that is its decision for this machine, and the same script runs on
+        # every machine: no warning then.
+        if not any(managed_group(param) for group in self.param_groups for param in group["params"]):
             warnings.warn(
-                "OffloadOptimizer: none of its parameters is in a parameter group that CoherentOffload "
-                "offloads (the model was not sharded with fully_shard(..., offload_policy=CoherentOffload()) "
-                "before this optimizer was built, or the policy offloads nothing here: module_fraction=0, "
-                "or a unified-memory or GPU-less platform), so it steps them as "
-                f"{optimizer_class.__name__} alone would. Use {optimizer_class.__name__} itself, or shard "
-                "the model with CoherentOffload before building this optimizer to offload it.",
+                "OffloadOptimizer: none of its parameters was sharded with CoherentOffload (the model was "
+                "not sharded with fully_shard(..., offload_policy=CoherentOffload()) before this optimizer "
+                f"was built), so it steps them as {optimizer_class.__name__} alone would. Use "
+                f"{optimizer_class.__name__} itself, or shard the model with CoherentOffload before building "
+                "this optimizer to offload it.",
                 stacklevel=2,
             )
         # The parameters' names (by position, as state_dict() numbers them) for error messages.
