@@ -76,6 +76,42 @@ class _Net(nn.Module):
         return self.head(x).sum()
 
 
+class _Marked(nn.Module):
+    """A linear whose input mark records, in backward, that this group's backward is done."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(_Mark.apply(x, self.name)))
+
+
+class _CheckpointedBlock(nn.Module):
+    """A block of two FSDP groups whose forward is recomputed in backward (activation checkpointing)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.first = _Marked(f"{name}.first")
+        self.second = _Marked(f"{name}.second")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda y: self.second(self.first(y)), x, use_reentrant=False)
+
+
+class _CheckpointedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_CheckpointedBlock(f"blocks.{index}") for index in range(BLOCKS))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
 class _RecordingAdamW(torch.optim.AdamW):
     """AdamW that records when a step starts (OffloadOptimizer makes one per group, and a twin)."""
 
@@ -152,6 +188,36 @@ class AsyncPathTest(GlooMultiProcessTestCase):
                     issued = position("issue", ahead, after=forward_end)
                     self.assertGreater(issued, forward_end, _events)
                     self.assertLess(issued, computed, _events)
+
+    def test_checkpoint_recompute_prefetches_in_backward_order(self):
+        # A checkpointed block's forward runs again inside backward, where FSDP sees a forward:
+        # the prefetch window must still look in backward order, never at a group whose backward
+        # is done (that copy would be held until the next forward).
+        self.init_gloo()
+        torch.manual_seed(0)
+        model = _CheckpointedNet()
+        groups = [module for block in model.blocks for module in (block.first, block.second)]
+        policy = CoherentOffload(platform="discrete", optimizer="host", prefetch_depth=2)
+        fully_shard_with_policy(model, groups, policy, mesh=init_device_mesh("cpu", (self.world_size,)))
+        optim = OffloadOptimizer(model, _RecordingAdamW, lr=1e-2)
+        with self._record_issues():
+            for step in range(3):  # the first forward learns the order
+                _events.clear()
+                generator = torch.Generator().manual_seed(100 * step + self.rank)
+                model(torch.randn(3, DIM, generator=generator)).backward()
+                backward_events = list(_events)
+                optim.step()
+                optim.zero_grad()
+        optim.synchronize()
+        done = set()
+        late = []
+        for kind, group in backward_events:
+            if kind == "backward":
+                done.add(group)
+            elif kind == "issue" and group in done:
+                late.append(group)
+        self.assertEqual(late, [], backward_events)
+        self.assertTrue(done, backward_events)
 
     def test_host_step_starts_before_backward_ends(self):
         self.init_gloo()

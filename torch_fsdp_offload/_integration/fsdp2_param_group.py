@@ -35,6 +35,7 @@ from torch_fsdp_offload._integration.fsdp2_group_state import (
     SourceFreshness,
 )
 from torch_fsdp_offload._integration.fsdp2_group_plan import host_bytes, plan_group
+from torch_fsdp_offload._integration.tensors import in_backward
 from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan
@@ -548,9 +549,11 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         offload = self._offload
         if offload is not None and offload.active:
             schedule: RootSchedule = self.comm_ctx.coherent_schedule
+            # A checkpointed block's forward recomputed in backward is a FORWARD to FSDP, but the
+            # groups that compute next are those of backward order.
             schedule.on_compute(
                 offload,
-                backward=self._training_state == TrainingState.PRE_BACKWARD,
+                backward=self._training_state == TrainingState.PRE_BACKWARD or in_backward(),
                 depth=offload.plan.prefetch_depth,
             )
             # World size 1: FSDP copied the staging buffer into the parameters just now.
