@@ -7,6 +7,7 @@ method and ``destroy_process_group`` have run, carrying the exit code MultiProce
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -16,9 +17,25 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.testing._internal.common_distributed import MultiProcessTestCase
-from torch.testing._internal.common_utils import FILE_SCHEMA
+from torch.testing._internal.common_utils import FILE_SCHEMA, TestCase
 
 from torch_fsdp_offload.cpu_copy_stream import misuses_detected
+
+
+class SingleRankGlooTestCase(TestCase):
+    """A one-rank gloo process group in this process, around each test."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._store = tempfile.NamedTemporaryFile(delete=False).name
+        dist.init_process_group("gloo", init_method=f"file://{self._store}", rank=0, world_size=1)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+        # gloo's FileStore deletes its file once no process group or mesh holds it.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._store)
+        super().tearDown()
 
 
 class GlooMultiProcessTestCase(MultiProcessTestCase):

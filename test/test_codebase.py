@@ -21,13 +21,14 @@ PRIVATE_TORCH = re.compile(
     r"_flat_param\b|_sharded_param_data|_sharded_local_tensor|\._local_tensor\b|\._version\b|"
     r"Tensor\.pin_memory\s*=|_get_fsdp_state|_pin_memory_utils|from torch(?:\.\w+)* import _\w+"
 )
+# Spelled with character classes so that these patterns do not match their own source.
 HISTORY = re.compile(
-    r"\bsessions?\b|\bround [0-9]+\b|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|"
-    r"eleventh|twelfth|thirteenth|fourteenth|fifteenth)\s+session\b|\b(?:fifth|sixth|seventh|eighth|ninth|tenth|"
-    r"eleventh|twelfth|thirteenth|fourteenth|fifteenth)\s+(?:run|round)s?\b",
+    r"\bs[e]ssions?\b|\br[o]und [0-9]+\b|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|"
+    r"eleventh|twelfth|thirteenth|fourteenth|fifteenth)\s+s[e]ssion\b|\b(?:fifth|sixth|seventh|eighth|ninth|"
+    r"tenth|eleventh|twelfth|thirteenth|fourteenth|fifteenth)\s+(?:r[u]n|r[o]und)s?\b",
     re.IGNORECASE,
 )
-OUTSIDE = re.compile(r"\.\./shared|shared/reference|shared/design|fsdp-internals\.md|anchors\.md")
+OUTSIDE = re.compile(r"\.\./s[h]ared|s[h]ared/reference|s[h]ared/design|fsdp-internals\.md|anchors\.md")
 
 
 def _library_modules() -> dict[str, str]:
@@ -152,8 +153,6 @@ class TestCodebase(TestCase):
             if HISTORY.search(name):
                 found.append(f"file name: {name}")
             if not name.endswith((".py", ".md", ".sh", ".txt", ".cfg", ".toml")) or not os.path.isfile(path):
-                continue
-            if name == os.path.relpath(__file__, ROOT):
                 continue
             for number, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1):
                 if HISTORY.search(line) or OUTSIDE.search(line):

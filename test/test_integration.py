@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import re
 import sys
-import tempfile
 import threading
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
@@ -21,6 +18,7 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch_fsdp_offload
+from common_offload import SingleRankGlooTestCase
 from torch_fsdp_offload import _integration, CoherentOffload, FullyShardedDataParallel, OffloadOptimizer
 from torch_fsdp_offload._integration import fsdp1_handles
 from torch_fsdp_offload._integration.fsdp2_group_state import GradCapture, GroupPlacement
@@ -36,20 +34,12 @@ def _held() -> dict[str, object]:
     return {site: getattr(owner, name) for site, owner, name in _sites()}
 
 
-class _ProcessGroupTestCase(TestCase):
+class _ProcessGroupTestCase(SingleRankGlooTestCase):
     """A one-rank gloo process group in this process, and the integration reinstalled after."""
 
     def setUp(self):
         super().setUp()
-        self._store = tempfile.NamedTemporaryFile(delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{self._store}", rank=0, world_size=1)
         self.addCleanup(torch_fsdp_offload.install)
-
-    def tearDown(self):
-        dist.destroy_process_group()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self._store)
-        super().tearDown()
 
 
 class InstallTest(TestCase):

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
-import tempfile
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
@@ -21,6 +17,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_fsdp_offload._integration as fsdp2_integration
+from common_offload import SingleRankGlooTestCase
 from torch_fsdp_offload import CoherentOffload
 from torch_fsdp_offload.memory import HostMemoryError, memory_stats
 
@@ -148,18 +145,7 @@ class CoherentOffloadKnobsTest(TestCase):
                 fsdp2_integration.check_torch_version()
 
 
-class CoherentOffloadCapacityTest(TestCase):
-    def setUp(self):
-        super().setUp()
-        self._store = tempfile.NamedTemporaryFile(delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{self._store}", rank=0, world_size=1)
-
-    def tearDown(self):
-        dist.destroy_process_group()
-        # gloo's FileStore deletes its file once no process group or mesh holds it.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._store)
-        super().tearDown()
+class CoherentOffloadCapacityTest(SingleRankGlooTestCase):
 
     def test_not_enough_host_memory_fails_before_allocating(self):
         model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
@@ -207,20 +193,10 @@ class CoherentOffloadCapacityTest(TestCase):
         self.assertEqual(asked, {"host": 10 * numel, "device": 8 * numel, "fp32": 8 * numel})
 
 
-class SharedPolicyTest(TestCase):
+class SharedPolicyTest(SingleRankGlooTestCase):
     """One policy object shards any number of models, each as a fresh object would, and is not
     written to by sharding."""
 
-    def setUp(self):
-        super().setUp()
-        self._store = tempfile.NamedTemporaryFile(delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{self._store}", rank=0, world_size=1)
-
-    def tearDown(self):
-        dist.destroy_process_group()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._store)
-        super().tearDown()
 
     @staticmethod
     def _blocks_model() -> nn.Module:

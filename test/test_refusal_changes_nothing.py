@@ -9,15 +9,12 @@ never refused.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import os
-import tempfile
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -25,9 +22,9 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    TestCase,
 )
 
+from common_offload import SingleRankGlooTestCase
 from torch_fsdp_offload import CoherentOffload
 from torch_fsdp_offload.memory import ENV_HOST_MEMORY, HostMemoryError
 
@@ -61,18 +58,7 @@ _REFUSALS = {
 }
 
 
-class RefusalChangesNothingTest(TestCase):
-    def setUp(self) -> None:
-        super().setUp()
-        self._store = tempfile.NamedTemporaryFile(delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{self._store}", rank=0, world_size=1)
-
-    def tearDown(self) -> None:
-        dist.destroy_process_group()
-        # gloo's FileStore deletes its file once no process group or mesh holds it.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._store)
-        super().tearDown()
+class RefusalChangesNothingTest(SingleRankGlooTestCase):
 
     def _train_step(self, model: nn.Module) -> list[torch.Tensor]:
         """One AdamW step on a fixed batch; the parameters after it, as plain tensors."""
