@@ -29,9 +29,9 @@ _BUFFER_MB = 16
 _INIT_BUFFER_MB = 4
 
 
-def _active_mb(kind: str) -> int:
-    """Active device memory (``"peak"`` or ``"current"``) in MB, as FSDP2's test reads it."""
-    return round(torch.cuda.memory_stats()[f"active_bytes.all.{kind}"] / 1e6)
+def _active_bytes(kind: str) -> int:
+    """Active device memory (``"peak"`` or ``"current"``), as FSDP2's test reads it."""
+    return torch.cuda.memory_stats()[f"active_bytes.all.{kind}"]
 
 
 def _build_model() -> tuple[Transformer, int, int]:
@@ -48,7 +48,9 @@ def _build_model() -> tuple[Transformer, int, int]:
     return model, block_numel, non_block_numel
 
 
-def _bounds_mb(block_numel: int, non_block_numel: int, prefetch_depth: int) -> dict[str, float]:
+def _bounds_mb(
+    block_numel: int, non_block_numel: int, prefetch_depth: int, offload_optimizer: bool
+) -> dict[str, float]:
     """FSDP2's bounds for CPU offload (fp32, reshard after forward) at world size 1, where a block's
     shard is the whole block, plus the fp32 staging buffers of the ``prefetch_depth`` groups
     copied in ahead (during forward and backward).
@@ -56,16 +58,19 @@ def _bounds_mb(block_numel: int, non_block_numel: int, prefetch_depth: int) -> d
     Forward: the current block's unsharded parameters and copy-in, the next block's, and the
     non-block parameters. Backward: one block's unsharded parameters, two blocks' unsharded
     gradients (autograd's, and the reduce-scatter input), and the non-block parameters. The
-    optimizer step and zero_grad run on the host: no device memory beyond the buffer.
+    optimizer step and zero_grad run on the host: no device memory beyond the buffer, except,
+    with ``OffloadOptimizer``, the staging buffer of the next forward's first group (the root's,
+    the non-block parameters), whose copy-in it issues right after the step.
     """
     staging_mb = prefetch_depth * block_numel * 4 / 1e6
     compute_mb = (3 * block_numel + non_block_numel) * 4 / 1e6 + _BUFFER_MB + staging_mb
+    after_step_mb = non_block_numel * 4 / 1e6 if offload_optimizer else 0
     return {
         "init": 1.5 * block_numel * 4 / 1e6 + _INIT_BUFFER_MB,
         "forward": compute_mb,
         "backward": compute_mb,
-        "step": _BUFFER_MB,
-        "zero_grad": 0,
+        "step": _BUFFER_MB + after_step_mb,
+        "zero_grad": after_step_mb,
     }
 
 
@@ -88,21 +93,26 @@ class CoherentOffloadTrainingMemoryTest(TestCase):
         dist.destroy_process_group()
         os.unlink(cls._store_file)
 
-    def _base_mb(self) -> int:
+    def _base_bytes(self) -> int:
         """Active memory before the model, with what earlier models left released."""
         gc.collect()
         get_transfer_engine("cuda").synchronize()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        return _active_mb("peak")
+        return _active_bytes("peak")
 
     def _training_memory(
         self, prefetch_depth: int, offload_optimizer: bool, steps: int
     ) -> tuple[list[dict[str, int]], dict[str, float]]:
         """Peak active MB above the base, per phase of each training step (``init`` at the first
-        only, after sharding), and the bounds; printed for the record."""
-        base_mb = self._base_mb()
+        only, after sharding), and the bounds; printed for the record. The difference is rounded,
+        not each reading: what earlier tests of the process left allocated must not round it up."""
+        base = self._base_bytes()
+
+        def above_base_mb() -> float:
+            return round((_active_bytes("peak") - base) / 1e6, 2)
+
         model, block_numel, non_block_numel = _build_model()
         policy = CoherentOffload(prefetch_depth=prefetch_depth, optimizer="host")
         for module in model.modules():
@@ -114,28 +124,28 @@ class CoherentOffloadTrainingMemoryTest(TestCase):
             optim = OffloadOptimizer(model, torch.optim.Adam, lr=1e-2, foreach=False)
         else:
             optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-        readings = [{"init": _active_mb("peak") - base_mb}]
+        readings = [{"init": above_base_mb()}]
         # A small input keeps the activations small.
         inp = torch.randint(0, _VOCAB_SIZE, (1, 4), device="cuda")
         for step in range(steps):
             reading = readings[step] if step == 0 else {}
             torch.cuda.reset_peak_memory_stats()
             loss = model(inp)
-            reading["forward"] = _active_mb("peak") - base_mb
+            reading["forward"] = above_base_mb()
             loss.sum().backward()
-            reading["backward"] = _active_mb("peak") - base_mb
+            reading["backward"] = above_base_mb()
             del loss
             torch.cuda.reset_peak_memory_stats()
             optim.step()
-            reading["step"] = _active_mb("peak") - base_mb
+            reading["step"] = above_base_mb()
             optim.zero_grad()
             if offload_optimizer:
                 optim.synchronize()
             torch.cuda.reset_peak_memory_stats()  # after freeing
-            reading["zero_grad"] = _active_mb("peak") - base_mb
+            reading["zero_grad"] = above_base_mb()
             if step > 0:
                 readings.append(reading)
-        bounds = _bounds_mb(block_numel, non_block_numel, prefetch_depth)
+        bounds = _bounds_mb(block_numel, non_block_numel, prefetch_depth, offload_optimizer)
         print(
             f"prefetch_depth={prefetch_depth} offload_optimizer={offload_optimizer}: MB above base "
             f"{readings}; bounds {({phase: round(mb, 1) for phase, mb in bounds.items()})}"
