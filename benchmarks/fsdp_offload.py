@@ -99,7 +99,15 @@ _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "ho
 #                              reuses the parameters their forward copied in
 #   act=F                      CoherentOffload(activations=F)
 #   ac                         activation checkpointing of every block (checkpoint_wrapper)
-#   next-fwd                   OffloadOptimizer(overlap_next_forward=True)
+#   default                    CoherentOffload() and OffloadOptimizer(model, AdamW, lr, fused=True)
+#                              with every other knob at the library's default (README's usage);
+#                              only the clip items below may join it
+#   next-fwd                   OffloadOptimizer(overlap_next_forward=True), else False
+#   early                      OffloadOptimizer(step_during_backward=True): host steps during
+#                              backward (parameters change before step())
+#   clip                       OffloadOptimizer(max_grad_norm=1.0)
+#   user-clip                  torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) between
+#                              backward and step() (also as a ";user-clip" suffix of the baselines)
 #   threads=N                  OffloadOptimizer(host_threads=N)
 #   chunk=N                    CoherentOffload(chunk_bytes=N MiB)
 #   cast=device                CoherentOffload(cast_on="device"): the copy-ins move the fp32 master
@@ -111,7 +119,7 @@ _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "ho
 #                              sooner, so less of the step waits on one group's gradients or the
 #                              next forward on one group's step
 _ROW_ITEM = re.compile(
-    r"(host|stream|next-fwd|ac)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units)=([0-9]+)|cast=(host|device)"
+    r"(host|stream|next-fwd|ac|default|early|clip|user-clip)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units)=([0-9]+)|cast=(host|device)"
 )
 
 
@@ -125,12 +133,18 @@ def coherent_row_config(name: str) -> dict:
     match = re.fullmatch(r"coherent\((.*)\)", name)
     if match is None:
         raise ValueError(f"{name!r} is not a CoherentOffload row: name it coherent(item;...)")
+    items = match.group(1).split(";")
+    if "default" in items:
+        if not set(items) <= {"default", "clip", "user-clip"}:
+            raise ValueError(f"row {name!r}: default takes only clip or user-clip beside it")
+        return {}
     knobs: dict = {"prefetch_depth": 2}
-    for item in match.group(1).split(";"):
+    for item in items:
         parsed = _ROW_ITEM.fullmatch(item)
         if parsed is None:
             raise ValueError(f"unknown item {item!r} in row {name!r}: use host, stream, split=F, depth=N, "
-                             "modules=F, last=F, keep=N, act=F, ac, next-fwd, threads=N, chunk=N, units=2 or cast=device")
+                             "modules=F, last=F, keep=N, act=F, ac, next-fwd, early, clip, user-clip, threads=N, "
+                             "chunk=N, units=2 or cast=device (or default, alone or with clip / user-clip)")
         flag, fraction_key, fraction, count_key, count, cast_on = parsed.groups()
         if cast_on is not None:
             knobs["cast_on"] = cast_on
@@ -177,9 +191,25 @@ DEFAULT_ROWS = (
 )
 
 
+def row_items(name: str) -> list[str]:
+    """The items of a ``coherent(...)`` row, or the ``;`` suffixes of a baseline row."""
+    match = re.fullmatch(r"coherent\((.*)\)", name)
+    return match.group(1).split(";") if match else name.split(";")[1:]
+
+
+def user_clips(name: str) -> bool:
+    """Rows named ``user-clip`` call ``clip_grad_norm_(model.parameters(), 1.0)`` before ``step()``."""
+    return "user-clip" in row_items(name)
+
+
+def baseline(name: str) -> str:
+    """A baseline row's system (``resident`` or ``stock_cpu_offload+fused_cpu_adamw``)."""
+    return name.split(";")[0]
+
+
 def known_row(name: str) -> bool:
     """Whether ``run_row`` can run a row of this name."""
-    if name.removesuffix(";ac") in ("resident", "stock_cpu_offload+fused_cpu_adamw"):
+    if baseline(name) in ("resident", "stock_cpu_offload+fused_cpu_adamw") and set(row_items(name)) <= {"ac", "user-clip"}:
         return True
     try:
         coherent_row_config(name)
@@ -190,14 +220,21 @@ def known_row(name: str) -> bool:
 
 def checkpointed(name: str) -> bool:
     """Rows named ``;ac`` checkpoint every block (``checkpoint_wrapper``, non-reentrant)."""
-    return name.endswith(";ac") or re.search(r"[(;]ac[;)]", name) is not None
+    return "ac" in row_items(name)
 
 
 def optimizer_kwargs(name: str) -> dict:
-    """OffloadOptimizer arguments of a CoherentOffload row: rows named ``next-fwd`` let host
-    steps finish during the next forward (``overlap_next_forward=True``), ``threads=N`` step
-    with N host threads."""
-    kwargs = {"lr": 1e-4, "fused": True, "overlap_next_forward": "next-fwd" in name}
+    """OffloadOptimizer arguments of a CoherentOffload row: the library's defaults for
+    ``default`` rows; otherwise rows named ``next-fwd`` let host steps finish during the next
+    forward (``overlap_next_forward=True``), ``early`` step during backward, ``threads=N`` step
+    with N host threads; ``clip`` clips to a global norm of 1.0."""
+    items = row_items(name)
+    kwargs: dict = {"lr": 1e-4, "fused": True}
+    if "clip" in items:
+        kwargs["max_grad_norm"] = 1.0
+    if "default" in items:
+        return kwargs
+    kwargs.update(overlap_next_forward="next-fwd" in items, step_during_backward="early" in items)
     threads = re.search(r"threads=(\d+)", name)
     if threads is not None:
         kwargs["host_threads"] = int(threads.group(1))
@@ -325,7 +362,7 @@ def run_row(
     model = build_model(model_name, device="cuda")
     params = sum(p.numel() for p in model.parameters())
     ac = checkpointed(name)
-    base = name.removesuffix(";ac")
+    base = baseline(name)
     if base == "resident":
         _shard(model, None, ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -371,6 +408,8 @@ def run_row(
             loss.backward()
         bwd_event.record()
         with _phase_peak(phase_peaks, "optimizer", step >= warmup):
+            if user_clips(name):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
         end_event.record()
@@ -539,12 +578,19 @@ def lower_bound(
         # CoherentOffload rows on the host.
         cast = row["name"].startswith("coherent") and coherent_row_config(row["name"]).get("cast_on", "host") == "host"
         t_host = host_work_s(host_params, row["h2d_GB"] + row["d2h_GB"], host, cast=cast, shared_dram=shared_dram)
-        if optimizer_kwargs(row["name"])["overlap_next_forward"]:
+        kwargs = optimizer_kwargs(row["name"])
+        next_forward, early = kwargs.get("overlap_next_forward", True), kwargs.get("step_during_backward", False)
+        if early and next_forward:
             # Host steps may run under the next forward as well as backward, but for the chain.
             terms.append(t_host + (dependency_chain_s(row, resident) if chain else 0.0))
-        else:
+        elif early:
             n = _groups(row)
             terms.append(t_gpu + t_host - resident["bwd_s"] * (n - 1) / n)
+        elif next_forward:
+            # Nothing steps before step(): host steps start after backward, under the next forward.
+            terms.append(resident["bwd_s"] + t_host)
+        else:
+            terms.append(t_gpu + t_host)
     return max(terms)
 
 

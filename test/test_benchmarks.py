@@ -329,8 +329,20 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertFalse(fsdp_offload.checkpointed("coherent(host;next-fwd;modules=0.625;act=0.5)"))
         self.assertEqual(
             fsdp_offload.optimizer_kwargs("coherent(host;next-fwd;threads=12)"),
-            {"lr": 1e-4, "fused": True, "overlap_next_forward": True, "host_threads": 12},
+            {"lr": 1e-4, "fused": True, "overlap_next_forward": True, "step_during_backward": False, "host_threads": 12},
         )
+        self.assertEqual(
+            fsdp_offload.optimizer_kwargs("coherent(host;early;clip)"),
+            {"lr": 1e-4, "fused": True, "max_grad_norm": 1.0, "overlap_next_forward": False, "step_during_backward": True},
+        )
+        # default: CoherentOffload() and OffloadOptimizer's own defaults, clipping by either way.
+        self.assertEqual(fsdp_offload.coherent_row_config("coherent(default;user-clip)"), {})
+        self.assertEqual(fsdp_offload.optimizer_kwargs("coherent(default;clip)"), {"lr": 1e-4, "fused": True, "max_grad_norm": 1.0})
+        self.assertTrue(fsdp_offload.user_clips("coherent(default;user-clip)"))
+        self.assertTrue(fsdp_offload.user_clips("stock_cpu_offload+fused_cpu_adamw;user-clip"))
+        self.assertFalse(fsdp_offload.user_clips("coherent(default;clip)"))
+        self.assertTrue(fsdp_offload.known_row("stock_cpu_offload+fused_cpu_adamw;user-clip"))
+        self.assertFalse(fsdp_offload.known_row("coherent(default;host)"))
         for name in fsdp_offload.DEFAULT_ROWS:
             self.assertTrue(fsdp_offload.known_row(name), name)
         self.assertEqual(
@@ -390,14 +402,22 @@ class TestFsdpOffloadBenchmark(TestCase):
         resident = {"fwd_s": 0.05, "bwd_s": 0.1}
         bandwidth = {"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps": 100.0}
         host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1}
-        row = {"name": "coherent(host;next-fwd)", "h2d_GB": 10.0, "d2h_GB": 5.0, "host_stepped_params": 2e9, "n_blocks": 8}
-        # next-fwd: the whole host work (0.6 s) may hide; it is the largest term.
+        row = {"name": "coherent(host;next-fwd;early)", "h2d_GB": 10.0, "d2h_GB": 5.0, "host_stepped_params": 2e9, "n_blocks": 8}
+        # early and next-fwd: the whole host work (0.6 s) may hide; it is the largest term.
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.6)
-        # Without next-fwd only the backward of all but one group hides host work.
-        row["name"] = "coherent(host)"
+        # early without next-fwd: only the backward of all but one group hides host work.
+        row["name"] = "coherent(host;early)"
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.15 + 0.6 - 0.1 * 8 / 9)
+        # Nothing before step() (the default): host steps start after backward and may hide under
+        # the next forward only; without next-fwd, under nothing.
+        row["name"] = "coherent(host;next-fwd)"
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.1 + 0.6)
+        row["name"] = "coherent(default)"
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.1 + 0.6)
+        row["name"] = "coherent(host)"
+        self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.15 + 0.6)
         # cast=device: the host only steps (0.4 s); the cast runs on the GPU.
-        row["name"] = "coherent(host;next-fwd;cast=device)"
+        row["name"] = "coherent(host;next-fwd;early;cast=device)"
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.4)
         # Nothing on the host: the link (10 GB at 50 GB/s) is the bound.
         row["host_stepped_params"] = 0
@@ -410,7 +430,7 @@ class TestFsdpOffloadBenchmark(TestCase):
         bandwidth = {"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps": 100.0}
         host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1,
                 "link_busy": {"adamw_s_per_Gparam": 0.4, "cast_s_per_Gparam": 0.2, "link_GBps_meanwhile": 75.0}}
-        row = {"name": "coherent(host;next-fwd)", "h2d_GB": 10.0, "d2h_GB": 5.0, "host_stepped_params": 2e9, "n_blocks": 8}
+        row = {"name": "coherent(host;next-fwd;early)", "h2d_GB": 10.0, "d2h_GB": 5.0, "host_stepped_params": 2e9, "n_blocks": 8}
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host), 0.6)
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host, shared_dram=True), 0.6 + 0.2 * 0.5)
         # Never more than the whole host work at the busy rate.
@@ -427,7 +447,7 @@ class TestFsdpOffloadBenchmark(TestCase):
         bandwidth = {"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps": 100.0}
         host = {"adamw_s_per_Gparam": 0.2, "cast_s_per_Gparam": 0.1,
                 "link_busy": {"adamw_s_per_Gparam": 0.4, "cast_s_per_Gparam": 0.2, "link_GBps_meanwhile": 75.0}}
-        row = {"name": "coherent(host;next-fwd;last=0.5;keep=1;ac;units=2)", "h2d_GB": 10.0, "d2h_GB": 5.0,
+        row = {"name": "coherent(host;next-fwd;early;last=0.5;keep=1;ac;units=2)", "h2d_GB": 10.0, "d2h_GB": 5.0,
                "host_stepped_params": 1e9, "params_M": 2000.0, "n_blocks": 8}
         chain = 0.05 * 0.5 + 0.1 / 17
         self.assertAlmostEqual(fsdp_offload.dependency_chain_s(row, resident), chain)
@@ -438,7 +458,7 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host, shared_dram=True, chain=True),
                                shared + chain)
         # Without next-fwd the host term already waits for the last group: the chain adds nothing.
-        row["name"] = "coherent(host;last=0.5)"
+        row["name"] = "coherent(host;early;last=0.5)"
         self.assertAlmostEqual(fsdp_offload.lower_bound(row, resident, bandwidth, host, chain=True),
                                fsdp_offload.lower_bound(row, resident, bandwidth, host))
         # Nothing stepped on the host: no chain; the link bounds the row.

@@ -103,7 +103,7 @@ class CoherentOffloadTrainingMemoryTest(TestCase):
         return _active_bytes("peak")
 
     def _training_memory(
-        self, prefetch_depth: int, offload_optimizer: bool, steps: int
+        self, prefetch_depth: int, offload_optimizer: bool, steps: int, step_during_backward: bool = False
     ) -> tuple[list[dict[str, int]], dict[str, float]]:
         """Peak active MB above the base, per phase of each training step (``init`` at the first
         only, after sharding), and the bounds; printed for the record. The difference is rounded,
@@ -121,7 +121,9 @@ class CoherentOffloadTrainingMemoryTest(TestCase):
         fully_shard(model, offload_policy=policy)
         # FSDP2's test: no foreach, whose intermediates would raise the peak.
         if offload_optimizer:
-            optim = OffloadOptimizer(model, torch.optim.Adam, lr=1e-2, foreach=False)
+            optim = OffloadOptimizer(
+                model, torch.optim.Adam, lr=1e-2, foreach=False, step_during_backward=step_during_backward
+            )
         else:
             optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
         readings = [{"init": above_base_mb()}]
@@ -168,10 +170,15 @@ class CoherentOffloadTrainingMemoryTest(TestCase):
             with self.subTest(prefetch_depth=prefetch_depth):
                 self._assert_within(*self._training_memory(prefetch_depth, offload_optimizer=False, steps=2))
 
-    def test_training_memory_with_host_steps_during_backward(self):
-        # OffloadOptimizer steps the groups on the host as their gradients land, from the second
-        # step on: the same bounds hold at every step.
-        self._assert_within(*self._training_memory(1, offload_optimizer=True, steps=3))
+    def test_training_memory_with_host_steps(self):
+        # OffloadOptimizer steps the groups on the host after step() returned, under the next
+        # forward (the default), or with step_during_backward as their gradients land, from the
+        # second step on: the same bounds hold at every step.
+        for step_during_backward in (False, True):
+            with self.subTest(step_during_backward=step_during_backward):
+                self._assert_within(
+                    *self._training_memory(1, offload_optimizer=True, steps=3, step_during_backward=step_during_backward)
+                )
 
 
 if __name__ == "__main__":

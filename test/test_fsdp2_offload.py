@@ -285,6 +285,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         hsdp: bool = False,
         expect_copies: bool = True,
         overlap_next_forward: bool = False,
+        step_during_backward: bool = False,
         lr_schedule: bool = False,
         activation_checkpointing: bool = False,
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -312,6 +313,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             fused=True,
             max_grad_norm=max_grad_norm,
             overlap_next_forward=overlap_next_forward,
+            step_during_backward=step_during_backward,
         )
         schedulers = [
             torch.optim.lr_scheduler.LinearLR(o, start_factor=1.0, end_factor=0.1, total_iters=STEPS)
@@ -356,10 +358,16 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self.init_gloo()
         self._run_parity(policy=CoherentOffload(platform="discrete", prefetch_depth=1))
         self._run_parity(policy=CoherentOffload(platform="discrete", prefetch_depth=2), mixed_precision=False)
+        self._run_parity(
+            policy=CoherentOffload(platform="discrete", optimizer="host"),
+            step_during_backward=True,
+            overlap_next_forward=True,
+        )
 
     def test_parity_grad_accumulation_clipping_partial(self):
         self.init_gloo()
         self._run_parity(policy=CoherentOffload(platform="discrete"), grad_accum=2)
+        self._run_parity(policy=CoherentOffload(platform="discrete"), grad_accum=2, step_during_backward=True)
         self._run_parity(policy=CoherentOffload(platform="discrete"), max_grad_norm=0.05)
         self._run_parity(policy=CoherentOffload(platform="discrete", module_fraction=0.5))
 
@@ -577,7 +585,14 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
 
         class RecordingAdamW(torch.optim.AdamW):
             def step(self, closure=None):
-                calls.append({type(p) for group in self.param_groups for p in group["params"] if p.grad is not None})
+                calls.append(
+                    {
+                        DTensor if isinstance(p, DTensor) else type(p)
+                        for group in self.param_groups
+                        for p in group["params"]
+                        if p.grad is not None
+                    }
+                )
                 return super().step(closure)
 
         for overlap_next_forward in (False, True):
@@ -613,7 +628,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self.init_gloo()
         torch.manual_seed(0)
         model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), self._mesh(), MixedPrecisionPolicy())
-        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, step_during_backward=True)
         for step in range(2):  # the first step learns that overlap is safe
             _loss(model, _batch(step, self.rank)).backward()
             optim.step()

@@ -55,7 +55,13 @@ class OffloadOptimizerArgumentTest(TestCase):
             ({"host_threads": True}, TypeError, r"host_threads=True\) must be an int >= 1 or None"),
             ({"host_threads": 0}, ValueError, r"host_threads=0\) must be an int >= 1 or None"),
             ({"host_threads": -1}, ValueError, r"host_threads=-1\) must be an int >= 1 or None"),
-            ({"overlap": "no"}, TypeError, r"overlap='no'\) must be True or False"),
+            ({"step_during_backward": "no"}, TypeError, r"step_during_backward='no'\) must be True or False"),
+            ({"skip_nonfinite": None}, TypeError, r"skip_nonfinite=None\) must be True or False"),
+            (
+                {"skip_nonfinite": True, "step_during_backward": True},
+                ValueError,
+                r"skip_nonfinite=True, step_during_backward=True\).*cannot be undone",
+            ),
             ({"overlap_next_forward": 1}, TypeError, r"overlap_next_forward=1\) must be True or False"),
             ({"betaz": (0.9, 0.99)}, TypeError, r"AdamW\(.*\) refused the optimizer arguments: .*betaz"),
             ({"betas": (0.9, 2.0)}, ValueError, r"AdamW\(.*\) refused the optimizer arguments: .*beta"),
@@ -133,7 +139,7 @@ class OffloadOptimizerArgumentTest(TestCase):
 class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
     WORLD_SIZE = 2
 
-    def _models(self):
+    def _models(self, step_during_backward: bool = False):
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (self.world_size,))
         reference = TiedBlocksModel()
@@ -142,16 +148,17 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _shard(model, CoherentOffload(platform="discrete", optimizer="host"), mesh, MixedPrecisionPolicy())
-            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+            optim = OffloadOptimizer(
+                model, torch.optim.AdamW, lr=1e-2, fused=True, step_during_backward=step_during_backward
+            )
         # Groups are offloaded here: no nothing-offloaded warning.
         self.assertFalse(any(NOTHING_OFFLOADED in str(w.message) for w in caught))
         return reference, model, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), optim
 
     def test_clip_grad_norm_between_backward_and_step_is_exact(self):
-        # Clipping with clip_grad_norm_ between backward and step() from the first step on: the
-        # first step (after backward) sees the gradients changed, so groups never step during
-        # backward and training matches FSDP2 with the same clip. The first clip is a no-op
-        # (a norm far above the gradients'): the change of the gradients is seen all the same.
+        # Clipping with clip_grad_norm_ between backward and step(): nothing steps before step()
+        # (the default), so training matches FSDP2 with the same clip, and the groups' steps
+        # still run after step() returned (finishing under the next forward).
         self.init_gloo()
         reference, model, reference_optim, optim = self._models()
         for step in range(STEPS):
@@ -161,14 +168,16 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
                 torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
                 o.step()
                 o.zero_grad()
-        self.assertEqual(optim._pending, {})
+            self.assertEqual(optim._pending, {})
+            self.assertGreater(len(optim._finishing), 0)
         for (name, param), (_, reference_param) in zip(model.named_parameters(), reference.named_parameters()):
             self.assertEqual(param.full_tensor(), reference_param.full_tensor(), atol=0, rtol=0, msg=name)
 
     def test_gradients_changed_after_groups_stepped_during_backward_raise(self):
-        # Once overlap is on, groups step as their gradients land; any later in-place change of
-        # their gradients (or a new gradient tensor) would be silently lost for them: step()
-        # refuses, naming max_grad_norm= and overlap=False, and the next step trains normally.
+        # With step_during_backward, groups step as their gradients land once that is learned
+        # safe; any later in-place change of their gradients (or a new gradient tensor) would be
+        # silently lost for them: step() refuses, naming max_grad_norm= and
+        # step_during_backward=False, and the next step trains normally.
         self.init_gloo()
 
         def clip(model):
@@ -194,7 +203,7 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
 
         for change in (clip, clip_value, foreach_mul, mul, local_mul, rebind):
             with self.subTest(change=change.__name__):
-                _, model, _, optim = self._models()
+                _, model, _, optim = self._models(step_during_backward=True)
                 for step in range(2):  # the first step learns that overlap is safe
                     _loss(model, _batch(step, self.rank)).backward()
                     optim.step()
@@ -205,14 +214,14 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
                 with self.assertRaisesRegex(
                     RuntimeError,
                     r"gradients changed after some parameter groups had already stepped during backward"
-                    r".*OffloadOptimizer\(\.\.\., max_grad_norm=\.\.\.\).*overlap=False",
+                    r".*OffloadOptimizer\(\.\.\., max_grad_norm=\.\.\.\).*step_during_backward=False",
                 ):
                     optim.step()
                 optim.zero_grad()
                 _loss(model, _batch(3, self.rank)).backward()
                 optim.step()
-                # The gradients are plain DTensors again once step() ran.
-                self.assertTrue(all(type(p.grad).__name__ == "DTensor" for p in model.parameters() if p.grad is not None))
+                # The gradients are no longer watched once step() ran.
+                self.assertTrue(all(type(p.grad).__name__ != "_WatchedGrad" for p in model.parameters() if p.grad is not None))
                 optim.zero_grad()
                 self.assertTrue(all(math.isfinite(p.full_tensor().sum().item()) for p in model.parameters()))
 
@@ -222,7 +231,7 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
         # themselves during backward; the fused kernel declares the gradients it reads as
         # written, which must not read as the user changing them.
         self.init_gloo()
-        reference, model, reference_optim, optim = self._models()
+        reference, model, reference_optim, optim = self._models(step_during_backward=True)
         for step in range(4):
             if step == 2:
                 for o, m in ((optim, model), (reference_optim, reference)):

@@ -1,5 +1,5 @@
-"""Watching a gradient DTensor for in-place changes: the DTensor internals it takes, behind three
-functions.
+"""Watching a gradient DTensor for in-place changes, and serving ``clip_grad_norm_`` from work done
+as the gradient landed: the DTensor internals it takes, behind a few functions.
 
 In-place foreach ops on a tensor subclass (``clip_grad_norm_``, ``clip_grad_value_`` and a gradient
 scaler's ``unscale_`` use them) bump neither the DTensor's version counter nor its local tensor's,
@@ -7,21 +7,38 @@ so a version read alone misses them. :func:`watch_grad` re-classes a gradient to
 whose dispatch bumps the version counter on every write to it; :func:`unwatch_grad` makes it a plain
 DTensor again. Re-classing keeps the tensor itself (``param.grad is grad`` still holds) and reads
 each op's schema (``OpOverload._schema``) to find the arguments it writes.
+
+A watched gradient also takes the two ops of ``clip_grad_norm_`` off the caller's thread (see
+Note: [Exact clipping at full overlap] in docs/design.md): ``_foreach_norm`` returns the norms
+:func:`compute_norms` computed from the landed local shards (the same kernel on the same bytes,
+so the same bits), wrapped as DTensor's own op would wrap them, and ``_foreach_mul_`` by a scalar
+is recorded, to be applied by :func:`apply_scales` in the thread that steps the group, before
+any other op reads the gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._ops._math_ops import _NormPartial
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["unwatch_grad", "unwatched_writes", "watch_grad"]
+__all__ = ["apply_scales", "compute_norms", "expect_norms", "unwatch_grad", "unwatched_writes", "watch_grad"]
 
 # Set while this thread runs ops whose writes to watched gradients are no change of them.
 _unwatched = threading.local()
+# Watched gradient -> its _LandedNorm.
+_norms: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Gradient -> the scalars it is still to be multiplied by, in order.
+_scales: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_lock = threading.Lock()
+
+_aten = torch.ops.aten
 
 
 class _WatchedGrad(DTensor):
@@ -31,9 +48,32 @@ class _WatchedGrad(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # clip_grad_norm_ runs the foreach ops on DTensors, and the per-tensor ones on this
+        # subclass (torch's foreach support lists DTensor by type).
+        if func is _aten._foreach_norm.Scalar:
+            norms = _landed_norms(*args, **kwargs)
+            if norms is not None:
+                return norms
+        elif func is _aten.linalg_vector_norm.default and len(args) <= 2 and not kwargs:
+            norms = _landed_norms([args[0]], *args[1:])
+            if norms is not None:
+                return norms[0]
+        elif func is _aten._foreach_mul_.Tensor and _defer_scale(*args, **kwargs):
+            return None
+        elif func is _aten.mul_.Tensor and not kwargs and _defer_scale([args[0]], args[1]):
+            return args[0]
+        for value in args:
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(tensor, DTensor):
+                    # Its norm may be computing in another thread: no op of this one beside it.
+                    with _lock:
+                        entry = _norms.get(tensor)
+                    if entry is not None:
+                        entry.ready.wait()
+                    apply_scales(tensor)
         result = super().__torch_dispatch__(func, types, args, kwargs)
         if func._schema.is_mutable and not getattr(_unwatched, "active", False):
-            kwargs = kwargs or {}
             for position, argument in enumerate(func._schema.arguments):
                 if argument.is_write:
                     value = args[position] if position < len(args) else kwargs.get(argument.name)
@@ -41,6 +81,106 @@ class _WatchedGrad(DTensor):
                         if isinstance(tensor, _WatchedGrad):
                             torch.autograd.graph.increment_version(tensor)
         return result
+
+
+class _LandedNorm:
+    """A watched gradient's local 2-norm, computed in another thread: ``ready`` once it is (or
+    failed: ``local`` None), with the gradient's versions it belongs to."""
+
+    __slots__ = ("local", "ready", "versions")
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.local: torch.Tensor | None = None
+        self.versions: tuple[int, int] | None = None
+
+
+def _versions(grad: DTensor) -> tuple[int, int]:
+    return grad._version, grad._local_tensor._version
+
+
+def _norm_placement(placement: Any) -> Any:
+    """The placement of a full 2-norm of a tensor placed so, as DTensor's reduction gives it."""
+    if isinstance(placement, Shard):
+        return _NormPartial(2)
+    if isinstance(placement, Replicate):
+        return placement
+    return None
+
+
+def _landed_norms(tensors: list, ord: Any = 2, dtype: Any = None) -> list[DTensor] | None:
+    """``_foreach_norm(tensors, 2)`` from the norms computed as they landed; None where any of them
+    has none current (the op then runs)."""
+    if ord != 2 or dtype is not None:
+        return None
+    with _lock:
+        entries = [_norms.get(tensor) for tensor in tensors]
+    if any(entry is None for entry in entries):
+        return None
+    for entry in entries:
+        entry.ready.wait()
+    if any(entry.local is None or entry.versions != _versions(t) or t in _scales for entry, t in zip(entries, tensors)):
+        return None
+    norms = []
+    for entry, tensor in zip(entries, tensors):
+        local = entry.local
+        placements = [_norm_placement(p) for p in tensor.placements]
+        if any(p is None for p in placements):
+            return None
+        norms.append(DTensor.from_local(local, tensor.device_mesh, placements, run_check=False, shape=torch.Size(), stride=()))
+    return norms
+
+
+def _defer_scale(tensors: list, other: Any) -> bool:
+    """Record ``_foreach_mul_(tensors, other)`` of watched gradients by a scalar for later."""
+    if not all(type(t) is _WatchedGrad for t in tensors) or not isinstance(other, torch.Tensor) or other.numel() != 1:
+        return False
+    scale = other._local_tensor if isinstance(other, DTensor) else other
+    if isinstance(other, DTensor) and not all(isinstance(p, Replicate) for p in other.placements):
+        return False
+    with _lock:
+        for tensor in tensors:
+            _scales.setdefault(tensor, []).append(scale)
+    for tensor in tensors:
+        torch.autograd.graph.increment_version(tensor)
+    return True
+
+
+def expect_norms(grads: Iterable[torch.Tensor | None]) -> None:
+    """The norms of these watched gradients will be computed (:func:`compute_norms`): until they
+    are, ``_foreach_norm`` over them waits for them."""
+    with _lock:
+        for grad in grads:
+            if type(grad) is _WatchedGrad:
+                _norms[grad] = _LandedNorm()
+
+
+def compute_norms(grads: Iterable[torch.Tensor | None]) -> None:
+    """Compute the 2-norm of each gradient's local shard that :func:`expect_norms` named, now (in
+    the caller's thread, with the GIL released inside the kernel), once its bytes are final."""
+    for grad in grads:
+        with _lock:
+            entry = _norms.get(grad) if grad is not None else None
+        if entry is None:
+            continue
+        try:
+            entry.versions = _versions(grad)
+            entry.local = torch.linalg.vector_norm(grad._local_tensor, 2)
+        finally:
+            entry.ready.set()
+
+
+def apply_scales(grad: torch.Tensor | None) -> None:
+    """Multiply ``grad`` by the scalars a deferred ``_foreach_mul_`` recorded, in order (in the
+    caller's thread, on the local shard)."""
+    if grad is None:
+        return
+    with _lock:
+        scales = _scales.pop(grad, None)
+    if scales:
+        local = grad._local_tensor
+        for scale in scales:
+            torch._foreach_mul_([local], scale.to(local.device))
 
 
 def watch_grad(grad: torch.Tensor | None) -> None:
@@ -51,9 +191,12 @@ def watch_grad(grad: torch.Tensor | None) -> None:
 
 
 def unwatch_grad(grad: torch.Tensor | None) -> None:
-    """Make a gradient :func:`watch_grad` watched a plain DTensor again (anything else: no-op)."""
+    """Make a gradient :func:`watch_grad` watched a plain DTensor again (anything else: no-op); a
+    scale still to apply stays recorded for :func:`apply_scales`."""
     if type(grad) is _WatchedGrad:
         grad.__class__ = DTensor
+        with _lock:
+            _norms.pop(grad, None)
 
 
 @contextlib.contextmanager

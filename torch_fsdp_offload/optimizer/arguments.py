@@ -11,7 +11,13 @@ import torch
 
 
 def check_arguments(
-    wrapper: type, optimizer_class: Any, overlap: Any, max_grad_norm: Any, host_threads: Any, overlap_next_forward: Any
+    wrapper: type,
+    optimizer_class: Any,
+    step_during_backward: Any,
+    max_grad_norm: Any,
+    host_threads: Any,
+    overlap_next_forward: Any,
+    skip_nonfinite: Any,
 ) -> None:
     """Refuse OffloadOptimizer's own arguments, naming the bad value and what is expected."""
     if isinstance(optimizer_class, torch.optim.Optimizer):
@@ -30,9 +36,19 @@ def check_arguments(
             f"OffloadOptimizer(optimizer_class={optimizer_class.__name__}) cannot wrap itself: pass the "
             "optimizer to run, e.g. torch.optim.AdamW."
         )
-    for name, value in (("overlap", overlap), ("overlap_next_forward", overlap_next_forward)):
+    for name, value in (
+        ("step_during_backward", step_during_backward),
+        ("overlap_next_forward", overlap_next_forward),
+        ("skip_nonfinite", skip_nonfinite),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"OffloadOptimizer({name}={value!r}) must be True or False.")
+    if skip_nonfinite and step_during_backward:
+        raise ValueError(
+            "OffloadOptimizer(skip_nonfinite=True, step_during_backward=True): a step skipped for a non-finite "
+            "gradient norm cannot be undone in groups that already stepped during backward. Keep "
+            "step_during_backward=False (the default), which steps nothing before step()."
+        )
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
             raise TypeError(

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload._integration.dtensor_grads import unwatched_writes
+from torch_fsdp_offload._integration.dtensor_grads import apply_scales, unwatched_writes
+from torch_fsdp_offload._integration.pending_updates import stepping
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.optimizer.groups import OffloadedGroup
 from torch_fsdp_offload.optimizer import hyperparameters
@@ -43,6 +44,8 @@ class HostSteps:
         started = time.perf_counter()
         owner.wait_grads()
         landed = time.perf_counter()
+        for param in owner.params:
+            apply_scales(param.grad)  # a clip recorded before step() (dtensor_grads)
         with torch.profiler.record_function("torch_fsdp_offload::host_optimizer_step"):
             self._host_step(owner, inner)
         owner.refresh_mirror()
@@ -128,7 +131,8 @@ class HostSteps:
     def _host_step_in_worker(self, owner: OffloadedGroup) -> None:
         torch.set_num_threads(self.host_threads)
         # The hyperparameters were taken when the step was submitted (see _submit_host_step).
-        self._step_inner(owner, copy_hyperparameters=False)
+        with stepping():
+            self._step_inner(owner, copy_hyperparameters=False)
         self._finish_group(owner)
 
     def _worker(self) -> StepWorker:

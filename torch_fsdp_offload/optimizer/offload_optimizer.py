@@ -14,6 +14,7 @@ modules of this package.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
 import time
@@ -24,6 +25,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
+from torch.distributed.tensor import DTensor
+
+from torch_fsdp_offload._integration.dtensor_grads import apply_scales, compute_norms, expect_norms
+from torch_fsdp_offload._integration.pending_updates import in_step, PendingUpdate
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr
 from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, OffloadedGroup, offloaded_group
@@ -41,26 +46,46 @@ from torch_fsdp_offload.optimizer.streamed_steps import StreamedSteps
 
 __all__ = ["OffloadOptimizer"]
 
+# Optimizers whose steps may outlive step(): the interpreter waits for them before it exits, as a
+# step killed half-way inside a kernel or a copy aborts the process.
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_steps_at_exit() -> None:
+    for optimizer in list(_live):
+        try:
+            optimizer.synchronize()
+        except Exception:  # the step's error was the caller's to see; exit anyway
+            pass
+
 
 class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
     """Runs any ``torch.optim`` optimizer over a model sharded with ``CoherentOffload``, stepping
-    each offloaded parameter group on the host as soon as its gradients landed.
+    each offloaded parameter group on the host off the training loop's critical path.
 
     It is a ``torch.optim.Optimizer``: learning-rate schedulers, ``zero_grad``, ``state_dict`` /
     ``load_state_dict`` and ``torch.distributed.checkpoint.state_dict.get_state_dict`` work as
     with the wrapped class, and the state is keyed and shaped exactly as the wrapped class would
     keep it (a checkpoint can be loaded into either).
 
-    Overlap with backward is learned, never assumed: the first ``step()`` runs every group after
-    backward and watches how gradients arrive. Overlap turns on only if each offloaded group
-    received exactly one gradient per step and nothing modified the gradients between their
-    arrival and ``step()`` (as ``clip_grad_norm_`` or a gradient scaler would; clip with
-    ``max_grad_norm=`` here instead, which is applied before any group steps, at the cost of the
-    overlap). Gradient accumulation with ``set_requires_gradient_sync(False)`` or
-    ``set_is_last_backward(False)`` keeps the overlap. If the pattern later changes while overlap
-    is on, the step raises instead of applying a gradient twice or unclipped. Every in-place
-    change of a gradient (foreach ops included) and every new ``.grad`` tensor is seen; a write
-    through ``.grad.data`` is not, as autograd's own version checks do not see it.
+    By default it keeps ``torch.optim``'s contract exactly: nothing changes before ``step()``.
+    Between ``backward()`` and ``step()`` the parameters, their gradients and ``state_dict()`` are
+    what the wrapped class over plain FSDP2 shows, so ``clip_grad_norm_`` (or any change of the
+    gradients) there is exact. ``step()`` clips (``max_grad_norm``), checks the norm
+    (``skip_nonfinite``) and starts the host steps, then returns; they run under the next forward,
+    each group's copy-in waiting for its own step (``overlap_next_forward``). Every read of a
+    parameter or of its state before its step finished waits for it, so code after ``step()``
+    sees the stepped values, as with ``torch.optim``.
+
+    ``step_during_backward=True`` also steps a group during backward, as soon as its gradients
+    landed: faster where the host steps outlast the next forward, but the parameters and the
+    state then change before ``step()``. That is learned, never assumed: the first ``step()``
+    runs every group after backward and watches how gradients arrive; it turns on only if each
+    offloaded group received exactly one gradient per step and nothing modified the gradients
+    between their arrival and ``step()``. If the pattern later changes, the step raises instead of
+    applying a gradient twice or unclipped. Every in-place change of a gradient (foreach ops
+    included) and every new ``.grad`` tensor is seen; a write through ``.grad.data`` is not.
 
     Args:
         params (nn.Module or iterable): the FSDP-sharded model, or its parameters / parameter
@@ -68,37 +93,40 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         optimizer_class (type): the optimizer to run, e.g. ``torch.optim.AdamW``. For host
             steps pass ``fused=True`` where the class supports it (AdamW, Adam, SGD): the fused
             CPU kernel is much faster than the default per-tensor loop.
-        overlap (bool): allow stepping groups during backward once it is known to be safe.
-            Default True.
+        step_during_backward (bool): step groups during backward once it is known to be safe;
+            breaks the contract above (parameters change before ``step()``). Default False.
         max_grad_norm (float or None): clip the global gradient norm to this value before
-            stepping (disables overlap). Default None.
+            stepping, exactly as ``clip_grad_norm_`` does. Default None.
+        skip_nonfinite (bool): skip the whole step, and count it in :attr:`skipped_steps`, when
+            the global gradient norm is inf or NaN (as AMP's ``GradScaler`` does); the gradients
+            are left as they are for ``zero_grad()``. Default False.
         host_threads (int or None): CPU threads for host steps. Default: torch's intra-op
             thread count minus one, leaving a core to the thread that launches GPU work.
         overlap_next_forward (bool): let ``step()`` return while host steps, and the streamed
             groups' pipeline (in a thread and on a CUDA stream of its own), still run, each
             group's step finishing before the next forward copies that group in (groups whose
             gradients have landed are stepped newest first, which after backward is forward
-            order). The host and streamed work then overlaps the next forward as well as
-            backward. Until a group's step finished its parameters hold the previous values:
-            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` of this optimizer and of
-            the model it was built from wait as needed; other reads of the parameters between
-            ``step()`` and the next forward must call :meth:`synchronize` first. Default False.
+            order). Reads of a parameter or of its optimizer state wait for its step, and so do
+            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()``. False: ``step()``
+            returns once every step has finished. Default True.
         **optimizer_kwargs: passed to ``optimizer_class``.
 
     Raises:
         TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass (or is an
             instance, or ``OffloadOptimizer``); ``lr`` (also a parameter group's) is not a real
             number or a one-element tensor; ``max_grad_norm`` is not a real number or None;
-            ``host_threads`` is not an int or None; ``overlap`` or ``overlap_next_forward`` is
-            not a bool; ``optimizer_class`` rejects the type of an ``optimizer_kwargs`` value.
+            ``host_threads`` is not an int or None; ``step_during_backward``,
+            ``overlap_next_forward`` or ``skip_nonfinite`` is not a bool; ``optimizer_class``
+            rejects the type of an ``optimizer_kwargs`` value.
         ValueError: ``lr`` is negative or not finite; ``max_grad_norm`` is not finite and
-            positive; ``host_threads`` is below 1; ``optimizer_class`` rejects a value of
+            positive; ``host_threads`` is below 1; ``skip_nonfinite`` with
+            ``step_during_backward``; ``optimizer_class`` rejects a value of
             ``optimizer_kwargs``. All are checked before anything is built.
         ValueError: at ``load_state_dict()``, for the state of another optimizer class or of
             another model (other parameter groups, or a state tensor of another shape).
-        RuntimeError: at ``step()``, when overlap was on and a group received a second
-            gradient before ``step()``, or its gradients or the hyperparameters (lr, ...) were
-            modified after it had stepped during backward. Schedulers that change the lr after
+        RuntimeError: at ``step()``, with ``step_during_backward``, when a group received a
+            second gradient before ``step()``, or its gradients or the hyperparameters (lr, ...)
+            were modified after it had stepped during backward. Schedulers that change the lr after
             ``step()`` are fine: each group's step uses the values of the moment it was started.
 
     Example::
@@ -111,6 +139,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         >>> scheduler = torch.optim.lr_scheduler.LinearLR(optim, 0.1, 1.0, total_iters=100)
         >>> for batch in loader:
         ...     model(batch).sum().backward()
+        ...     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # exact
         ...     optim.step()
         ...     optim.zero_grad()
         ...     scheduler.step()
@@ -121,13 +150,22 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         params: nn.Module | Iterable[Any],
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
-        overlap: bool = True,
+        step_during_backward: bool = False,
         max_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
         host_threads: int | None = None,
-        overlap_next_forward: bool = False,
+        overlap_next_forward: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
-        check_arguments(OffloadOptimizer, optimizer_class, overlap, max_grad_norm, host_threads, overlap_next_forward)
+        check_arguments(
+            OffloadOptimizer,
+            optimizer_class,
+            step_during_backward,
+            max_grad_norm,
+            host_threads,
+            overlap_next_forward,
+            skip_nonfinite,
+        )
         if "lr" in optimizer_kwargs:
             check_lr(optimizer_kwargs["lr"], "lr")
         model = params if isinstance(params, nn.Module) else None
@@ -160,13 +198,17 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         self._param_names = [names.get(id(p)) for group in self.param_groups for p in group["params"]]
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = optimizer_kwargs
-        self.overlap = overlap
+        self.step_during_backward = step_during_backward
         self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        #: Steps skipped because the global gradient norm was inf or NaN (``skip_nonfinite``).
+        self.skipped_steps = 0
         self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
         self.overlap_next_forward = overlap_next_forward
+        _live.add(self)
         # Host steps still running after step() returned (overlap_next_forward), and the
         # zero_grad() calls deferred until they finish: key group, value set_to_none.
-        self._finishing: dict[OffloadedGroup, concurrent.futures.Future] = {}
+        self._finishing: dict[OffloadedGroup, PendingUpdate] = {}
         self._finished: set[OffloadedGroup] = set()
         self._zero_after: dict[OffloadedGroup, bool] = {}
         self._finish_lock = threading.Lock()
@@ -214,6 +256,18 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         #: Seconds spent in streamed (GPU) steps in the last ``step()``, copies included (with
         #: ``overlap_next_forward``, set by the pipeline's thread when it ends).
         self.last_stream_step_seconds = 0.0
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The optimizer state, keyed by parameter, as with the wrapped class; read outside a step
+        while steps still run, it waits for them first (their state is what they change)."""
+        if self.__dict__.get("_finishing") and not in_step():
+            self.synchronize()
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.__dict__["state"] = value
 
     @property
     def stepped_numel(self) -> dict[str, int]:
@@ -276,7 +330,12 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         self._overlap.on_landing(owner)
         if owner in self._pending:
             raise RuntimeError(SECOND_GRADIENT)
-        overlapping = self.overlap and self._overlap.state is OverlapState.ON and is_last_backward
+        if not self.step_during_backward and is_last_backward:
+            # The host is idle until step(): compute the group's gradient norms as they land, for
+            # clip_grad_norm_ (the user's, or max_grad_norm's) to read.
+            expect_norms(param.grad for param in owner.params)
+            self._worker().submit(self._norms_in_worker, owner, landed=owner.grads_landed)
+        overlapping = self.step_during_backward and self._overlap.state is OverlapState.ON and is_last_backward
         if not overlapping or owner in self._streamed:
             return
         self._build()
@@ -299,9 +358,22 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         safe_pattern = self._overlap.pattern_is_safe(clipping=self.max_grad_norm is not None)
         if stepped and not safe_pattern:
             self._refuse_step(CHANGED_AFTER_STEP)
-        if self.max_grad_norm is not None:
-            self._clip_grad_norm(self.max_grad_norm)
+        if self.max_grad_norm is not None or self.skip_nonfinite:
+            total_norm = self._total_grad_norm()
+            total = total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+            if self.skip_nonfinite and not torch.isfinite(total).all():
+                self.skipped_steps += 1
+                for group in self.param_groups:
+                    for param in group["params"]:
+                        apply_scales(param.grad)  # a clip by the user before step()
+                self._reset_cycle()
+                return loss
+            if self.max_grad_norm is not None:
+                params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total_norm)
         todo = [owner for owner in self._inner if owner is not None and owner not in stepped]
+        # Taken before any step is submitted: a first step adds the state it creates meanwhile.
+        changed = {owner: self._changed_by_step(owner) for owner in self._inner if owner is not None}
         host_todo = [owner for owner in todo if owner not in self._streamed]
         streamed_todo = [owner for owner in todo if owner in self._streamed]
         host_futures = dict(self._pending)
@@ -327,17 +399,19 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             started = time.perf_counter()
             self._stream_steps(streamed_todo)
             self.last_stream_step_seconds = time.perf_counter() - started
+        if None in self._inner:
+            self._step_inner(None)
+        # The gradients are plain DTensors again (a clip still to apply stays recorded).
+        self._reset_cycle(learned_safe=safe_pattern)
         if self.overlap_next_forward:
-            # Each group's next copy-in waits for its own step; nothing else waits here.
+            # Each group's next copy-in waits for its own step, and so does every read of its
+            # parameters, their state and gradients; nothing else waits here.
             for owner, future in host_futures.items():
-                owner.update_pending = future
-            self._finishing = host_futures
+                owner.update_pending = PendingUpdate(future, changed[owner])
+            self._finishing = {owner: owner.update_pending for owner in host_futures}
         else:
             for future in host_futures.values():
                 future.result()
-        if None in self._inner:
-            self._step_inner(None)
-        self._reset_cycle(learned_safe=safe_pattern)
         with self._seconds_lock:
             self.last_host_step_seconds, self._host_seconds = self._host_seconds, 0.0
             self.last_host_wait_seconds, self._host_wait_seconds = self._host_wait_seconds, 0.0
@@ -363,8 +437,8 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             >>> log_norms(model)  # reads the updated parameters
         """
         finishing, self._finishing = self._finishing, {}
-        for owner, future in finishing.items():
-            future.result()
+        for owner, pending in finishing.items():
+            pending.result()
             owner.update_pending = None
         # The pipeline's thread sets a group's future before it returns: wait for the return too.
         task, self._stream_task = self._stream_task, None
@@ -398,12 +472,25 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         self._pending.clear()
         self._overlap.end_cycle(learned_safe)
 
-    def _clip_grad_norm(self, max_norm: float) -> None:
+    def _total_grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of every gradient, as ``clip_grad_norm_`` computes it."""
         for owner in self._inner:
             if owner is not None:
                 owner.wait_grads()
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+
+    def _changed_by_step(self, owner: OffloadedGroup) -> list[torch.Tensor]:
+        """What ``owner``'s step changes: its parameters, their optimizer state, and their
+        gradients (a clip recorded for the step to apply)."""
+        state = [value for param in owner.params for value in self.state.get(param, {}).values()]
+        grads = [param.grad for param in owner.params if param.grad is not None]
+        return [*owner.params, *state, *grads]
+
+    def _norms_in_worker(self, owner: OffloadedGroup) -> None:
+        owner.wait_grads()
+        with torch.profiler.record_function("torch_fsdp_offload::grad_norms"):
+            compute_norms(param.grad for param in owner.params)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_loadable(self, state_dict, self._param_names)

@@ -35,14 +35,14 @@ SECOND_GRADIENT = (
     "OffloadOptimizer: a parameter group received a second gradient before step(), "
     "after it had already stepped during backward. With overlap on, accumulate "
     "gradients with model.set_requires_gradient_sync(False) (or "
-    "set_is_last_backward(False)) on all but the last micro-batch, or construct "
-    "OffloadOptimizer(..., overlap=False)."
+    "set_is_last_backward(False)) on all but the last micro-batch, or keep "
+    "OffloadOptimizer(..., step_during_backward=False), the default."
 )
 HYPERPARAMETERS_CHANGED = (
     "OffloadOptimizer: learning rate or another hyperparameter changed between "
     "backward and step(), after some groups had already stepped during backward with "
     "the old values. Change hyperparameters before backward (or after step(), as LR "
-    "schedulers do), or construct OffloadOptimizer(..., overlap=False)."
+    "schedulers do), or keep OffloadOptimizer(..., step_during_backward=False), the default."
 )
 CHANGED_AFTER_STEP = (
     "OffloadOptimizer: gradients changed after some parameter groups had already "
@@ -50,8 +50,9 @@ CHANGED_AFTER_STEP = (
     "clip_grad_value_ or a gradient scaler's unscale_, or a new .grad tensor): those "
     "groups stepped with the gradients as they landed, and this step() steps no other. "
     "To clip, pass OffloadOptimizer(..., max_grad_norm=...), applied before any group "
-    "steps, instead of calling clip_grad_norm_; for any other change of the gradients "
-    "between backward and step(), construct OffloadOptimizer(..., overlap=False)."
+    "steps, instead of calling clip_grad_norm_; for any change of the gradients between "
+    "backward and step(), keep OffloadOptimizer(..., step_during_backward=False), the "
+    "default, under which every such change is exact."
 )
 
 

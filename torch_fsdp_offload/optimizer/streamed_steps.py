@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from torch_fsdp_offload._integration.dtensor_grads import apply_scales
+from torch_fsdp_offload._integration.pending_updates import stepping
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.optimizer.groups import StreamedGroup
@@ -106,6 +108,8 @@ class StreamedSteps:
         inner, pairs = self._inner[owner]
         copy_hyperparameters(pairs)
         owner.wait_grads()
+        for param in owner.params:
+            apply_scales(param.grad)  # a clip recorded before step() (dtensor_grads)
         flat_state = self._adopt_state(owner)
         engine = owner.engine
         with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
@@ -215,6 +219,9 @@ class StreamedSteps:
         back in host memory."""
         if not runs:
             return
+        for owner in dict.fromkeys(owner for owner, _ in runs):
+            for param in owner.params:
+                apply_scales(param.grad)  # a clip recorded before step() (dtensor_grads)
         with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
             # Downloads of each stepped run, oldest first. The host issues copies far faster than
             # the link moves them: without this window it would queue every run's upload at
@@ -265,7 +272,7 @@ class StreamedSteps:
         try:
             # Its own stream: on the device's default stream the steps would queue among the next
             # forward's kernels, which would then wait for the uploads.
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), stepping():
                 self._run_stream_pipeline(runs, group_done)
         except BaseException as error:  # handed to whoever waits on a group's future
             for future in futures.values():

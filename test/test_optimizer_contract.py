@@ -1,0 +1,184 @@
+"""OffloadOptimizer keeps torch.optim's contract, bit for bit against plain FSDP2 with the same optimizer.
+
+Between ``backward()`` and ``step()`` the parameters, their gradients and ``state_dict()`` are what
+plain FSDP2 shows; right after ``step()`` (its host steps still running, slowed on purpose) every
+read sees the stepped values. Clipping by the user or by ``max_grad_norm``, a step skipped for a
+non-finite norm, and gradient accumulation train exactly as plain FSDP2 does, at world sizes 1, 2
+and 4. On CPU the platform is forced to ``discrete``, so every shard is homed on the host and every
+copy runs through the transfer engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from unittest import mock
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.common_utils import run_tests
+
+import test_fsdp2_offload as parity
+from common_offload import GlooMultiProcessTestCase
+from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload._integration import dtensor_grads
+
+STEPS = 4
+
+
+class SlowAdamW(torch.optim.AdamW):
+    """AdamW whose every step starts late: steps are still running when ``step()`` returns."""
+
+    def step(self, closure=None):
+        time.sleep(0.02)
+        return super().step(closure)
+
+
+def _full(value):
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
+    WORLD_SIZE = 2
+
+    def _assert_as_plain(self, model, reference, optim, reference_optim, when: str) -> None:
+        for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+            self.assertEqual(param.full_tensor(), ref.full_tensor(), atol=0, rtol=0, msg=f"{when}: {name}")
+            self.assertEqual(param.grad is None, ref.grad is None, msg=f"{when}: {name}.grad")
+            if ref.grad is not None:
+                self.assertEqual(_full(param.grad), _full(ref.grad), atol=0, rtol=0, msg=f"{when}: {name}.grad")
+        state, reference_state = optim.state_dict()["state"], reference_optim.state_dict()["state"]
+        self.assertEqual(sorted(state), sorted(reference_state), msg=when)
+        for index, values in reference_state.items():
+            self.assertEqual(sorted(state[index]), sorted(values), msg=when)
+            for key, value in values.items():
+                self.assertEqual(_full(state[index][key]), _full(value), atol=0, rtol=0, msg=f"{when}: {index}.{key}")
+
+    def _train(
+        self,
+        *,
+        optimizer=0.5,
+        user_clip: float | None = None,
+        max_grad_norm: float | None = None,
+        nonfinite_step: int | None = None,
+        grad_accum: int = 1,
+        hsdp: bool = False,
+    ) -> OffloadOptimizer:
+        """Train with and without the policy; assert the contract before and right after each step."""
+        torch.manual_seed(0)
+        reference = parity.TiedBlocksModel()
+        model = copy.deepcopy(reference)
+        if hsdp:
+            mesh = init_device_mesh("cpu", (2, self.world_size // 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (self.world_size,))
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        parity._shard(reference, None, mesh, mp_policy)
+        parity._shard(model, CoherentOffload(platform="discrete", optimizer=optimizer), mesh, mp_policy)
+        reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+        optim = OffloadOptimizer(
+            model,
+            SlowAdamW,
+            lr=1e-2,
+            fused=True,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=nonfinite_step is not None,
+        )
+        waited = 0
+        for step in range(STEPS):
+            for micro in range(grad_accum):
+                last = micro == grad_accum - 1
+                tokens = parity._batch(step * grad_accum + micro, self.rank)
+                for m in (reference, model):
+                    m.set_requires_gradient_sync(last)
+                    loss = parity._loss(m, tokens)
+                    (loss * math.inf if step == nonfinite_step and last else loss).backward()
+            for early_step in optim._pending.values():  # a group stepping during backward shows now
+                early_step.result()
+            self._assert_as_plain(model, reference, optim, reference_optim, f"step {step}, before step()")
+            for m in (reference, model):
+                if user_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), user_clip)
+            # GradScaler's rule: a step whose gradient norm is not finite is skipped as a whole.
+            grads = [p.grad for p in reference.parameters() if p.grad is not None]
+            if nonfinite_step is None or math.isfinite(_full(torch.nn.utils.get_total_norm(grads)).item()):
+                if max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
+                reference_optim.step()
+            optim.step()
+            waited += len(optim._finishing)
+            self._assert_as_plain(model, reference, optim, reference_optim, f"step {step}, after step()")
+            for o in (reference_optim, optim):
+                o.zero_grad()
+        # The reads above came while host steps still ran: they waited for them.
+        self.assertGreater(waited, 0)
+        return optim
+
+    def test_before_and_after_step_as_plain_fsdp2(self):
+        self.init_gloo()
+        self._train()
+        self._train(optimizer="host")
+
+    def test_clip_grad_norm_by_the_user_is_exact(self):
+        self.init_gloo()
+        self._train(user_clip=0.05)
+
+    def test_clip_reads_norms_computed_as_gradients_landed(self):
+        # clip_grad_norm_ before step() reads the offloaded groups' norms computed in the host-step
+        # thread as their gradients landed, and leaves its multiplication to that thread: on the
+        # training loop's thread it only combines one number per parameter.
+        self.init_gloo()
+        served, deferred = [], []
+
+        def landed_norms(*args, **kwargs):
+            served.append(real_norms(*args, **kwargs) is not None)
+            return real_norms(*args, **kwargs)
+
+        def defer_scale(*args, **kwargs):
+            deferred.append(real_defer(*args, **kwargs))
+            return deferred[-1]
+
+        real_norms, real_defer = dtensor_grads._landed_norms, dtensor_grads._defer_scale
+        with mock.patch.object(dtensor_grads, "_landed_norms", landed_norms), mock.patch.object(
+            dtensor_grads, "_defer_scale", defer_scale
+        ):
+            self._train(user_clip=0.05, optimizer="host")
+            self._train(max_grad_norm=0.05, optimizer="host")
+        # clip_grad_norm_ reads each gradient's norm and scales each gradient, per tensor or in
+        # one foreach op: every read was served and every scale recorded.
+        self.assertGreaterEqual(len(served), 2 * STEPS)
+        self.assertTrue(all(served), msg=served)
+        self.assertGreaterEqual(len(deferred), 2 * STEPS)
+        self.assertTrue(all(deferred), msg=deferred)
+
+    def test_max_grad_norm_is_exact(self):
+        self.init_gloo()
+        self._train(max_grad_norm=0.05, optimizer="host")
+
+    def test_nonfinite_norm_skips_the_step(self):
+        self.init_gloo()
+        optim = self._train(nonfinite_step=2, max_grad_norm=0.05)
+        self.assertEqual(optim.skipped_steps, 1)
+
+    def test_gradient_accumulation(self):
+        self.init_gloo()
+        self._train(grad_accum=2, user_clip=0.05)
+
+
+class OffloadOptimizerContractWorldSize1Test(OffloadOptimizerContractTest):
+    WORLD_SIZE = 1
+
+
+class OffloadOptimizerContractWorldSize4Test(OffloadOptimizerContractTest):
+    WORLD_SIZE = 4
+
+    def test_hsdp_2d_mesh(self):
+        self.init_gloo()
+        self._train(hsdp=True, max_grad_norm=0.05, grad_accum=2)
+
+
+if __name__ == "__main__":
+    run_tests()

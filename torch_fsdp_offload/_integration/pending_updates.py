@@ -1,0 +1,130 @@
+"""Reads of DTensors whose optimizer step is still running: each read waits for the step first.
+
+``OffloadOptimizer.step()`` may return while host steps still run (they finish under the next
+forward, each group's copy-in waiting for its own step). Code that reads a parameter or its
+optimizer state in between must see the stepped values, as after any ``torch.optim`` step.
+:class:`PendingUpdate` re-classes those DTensors to a subclass whose every op (dispatch), and
+``to_local`` / ``full_tensor`` / ``redistribute`` (which read the local tensor without dispatch),
+first waits for the step; the step's end makes them plain DTensors again. FSDP's own copy-in reads
+the local shards directly and waits for the group's step itself. See Note: [Steps that finish in
+the next forward] in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import concurrent.futures
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["in_step", "PendingUpdate", "stepping"]
+
+# Tensor -> the PendingUpdate that holds it.
+_holders: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Set while this thread runs an optimizer step: its own reads of the tensors it steps must not wait.
+_stepping = threading.local()
+
+
+class _ReadWaits(DTensor):
+    """A DTensor whose optimizer step may still run: every read waits for it first."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        for value in tree_leaves((args, kwargs or {})):
+            if type(value) is _ReadWaits:
+                _wait_for(value)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def to_local(self, *args: Any, **kwargs: Any):
+        _wait_for(self)
+        return DTensor.to_local(self, *args, **kwargs)
+
+    def full_tensor(self, *args: Any, **kwargs: Any):
+        _wait_for(self)
+        return DTensor.full_tensor(self, *args, **kwargs)
+
+    def redistribute(self, *args: Any, **kwargs: Any):
+        _wait_for(self)
+        return DTensor.redistribute(self, *args, **kwargs)
+
+    def __repr__(self, **kwargs: Any) -> str:
+        _wait_for(self)
+        return DTensor.__repr__(self, **kwargs)
+
+
+def in_step() -> bool:
+    """Whether this thread runs an optimizer step (see :func:`stepping`)."""
+    return getattr(_stepping, "active", False)
+
+
+def _wait_for(tensor: DTensor) -> None:
+    if in_step():
+        return
+    holder = _holders.get(tensor)
+    if holder is None:  # released meanwhile
+        return
+    holder.result()
+
+
+class PendingUpdate:
+    """One group's optimizer step that may still run, and the DTensors it changes.
+
+    Until :meth:`result` has returned, reading any of ``tensors`` waits for the step. It has the
+    ``done()`` / ``result()`` of the step's future, so the group's copy-in waits on it like on
+    the future.
+
+    Args:
+        future (concurrent.futures.Future): the step.
+        tensors (Iterable): what it changes (the group's parameters and optimizer state); those
+            that are plain DTensors are guarded, the rest ignored.
+    """
+
+    def __init__(self, future: concurrent.futures.Future, tensors: Iterable[Any]) -> None:
+        self._future = future
+        # Weak: the registry maps each tensor to this object, which must not keep it alive.
+        self._guarded: list[weakref.ref] = []
+        for tensor in tensors:
+            if type(tensor) is DTensor:
+                tensor.__class__ = _ReadWaits
+                _holders[tensor] = self
+                self._guarded.append(weakref.ref(tensor))
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        """Wait for the step (re-raising its error); the tensors are plain DTensors after."""
+        try:
+            return self._future.result()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Make the guarded tensors plain DTensors again (the step ended, or was waited for)."""
+        guarded, self._guarded = self._guarded, []
+        for ref in guarded:
+            tensor = ref()
+            if tensor is None:
+                continue
+            if type(tensor) is _ReadWaits:
+                tensor.__class__ = DTensor
+            _holders.pop(tensor, None)
+
+
+@contextlib.contextmanager
+def stepping() -> Iterator[None]:
+    """The optimizer step this thread runs inside reads and writes the tensors it changes itself."""
+    previous = in_step()
+    _stepping.active = True
+    try:
+        yield
+    finally:
+        _stepping.active = previous
