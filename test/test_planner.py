@@ -922,6 +922,19 @@ class TestReport(TestCase):
         self.assertNotIn(LABEL_LEGEND["spread"], section)
         self.assertIn(LABEL_LEGEND["modules"], section)
 
+    def test_h100_sxm_profile(self):
+        sxm, pcie = get_profile("h100-sxm"), get_profile("h100-pcie")
+        self.assertEqual(
+            (sxm.kind, sxm.gpu_memory_GB, sxm.gpu_dram_GBps, sxm.gpu_bf16_TFLOPS, sxm.link_GBps),
+            ("discrete", 80.0, 3350.0, 989.0, 55.0),
+        )
+        # The same PCIe Gen5 host link as the PCIe card; NVLink between the GPUs of the board.
+        self.assertEqual((sxm.h2d_GBps, sxm.d2h_GBps, sxm.host_GBps), (pcie.h2d_GBps, pcie.d2h_GBps, pcie.host_GBps))
+        self.assertGreater(sxm.gpu_interconnect_GBps, pcie.gpu_interconnect_GBps)
+        code, out, _ = run_cli("--model", "anchor-1.6b", "--batch-size", "4", "--platform", "h100-sxm")
+        self.assertEqual(code, 0)
+        self.assertIn("Platform: h100-sxm (discrete); per GPU: 80.0 GB memory, 3350 GB/s DRAM, 55 GB/s link", out)
+
 
 class TestValidationScript(TestCase):
     def test_reads_benchmark_rows_defensively(self):

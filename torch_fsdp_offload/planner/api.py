@@ -309,9 +309,9 @@ def plan(
             ``batch_size * microbatch_factors``.
         scenario: instead of a model, an analytic scenario (JSON path, mapping or
             :class:`~torch_fsdp_offload.planner.scenario.Scenario`) for a machine not at hand.
-        platform: a built-in profile name (``h100-pcie``, ``h200-pcie``, ``gh200``, ``gb200``,
-            ``dgx-spark``) or a :class:`PlatformProfile`. Default: this machine, measured (needs a
-            GPU). With a scenario it replaces the scenario's platform kind (explicit scenario
+        platform: a built-in profile name (``h100-pcie``, ``h100-sxm``, ``h200-pcie``, ``gh200``,
+            ``gb200``, ``dgx-spark``) or a :class:`PlatformProfile`. Default: this machine, measured
+            (needs a GPU). With a scenario it replaces the scenario's platform kind (explicit scenario
             bandwidths still win).
         batch_size (int): today's micro-batch (sequences), for a model.
         seq_len (int): tokens per sequence, for a model.
