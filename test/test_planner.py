@@ -388,9 +388,9 @@ class TestRealModel(TestCase):
         code, out, _ = run_cli("--model", "anchor-1.6b", "--batch-size", "4", "--platform", "h200-pcie", "--gpu-memory-GiB", "14", "--json")
         self.assertEqual(code, 0)
         self.assertIsNotNone(json.loads(out)["recommended"]["kwargs"])
-        code, _, err = run_cli("--model", "tiny", "--platform", "h200-pcie", "--gpu-memory-GiB", "0")
+        code, _, err = run_cli("--model", "tiny", "--seq-len", "64", "--platform", "h200-pcie", "--gpu-memory-GiB", "0")
         self.assertEqual(code, 2)
-        self.assertIn("gpu_memory_GiB must be a positive number", err)
+        self.assertIn("--gpu-memory-GiB must be a positive number", err)
 
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_plan_measures_on_gpu(self):

@@ -12,7 +12,7 @@ import torch
 from torch_fsdp_offload.planner.block_timing import measure_block_timings
 from torch_fsdp_offload.planner.host_step_probe import host_GBps_from_link_busy, measure_host_step
 from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, model_breakdown
-from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
+from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfile, get_profile, measured_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
 from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
 from torch_fsdp_offload.planner.scenario_cost import Candidate
@@ -38,8 +38,8 @@ def _resolve_platform(platform: str | PlatformProfile | None, *, need: bool) -> 
         return measured_profile(detect_platform(bandwidth=True))
     if need:
         raise ValueError(
-            "no GPU on this machine to measure: pass platform= one of h100-pcie, h200-pcie, gh200, "
-            "gb200, dgx-spark (the machine to plan for), or plan from a scenario file"
+            f"no GPU on this machine to measure: pass platform= one of {', '.join(sorted(PLATFORM_PROFILES))} "
+            "(the machine to plan for), or plan from a scenario file"
         )
     return None
 
