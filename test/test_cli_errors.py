@@ -14,9 +14,12 @@ import warnings
 from unittest import mock
 
 import torch
-from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests, TestCase
 
 from torch_fsdp_offload.__main__ import main as dispatch
+from torch_fsdp_offload.models import HF_CONFIGS, MODEL_CONFIGS
+from torch_fsdp_offload.planner import plan, PLATFORM_PROFILES
+from torch_fsdp_offload.planner.cli import cli_spelling
 from torch_fsdp_offload.train import _check_checkpoint_fits, main as train_main, parse_args
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +58,67 @@ class TestPlanArguments(CLITestCase):
         )
         for flag, value in (("--seq-len", "512"), ("--microbatch-factors", "1,2")):
             self.assertRefused(dispatch, ["plan", "--scenario", TALK, flag, value], f"drop {flag}, or plan with --model")
+
+
+@instantiate_parametrized_tests
+class TestPlanErrorsSpellFlags(CLITestCase):
+    """The plan command's errors name its flags (``--platform``), not plan()'s keywords (``platform=``)."""
+
+    @parametrize(
+        "argv, message",
+        [
+            (["--world-size", "0"], "error: --world-size must be >= 1, got 0"),
+            (["--batch-size", "0"], "error: --batch-size, --seq-len and --microbatch-factors must be >= 1, got 0, 64"),
+            (["--microbatch-factors", "0,1"], "error: --batch-size, --seq-len and --microbatch-factors must be >= 1"),
+            (["--gpu-memory-GiB", "-1"], "error: --gpu-memory-GiB must be a positive number of GiB, got -1.0"),
+        ],
+        name_fn=lambda argv, message: argv[0].lstrip("-").replace("-", "_"),
+    )
+    def test_refused_value(self, argv, message) -> None:
+        stderr = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            code = dispatch(["plan", "--model", "tiny", "--seq-len", "64", "--platform", "h200-pcie", *argv])
+        self.assertEqual(code, 2)
+        self.assertIn(message, stderr.getvalue())
+        self.assertNotRegex(stderr.getvalue(), r"\b(?:world_size|batch_size|seq_len|microbatch_factors|gpu_memory_GiB)\b")
+
+    def test_no_gpu_and_no_platform(self) -> None:
+        stderr = io.StringIO()
+        with mock.patch.object(torch.cuda, "is_available", return_value=False), contextlib.redirect_stderr(stderr):
+            self.assertEqual(dispatch(["plan", "--model", "tiny", "--seq-len", "64"]), 2)
+        self.assertIn(
+            "error: no GPU on this machine to measure: pass --platform one of dgx-spark, gb200, gh200, h100-pcie, "
+            "h100-sxm, h200-pcie (the machine to plan for)", stderr.getvalue(),
+        )
+        # The Python API keeps its own spelling.
+        with mock.patch.object(torch.cuda, "is_available", return_value=False):
+            with self.assertRaisesRegex(ValueError, "pass platform= one of"):
+                plan("tiny", seq_len=64)
+
+    def test_sequence_longer_than_the_model_takes(self) -> None:
+        # plan()'s default sequence (2048 tokens) is longer than the tiny model's: refused before tracing.
+        self.assertRefused(
+            dispatch, ["plan", "--model", "tiny", "--platform", "h200-pcie"],
+            "error: --seq-len 2048 (the default) exceeds the 256 tokens of --model tiny: pass --seq-len 256 or less",
+        )
+        self.assertRefused(
+            dispatch, ["plan", "--model", "small", "--seq-len", "4096", "--platform", "h200-pcie"],
+            "error: --seq-len 4096 exceeds the 1024 tokens of --model small: pass --seq-len 1024 or less",
+        )
+
+    def test_help_lists_every_model_and_platform(self) -> None:
+        stdout = io.StringIO()
+        with self.assertRaises(SystemExit), contextlib.redirect_stdout(stdout):
+            dispatch(["plan", "--help"])
+        text = " ".join(stdout.getvalue().split())
+        for name in [*MODEL_CONFIGS, *HF_CONFIGS, *PLATFORM_PROFILES, "hf:<config path or hub id>"]:
+            self.assertIn(name, text)
+
+    def test_cli_spelling(self) -> None:
+        self.assertEqual(
+            cli_spelling("pass platform= one of x; world_size=2 and gpu_memory_GiB; a unified platform"),
+            "pass --platform one of x; --world-size=2 and --gpu-memory-GiB; a unified platform",
+        )
 
 
 class TestTrainArguments(CLITestCase):

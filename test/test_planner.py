@@ -37,7 +37,10 @@ from torch_fsdp_offload.planner import (
 from torch_fsdp_offload.planner.library_facts import DEFAULT_MAX_INFLIGHT_BYTES, STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.memory_breakdown import model_breakdown
 from torch_fsdp_offload.planner.peak_memory import phase_peaks
+from torch_fsdp_offload.planner.report import TECHNIQUE_LEGEND
+from torch_fsdp_offload.planner.scenario_cost import TECHNIQUES
 from torch_fsdp_offload.planner.search import default_training_configs, search_training
+from torch_fsdp_offload.planner.training_config import label_kind, LABEL_LEGEND
 from torch_fsdp_offload.planner.traffic import (
     copy_in_bytes_per_param,
     host_step_bytes_per_param,
@@ -84,28 +87,34 @@ class TestTalkExample(TestCase):
             plan(scenario=TALK).report(),
             """\
 Offload plan: talk: Grace Hopper offload example (Jouanneaux, NVIDIA)
-Platform: gh200 (coherent), 96.0 GB GPU memory, 4000 GB/s GPU DRAM, 450 GB/s link
+Platform: gh200 (coherent); per GPU: 96.0 GB memory, 4000 GB/s DRAM, 450 GB/s link
+Every figure is per GPU (one GPU, nothing sharded).
 
-1. Memory breakdown (GPU capacity 96.0 GB)
+1. Memory breakdown per GPU (budget 96.0 GB = 89.4 GiB)
    weights             72.0 GB   75.0%
    activations         21.0 GB   21.9%  (15.0 GB reach DRAM)
    unused               3.0 GB    3.1%
-2. Iteration time: 0.100 s
-3. Model DRAM bandwidth: (72.0 + 2 x 15.0) GB / 0.100 s = 1020 GB/s, 26% of the 4000 GB/s peak: room for offload traffic
-4. Naive offload (all weights): (2 x 72.0) GB / 0.100 s = 1440 GB/s vs a 450 GB/s link: 3.2x more than it carries
+2. Iteration time: 0.100 s per step (today's run)
+3. Model DRAM bandwidth per GPU: (72.0 + 2 x 15.0) GB / 0.100 s = 1020 GB/s, 26% of the 4000 GB/s peak: room for offload traffic
+4. Naive offload per GPU (all weights): (2 x 72.0) GB / 0.100 s = 1440 GB/s vs a 450 GB/s link: 3.2x more than it carries
 5. What can be gained (micro-batch scaling):
-   micro-batch   time   throughput   GPU memory without offload
+   micro-batch   time   throughput   GB per GPU without offload
             1x   1.00x         +0%      93.0 GB (fits)
             2x   1.43x        +40%     114.0 GB (does not fit)
             4x   2.00x       +100%     156.0 GB (does not fit)
    At 4x (the largest that fits with all weights offloaded) the naive offload needs (2 x 72.0) GB / 0.200 s = 720 GB/s
-6. Partial offload and checkpointing (plans that fit):
-   technique                       batch  weights  activ.  GPU GB  link need GB/s     gain
-   none                              1x       0%      0%    93.0               0      +0%
-   offload_weights                   2x      35%      0%    88.8             353     +40%
-   offload_weights                   4x      83%      0%    96.0             600     +50% link-bound
-   offload_activations               2x       0%     60%    88.8             353     +40%
-   offload_activations               4x       0%     71%    96.0             600     +50% link-bound
+6. Partial offload and checkpointing, per GPU (plans that fit):
+   technique                       batch  weights  activ.  GB/GPU  link GB/s     gain
+   none                              1x       0%      0%    93.0          0      +0%
+   offload_weights                   2x      35%      0%    88.8        353     +40%  <- recommended
+   offload_weights                   4x      83%      0%    96.0        600     +50%  link-bound
+   offload_activations               2x       0%     60%    88.8        353     +40%
+   offload_activations               4x       0%     71%    96.0        600     +50%  link-bound
+   legend: Nx: N times today's micro-batch; link GB/s: what the copies need to stay hidden; gain: throughput over today's run
+   none: nothing offloaded
+   offload_weights: the `weights` share of the weights offloaded, with their grads and optimizer state
+   offload_activations: the `activ.` share of the activations offloaded
+   link-bound: its copies need more than the link carries while compute runs: listed, never recommended
 7. Recommendation: offload 35% of the weights and run 2x the micro-batch: +40% throughput; the link stays hidden at 78% (353 of 450 GB/s).
    Note: offload_weights at 4x predicts +50% but is link-bound (needs 600 GB/s to hide): it pays only if the link really delivers 450 GB/s, so it is not recommended
    CoherentOffload(module_fraction=0.35)
@@ -367,7 +376,7 @@ class TestRealModel(TestCase):
         self.assertIn(f"on the last {offloaded} of the 8 blocks", budget.recommended.code())
         self.assertIn(f"blocks[{8 - offloaded}:]", budget.recommended.code())
         self.assertLessEqual(budget.recommended.predicted_peak_gpu_GiB, 14)
-        self.assertIn("GPU budget 14.0 GiB", budget.report())
+        self.assertIn("budget 14.0 GiB", budget.report())
         # The scenario path takes the budget as its capacity.
         talk = plan(scenario=TALK, gpu_memory_GiB=50)
         self.assertAlmostEqual(talk.scenario.capacity_GB, 50 * 2**30 / 1e9)
@@ -379,9 +388,9 @@ class TestRealModel(TestCase):
         code, out, _ = run_cli("--model", "anchor-1.6b", "--batch-size", "4", "--platform", "h200-pcie", "--gpu-memory-GiB", "14", "--json")
         self.assertEqual(code, 0)
         self.assertIsNotNone(json.loads(out)["recommended"]["kwargs"])
-        code, _, err = run_cli("--model", "tiny", "--platform", "h200-pcie", "--gpu-memory-GiB", "0")
+        code, _, err = run_cli("--model", "tiny", "--seq-len", "64", "--platform", "h200-pcie", "--gpu-memory-GiB", "0")
         self.assertEqual(code, 2)
-        self.assertIn("gpu_memory_GiB must be a positive number", err)
+        self.assertIn("--gpu-memory-GiB must be a positive number", err)
 
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_plan_measures_on_gpu(self):
@@ -814,6 +823,117 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
             TrainingConfig(optimizer="gpu")
         with self.assertRaisesRegex(ValueError, "cast_on must be 'host' .* or 'device' .*, got 'gpu'"):
             TrainingConfig(module_fraction=1.0, cast_on="gpu")
+
+
+def report_section(result, number):
+    """The lines of step ``number`` of ``result.report()``, up to the next step."""
+    lines = result.report().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{number}. "))
+    end = next((i for i, line in enumerate(lines) if line.startswith(f"{number + 1}. ")), len(lines))
+    return "\n".join(lines[start:end]) + "\n"
+
+
+class TestReport(TestCase):
+    """The report reads on its own: every figure per GPU, the recommended row a row of its table,
+    every row label in a legend, and the decision rule printed when it chose another row than the
+    fastest."""
+
+    def test_world_size_figures_are_per_gpu(self):
+        one = plan("anchor-1.6b", platform="h200-pcie", batch_size=4)
+        two = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, world_size=2)
+        # FSDP shards the state over the GPUs; each GPU holds its own micro-batch's activations.
+        for key in ("weights_GB", "grads_GB", "optimizer_state_GB"):
+            self.assertAlmostEqual(getattr(two.scenario, key), getattr(one.scenario, key) / 2)
+        self.assertEqual((two.scenario.activations_GB, two.scenario.other_GB), (one.scenario.activations_GB, one.scenario.other_GB))
+        # An iteration is today's row of the step model, at either world size: one figure in 2. and 7.
+        for result in (one, two):
+            today = [p for f, p in result.training.predictions if f == 1 and p.config == TrainingConfig()][0]
+            self.assertEqual(result.scenario.iteration_time_s, today.step_s)
+        self.assertExpectedInline(report_section(two, 1), """\
+1. Memory breakdown per GPU (budget 135.1 GB = 125.8 GiB)
+   weights              3.2 GB    2.4%  (1/2 of the model's 6.4 GB)
+   grads                3.2 GB    2.4%  (1/2 of the model's 6.4 GB)
+   optimizer state      6.4 GB    4.8%  (1/2 of the model's 12.9 GB)
+   activations          8.7 GB    6.5%  (8.7 GB reach DRAM)
+   other                2.0 GB    1.5%
+   unused             111.5 GB   82.5%
+""")
+        self.assertIn("Every figure is per GPU: FSDP over 2 GPUs of one host", two.report())
+        self.assertIn("2. Iteration time: 0.170 s per step (today's run)", two.report())
+        today_row = [line for line in report_section(two, 7).splitlines() if "today's run" in line][0]
+        self.assertEqual(" ".join(today_row.split()), "1x modules=0.00 0.170 17.9 48065 yes today's run, <- recommended")
+
+    def test_recommended_row_legend_and_offload_margin(self):
+        # Over 2 GPUs within 14 GiB each, the recommendation (checkpointing, nothing offloaded) is
+        # slower than 60 settings that fit: it is a row all the same, and the margin that chose it
+        # is printed with the faster row it passed over.
+        result = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, world_size=2, gpu_memory_GiB=14)
+        self.assertExpectedInline(report_section(result, 7), """\
+7. FSDP2 step model, per GPU (budget 14.0 GiB; analytic (FLOPs at 65% of h200-pcie peak)):
+   batch  setting                                             step s  peak GiB/GPU  tokens/s/GPU  fits
+      1x  modules=0.00                                         0.170          17.9         48065  no    today's run
+      1x  modules=0.25 opt=host ckpt                           0.201          10.8         40779  yes
+      1x  modules=0.25 opt=host ckpt cast=device               0.201          10.8         40779  yes
+      1x  modules=0.25 opt=host ckpt keep=2                    0.201          10.8         40779  yes
+      1x  modules=0.25 opt=host ckpt keep=2 cast=device        0.201          10.8         40779  yes
+      1x  modules=0.25 opt=split0.25 ckpt                      0.201          10.8         40779  yes
+      1x  modules=0.25 opt=split0.25 ckpt cast=device          0.201          10.8         40779  yes
+      1x  modules=0.25 opt=split0.25 ckpt keep=2               0.201          10.8         40779  yes
+      1x  modules=0.25 opt=split0.25 ckpt keep=2 cast=device   0.201          10.8         40779  yes
+      1x  modules=0.00 ckpt                                    0.206          13.6         39863  yes   <- recommended
+   legend: Nx: N times today's micro-batch; fits: the peak within the budget
+   modules=F: fraction F of the blocks offloaded (params, grads, optimizer state), the last in forward order
+   opt=: where the offloaded blocks' optimizer steps: host; splitF: fraction F of them streamed through the GPU; stream: all
+   ckpt: activation checkpointing per block (its forward recomputed in backward)
+   keep=N: the last N blocks stay unsharded from forward to backward (one copy-in per step instead of two)
+   cast=device: the fp32 master copied in and cast on the GPU (no cast on the host, twice the copy-in bytes)
+   recommended: the fastest row that fits; a row that moves bytes over the link must beat the fastest moving none by 10%
+   (the step model's error against measured steps), and within 2% of the fastest the row moving the fewest bytes wins
+   (then: the one without ckpt). Here modules=0.25 opt=host ckpt at 1x is +2.3% faster than modules=0.00 ckpt at 1x,
+   less than the 10% margin, so the recommendation moves no bytes.
+""")
+
+    def test_tie_rule_is_printed_when_it_decides(self):
+        result = plan("anchor-1.6b", platform="h200-pcie", batch_size=16, gpu_memory_GiB=20)
+        section = report_section(result, 7)
+        self.assertExpectedInline(section[section.index("   recommended: "):], """\
+   recommended: the fastest row that fits; a row that moves bytes over the link must beat the fastest moving none by 10%
+   (the step model's error against measured steps), and within 2% of the fastest the row moving the fewest bytes wins
+   (then: the one without ckpt). Here modules=0.50 opt=host ckpt keep=4 at 1x is within 2% of modules=0.88 opt=host ckpt
+   keep=7 cast=device at 1x (-1.8%) and moves 4.8 GB per step, not 11.3 GB.
+""")
+
+    def test_no_rule_when_the_fastest_row_is_recommended(self):
+        result = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=13.7)
+        section = report_section(result, 7)
+        self.assertIn(f"{result.recommended.predicted_step_s:.3f}", section.splitlines()[3])
+        self.assertIn("<- recommended", section.splitlines()[3])
+        self.assertNotIn("recommended: ", section)
+
+    def test_every_label_kind_has_a_legend_line(self):
+        configs = default_training_configs(8) + [
+            TrainingConfig(module_fraction=0.5, optimizer="stream", prefetch_depth=2, block_placement="spread")
+        ]
+        kinds = {label_kind(part) for config in configs for part in config.label.split()}
+        self.assertEqual(kinds, set(LABEL_LEGEND))
+        self.assertEqual(set(TECHNIQUES) | {"link-bound"}, set(TECHNIQUE_LEGEND))
+        # Only the kinds a table uses are explained under it.
+        section = report_section(plan("anchor-1.6b", platform="h200-pcie", batch_size=4), 7)
+        self.assertNotIn(LABEL_LEGEND["spread"], section)
+        self.assertIn(LABEL_LEGEND["modules"], section)
+
+    def test_h100_sxm_profile(self):
+        sxm, pcie = get_profile("h100-sxm"), get_profile("h100-pcie")
+        self.assertEqual(
+            (sxm.kind, sxm.gpu_memory_GB, sxm.gpu_dram_GBps, sxm.gpu_bf16_TFLOPS, sxm.link_GBps),
+            ("discrete", 80.0, 3350.0, 989.0, 55.0),
+        )
+        # The same PCIe Gen5 host link as the PCIe card; NVLink between the GPUs of the board.
+        self.assertEqual((sxm.h2d_GBps, sxm.d2h_GBps, sxm.host_GBps), (pcie.h2d_GBps, pcie.d2h_GBps, pcie.host_GBps))
+        self.assertGreater(sxm.gpu_interconnect_GBps, pcie.gpu_interconnect_GBps)
+        code, out, _ = run_cli("--model", "anchor-1.6b", "--batch-size", "4", "--platform", "h100-sxm")
+        self.assertEqual(code, 0)
+        self.assertIn("Platform: h100-sxm (discrete); per GPU: 80.0 GB memory, 3350 GB/s DRAM, 55 GB/s link", out)
 
 
 class TestValidationScript(TestCase):

@@ -12,7 +12,7 @@ import torch
 from torch_fsdp_offload.planner.block_timing import measure_block_timings
 from torch_fsdp_offload.planner.host_step_probe import host_GBps_from_link_busy, measure_host_step
 from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, model_breakdown
-from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
+from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfile, get_profile, measured_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
 from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
 from torch_fsdp_offload.planner.scenario_cost import Candidate
@@ -38,8 +38,8 @@ def _resolve_platform(platform: str | PlatformProfile | None, *, need: bool) -> 
         return measured_profile(detect_platform(bandwidth=True))
     if need:
         raise ValueError(
-            "no GPU on this machine to measure: pass platform= one of h100-pcie, h200-pcie, gh200, "
-            "gb200, dgx-spark (the machine to plan for), or plan from a scenario file"
+            f"no GPU on this machine to measure: pass platform= one of {', '.join(sorted(PLATFORM_PROFILES))} "
+            "(the machine to plan for), or plan from a scenario file"
         )
     return None
 
@@ -174,9 +174,13 @@ def _plan_model(
         for i, f in enumerate(factors)
     )
     base = profiles[0][1]
-    params = base.total_params
+    # The talk-level steps see one GPU, as the step model does: FSDP shards the parameters, grads
+    # and optimizer state over world_size GPUs, each GPU holds its own micro-batch's activations,
+    # and an iteration is the resident setting's predicted step (its shard's optimizer step).
+    params = base.total_params / world_size
+    resident_steps = [predict_step(p, TrainingConfig(), platform, world_size=world_size).step_s for _, p in profiles]
     unsharded = 2 * base.block_params * base.compute_bytes + base.block_params * (base.compute_bytes + base.reduce_bytes)
-    iteration = base.forward_s + base.backward_s + base.gpu_optimizer_s
+    iteration = resident_steps[0]
     activations = base.n_blocks * base.block_activation_bytes + base.other_activation_bytes
     # Checkpointing every block keeps the block inputs, and one block's activations while it is
     # recomputed; it adds the recompute the breakdown counted.
@@ -191,7 +195,7 @@ def _plan_model(
         capacity_GB=capacity_bytes / 1e9,
         activations_to_dram_GB=activations / 1e9,
         iteration_time_s=iteration,
-        microbatch_scaling=tuple((f, (p.forward_s + p.backward_s + base.gpu_optimizer_s) / iteration) for f, p in profiles),
+        microbatch_scaling=tuple((f, step / iteration) for (f, _), step in zip(profiles, resident_steps)),
         gpu_dram_GBps=platform.gpu_dram_GBps,
         link_GBps=platform.link_GBps,
         host_GBps=host_GBps or platform.host_GBps,
@@ -219,7 +223,9 @@ def _plan_model(
             f"{platform.gpu_interconnect_GBps:g} GB/s, one host DRAM for all host optimizer steps)"
         )
     predictions, best = search_training(profiles, platform, capacity, world_size=world_size)
-    training = TrainingPlan(profiles=profiles, predictions=tuple(predictions), best=best, capacity_bytes=capacity)
+    training = TrainingPlan(
+        profiles=profiles, predictions=tuple(predictions), best=best, capacity_bytes=capacity, world_size=world_size
+    )
     if search.blocked_reason or best is None:
         recommendation = _talk_recommendation(scenario, search.recommended, search.blocked_reason)
         if best is None:
@@ -250,7 +256,7 @@ def _plan_model(
             kwargs=kwargs,
             reason=(
                 f"{what} at {factor:g}x the micro-batch{' with activation checkpointing' if config.checkpointing else ''}: "
-                f"predicted {prediction.step_s:.3f} s per step, {prediction.peak_gpu_GiB:.1f} GiB peak, "
+                f"predicted {prediction.step_s:.3f} s per step, {prediction.peak_gpu_GiB:.1f} GiB peak per GPU, "
                 f"{gain:+.0%} throughput over today's resident run." + _cast_reason(factor, prediction, predictions)
             ),
             predicted_step_s=prediction.step_s,
@@ -303,9 +309,9 @@ def plan(
             ``batch_size * microbatch_factors``.
         scenario: instead of a model, an analytic scenario (JSON path, mapping or
             :class:`~torch_fsdp_offload.planner.scenario.Scenario`) for a machine not at hand.
-        platform: a built-in profile name (``h100-pcie``, ``h200-pcie``, ``gh200``, ``gb200``,
-            ``dgx-spark``) or a :class:`PlatformProfile`. Default: this machine, measured (needs a
-            GPU). With a scenario it replaces the scenario's platform kind (explicit scenario
+        platform: a built-in profile name (``h100-pcie``, ``h100-sxm``, ``h200-pcie``, ``gh200``,
+            ``gb200``, ``dgx-spark``) or a :class:`PlatformProfile`. Default: this machine, measured
+            (needs a GPU). With a scenario it replaces the scenario's platform kind (explicit scenario
             bandwidths still win).
         batch_size (int): today's micro-batch (sequences), for a model.
         seq_len (int): tokens per sequence, for a model.
@@ -313,8 +319,8 @@ def plan(
         compute_dtype (torch.dtype): forward dtype, for a model.
         measure (bool | None): time the block on the GPU (default: when CUDA is available and
             ``platform`` is not given, i.e. the plan is for this machine).
-        world_size (int): GPUs of one host FSDP shards over, for a model; the FSDP2 step
-            predictions are per GPU (sharded state, all-gathers and reduce-scatters, a shared host).
+        world_size (int): GPUs of one host FSDP shards over, for a model; every figure of the plan
+            is per GPU (sharded state, all-gathers and reduce-scatters, a shared host).
         gpu_memory_GiB (float | None): the GPU memory the step's peak must fit in: a budget below
             the GPU's (room kept for something else, or a smaller GPU than the profile's).
             Default: 90% of the platform's memory (the rest for the CUDA context, NCCL and

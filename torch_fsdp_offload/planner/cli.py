@@ -12,17 +12,54 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import re
 import sys
 
+from torch_fsdp_offload.models import HF_CONFIGS, MODEL_CONFIGS
 from torch_fsdp_offload.planner.api import plan
 from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES
 from torch_fsdp_offload.planner.scenario import ScenarioError
 
-__all__ = ["add_arguments", "check_arguments", "run"]
+__all__ = ["add_arguments", "check_arguments", "cli_spelling", "run"]
 
 # Flags that describe a --model run; a --scenario file holds its own figures instead.
 _MODEL_ONLY_FLAGS = ("batch_size", "seq_len", "world_size", "microbatch_factors")
+# plan()'s keyword arguments that a flag sets (the flag is the name with dashes): plan()'s errors
+# name the keywords, the command line's name the flags.
+_PLAN_KEYWORDS = ("platform", "gpu_memory_GiB", *_MODEL_ONLY_FLAGS)
+# plan()'s default sequence length, which a run without --seq-len gets.
+_DEFAULT_SEQ_LEN = inspect.signature(plan).parameters["seq_len"].default
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def cli_spelling(message: str) -> str:
+    """``message``, an error :func:`~torch_fsdp_offload.planner.plan` raised, with its keyword
+    arguments spelled as the flags that set them (``platform=`` -> ``--platform``).
+
+    Args:
+        message (str): the error's text, in the Python API's spelling.
+
+    Returns:
+        str: the same text in the command line's spelling.
+
+    Example::
+
+        >>> cli_spelling("world_size must be >= 1, got 0; or pass platform= to predict")
+        '--world-size must be >= 1, got 0; or pass --platform to predict'
+        >>> cli_spelling("with platform=h200-pcie")
+        'with --platform=h200-pcie'
+    """
+    for name in _PLAN_KEYWORDS:
+        # A bare word ("platform") is English; only a keyword ("platform=") or an identifier
+        # ("world_size") spells the argument. A keyword's "=" goes where no value follows it.
+        spelled = rf"\b{name}\b" if "_" in name else rf"\b{name}(?==)"
+        message = re.sub(spelled + r"(?:=(?=[\s,;.)]|$))?", _flag(name), message)
+    return message
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--scenario", metavar="FILE.json", help="analytic scenario (see docs/planner.md)")
     source.add_argument(
         "--model",
-        help="built-in model name (tiny, small, llama-1b, anchor-1.6b), a transformers config name, or hf:<path or hub id>",
+        help=(
+            f"a built-in model ({', '.join(sorted(MODEL_CONFIGS))}), a transformers config "
+            f"({', '.join(sorted(HF_CONFIGS))}; needs transformers), or hf:<config path or hub id>"
+        ),
     )
     parser.add_argument(
         "--platform",
@@ -39,9 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan for this built-in profile instead of measuring this machine",
     )
     parser.add_argument("--batch-size", type=int, help="today's micro-batch in sequences (model only; default 1)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (model only; default 2048)")
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (model only; default {_DEFAULT_SEQ_LEN})")
     parser.add_argument(
-        "--world-size", type=int, help="GPUs of one host FSDP shards over; per-GPU predictions (model only; default 1)"
+        "--world-size", type=int, help="GPUs of one host FSDP shards over; the report is per GPU (model only; default 1)"
     )
     parser.add_argument(
         "--microbatch-factors",
@@ -65,14 +105,28 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         args: what ``parser`` parsed.
 
     Raises:
-        SystemExit: (status 2) naming the flags and the fix.
+        SystemExit: (status 2) naming the flags and the fix: model-only flags with ``--scenario``, a
+            ``--seq-len`` (given or the default) longer than a built-in ``--model`` takes.
+
+    Example::
+
+        >>> check_arguments(parser, parser.parse_args(["--model", "tiny", "--seq-len", "4096"]))
+        Traceback (most recent call last):
+        SystemExit: 2
     """
-    given = [f"--{name.replace('_', '-')}" for name in _MODEL_ONLY_FLAGS if getattr(args, name) is not None]
+    given = [_flag(name) for name in _MODEL_ONLY_FLAGS if getattr(args, name) is not None]
     if args.scenario is not None and given:
         parser.error(
             f"{', '.join(given)} only apply to --model; --scenario {args.scenario} takes the micro-batch, "
             "sequence and timings from the file (memory_GB, iteration_time_s, microbatch_scaling): drop "
             f"{', '.join(given)}, or plan with --model"
+        )
+    config = MODEL_CONFIGS.get(args.model)
+    seq_len = _DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
+    if config is not None and seq_len > config.max_seq_len:
+        parser.error(
+            f"--seq-len {seq_len}{' (the default)' if args.seq_len is None else ''} exceeds the "
+            f"{config.max_seq_len} tokens of --model {args.model}: pass --seq-len {config.max_seq_len} or less"
         )
 
 
@@ -95,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = plan(args.model, platform=args.platform, gpu_memory_GiB=args.gpu_memory_GiB, **model_options)
     except (ScenarioError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {cli_spelling(str(exc))}", file=sys.stderr)
         return 2
     if args.plot:
         try:

@@ -103,6 +103,23 @@ PLATFORM_PROFILES: dict[str, PlatformProfile] = {
         gpu_bf16_TFLOPS=756.0,
         source="docs/platforms.md: x86 + H100 PCIe Gen5 (~55 GB/s each way); both-ways and host figures from h200-pcie",
     ),
+    "h100-sxm": PlatformProfile(
+        name="h100-sxm",
+        kind="discrete",
+        gpu_memory_GB=80.0,
+        gpu_dram_GBps=3350.0,
+        # PCIe Gen5 x16 to the host as on the PCIe cards: ~55 GB/s achieved of 64 GB/s nominal.
+        link_GBps=55.0,
+        h2d_GBps=55.0,
+        d2h_GBps=55.0,
+        bidirectional_GBps=98.5,
+        host_GBps=_H200_HOST_GBPS,
+        **_H200_HOST_CAST,
+        # NVLink 4 between the GPUs of an HGX board, 450 GB/s each way (spec; not measured).
+        gpu_interconnect_GBps=450.0,
+        gpu_bf16_TFLOPS=989.0,
+        source="docs/platforms.md: x86 + H100 SXM5 80 GB HBM3 (HGX), PCIe Gen5 x16 host link; both-ways and host figures from h200-pcie",
+    ),
     "h200-pcie": PlatformProfile(
         name="h200-pcie",
         kind="discrete",
@@ -172,7 +189,7 @@ def get_profile(name: str) -> PlatformProfile:
     """Look up a built-in platform profile.
 
     Args:
-        name (str): one of ``h100-pcie``, ``h200-pcie``, ``gh200``, ``gb200``, ``dgx-spark``.
+        name (str): one of ``h100-pcie``, ``h100-sxm``, ``h200-pcie``, ``gh200``, ``gb200``, ``dgx-spark``.
 
     Returns:
         PlatformProfile: the built-in figures.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,11 +15,29 @@ from torch_fsdp_offload.planner.scenario_cost import (
     naive_offload_GB,
     time_factor,
 )
-from torch_fsdp_offload.planner.search import ScenarioSearch, throughput_curves
+from torch_fsdp_offload.planner.search import (
+    OFFLOAD_MARGIN,
+    offload_that_pays,
+    ScenarioSearch,
+    throughput_curves,
+    TIE_MARGIN,
+)
 from torch_fsdp_offload.planner.step_time import StepPrediction
+from torch_fsdp_offload.planner.training_config import LABEL_LEGEND, label_kind
 from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
-__all__ = ["PlanResult", "Recommendation", "TrainingPlan"]
+__all__ = ["PlanResult", "Recommendation", "TECHNIQUE_LEGEND", "TrainingPlan"]
+
+# One line per row label of the talk-level table (its techniques and its link-bound flag).
+TECHNIQUE_LEGEND: dict[str, str] = {
+    "none": "none: nothing offloaded",
+    "offload_weights": "offload_weights: the `weights` share of the weights offloaded, with their grads and optimizer state",
+    "offload_activations": "offload_activations: the `activ.` share of the activations offloaded",
+    "checkpointing": "checkpointing: activation checkpointing per block (its forward recomputed in backward)",
+    "checkpointing+offload_weights": "checkpointing+offload_weights: both",
+    "link-bound": "link-bound: its copies need more than the link carries while compute runs: listed, never recommended",
+}
+_REPORT_WIDTH = 120
 
 
 @dataclass(frozen=True)
@@ -183,17 +202,20 @@ class TrainingPlan:
         profiles (tuple): ``(microbatch_factor, TrainingProfile)`` pairs predicted.
         predictions (tuple): ``(microbatch_factor, StepPrediction)`` for every setting tried.
         best (tuple | None): the chosen ``(microbatch_factor, StepPrediction)``.
-        capacity_bytes (float): GPU memory budget the peaks were checked against.
+        capacity_bytes (float): GPU memory budget (per GPU) the peaks were checked against.
+        world_size (int): GPUs of one host FSDP shards over; every prediction is per GPU.
     """
 
     profiles: tuple[tuple[float, TrainingProfile], ...]
     predictions: tuple[tuple[float, StepPrediction], ...]
     best: tuple[float, StepPrediction] | None
     capacity_bytes: float
+    world_size: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "capacity_GB": self.capacity_bytes / 1e9,
+            "world_size": self.world_size,
             "profiles": [{"microbatch_factor": f, **p.to_dict()} for f, p in self.profiles],
             "predictions": [{"microbatch_factor": f, **p.to_dict()} for f, p in self.predictions],
             "best": None if self.best is None else {"microbatch_factor": self.best[0], **self.best[1].to_dict()},
@@ -278,20 +300,40 @@ class PlanResult:
 
     # -- human report ---------------------------------------------------------------------------
     def report(self) -> str:
-        """The talk's decision framework, step by step, as text."""
+        """The talk's decision framework, step by step, as text: every figure per GPU, every row
+        label explained under its table, the recommended row marked in its table.
+
+        Returns:
+            str: the report's lines, each ending in a newline.
+
+        Example::
+
+            >>> print(plan(scenario="docs/examples/talk_gh200.json").report())
+        """
         s = self.scenario
+        world_size = 1 if self.training is None else self.training.world_size
         lines = [f"Offload plan: {s.name}"]
         if s.platform is not None:
             lines.append(
-                f"Platform: {s.platform.name} ({s.kind}), {s.capacity_GB:.1f} GB GPU memory, "
-                f"{s.gpu_dram_GBps:.0f} GB/s GPU DRAM, {s.link_GBps:.0f} GB/s link"
+                f"Platform: {s.platform.name} ({s.kind}); per GPU: {s.platform.gpu_memory_GB:.1f} GB memory, "
+                f"{s.gpu_dram_GBps:.0f} GB/s DRAM, {s.link_GBps:.0f} GB/s link"
             )
+        if world_size > 1:
+            lines.append(
+                f"Every figure is per GPU: FSDP over {world_size} GPUs of one host, each GPU with its own micro-batch "
+                f"and 1/{world_size} of the weights, grads and optimizer state."
+            )
+        else:
+            lines.append("Every figure is per GPU (one GPU, nothing sharded).")
         lines.append("")
-        lines.append(f"1. Memory breakdown (GPU capacity {s.capacity_GB:.1f} GB)")
+        lines.append(
+            f"1. Memory breakdown per GPU (budget {s.capacity_GB:.1f} GB = {s.capacity_GB * 1e9 / 2**30:.1f} GiB)"
+        )
+        sharded = f"  (1/{world_size} of the model's {{:.1f}} GB)" if world_size > 1 else ""
         rows = [
-            ("weights", s.weights_GB, ""),
-            ("grads", s.grads_GB, ""),
-            ("optimizer state", s.optimizer_state_GB, ""),
+            ("weights", s.weights_GB, sharded.format(s.weights_GB * world_size)),
+            ("grads", s.grads_GB, sharded.format(s.grads_GB * world_size)),
+            ("optimizer state", s.optimizer_state_GB, sharded.format(s.optimizer_state_GB * world_size)),
             ("activations", s.activations_GB, f"  ({s.activations_to_dram_GB:.1f} GB reach DRAM)"),
             ("other", s.other_GB, ""),
             ("unused", s.unused_GB, ""),
@@ -299,7 +341,7 @@ class PlanResult:
         for label, amount, extra in rows:
             if amount or label in ("weights", "activations", "unused"):
                 lines.append(f"   {label:<16}{amount:>8.1f} GB {100 * amount / s.capacity_GB:>6.1f}%{extra}")
-        lines.append(f"2. Iteration time: {s.iteration_time_s:.3f} s")
+        lines.append(f"2. Iteration time: {s.iteration_time_s:.3f} s per step (today's run)")
 
         model_bandwidth = model_dram_bandwidth_GBps(s)
         utilization = model_bandwidth / s.gpu_dram_GBps
@@ -315,7 +357,7 @@ class PlanResult:
             else "room for offload traffic"
         )
         lines.append(
-            f"3. Model DRAM bandwidth: {formula} = {model_bandwidth:.0f} GB/s, "
+            f"3. Model DRAM bandwidth per GPU: {formula} = {model_bandwidth:.0f} GB/s, "
             f"{utilization:.0%} of the {s.gpu_dram_GBps:.0f} GB/s peak: {verdict}"
         )
 
@@ -323,13 +365,13 @@ class PlanResult:
         ratio = naive / s.link_GBps
         traffic = self._naive_formula()
         lines.append(
-            f"4. Naive offload (all weights): {traffic} GB / {s.iteration_time_s:.3f} s = {naive:.0f} GB/s "
+            f"4. Naive offload per GPU (all weights): {traffic} GB / {s.iteration_time_s:.3f} s = {naive:.0f} GB/s "
             f"vs a {s.link_GBps:.0f} GB/s link"
             + (f": {ratio:.1f}x more than it carries" if ratio > 1 else ": the link keeps up")
         )
 
         lines.append("5. What can be gained (micro-batch scaling):")
-        lines.append("   micro-batch   time   throughput   GPU memory without offload")
+        lines.append("   micro-batch   time   throughput   GB per GPU without offload")
         for factor, tf in s.microbatch_scaling:
             need = evaluate(s, "none", factor).gpu_memory_GB
             fits = "fits" if need <= s.capacity_GB * (1 + 1e-9) else "does not fit"
@@ -340,16 +382,7 @@ class PlanResult:
             f"{traffic} GB / {s.iteration_time_s * time_factor(s, factor):.3f} s = "
             f"{self.scaled_offload_bandwidth_GBps():.0f} GB/s"
         )
-
-        lines.append("6. Partial offload and checkpointing (plans that fit):")
-        lines.append("   technique                       batch  weights  activ.  GPU GB  link need GB/s     gain")
-        for c in self.search.candidates:
-            bound = " link-bound" if c.link_bound else ""
-            lines.append(
-                f"   {c.technique:<30}{c.microbatch_factor:>5g}x  {c.weights_fraction:>7.0%}  "
-                f"{c.activations_fraction:>6.0%}  {c.gpu_memory_GB:>6.1f}  {c.required_link_GBps:>14.0f}  "
-                f"{c.throughput_gain:>+7.0%}{bound}"
-            )
+        lines.extend(self._candidate_lines())
 
         if self.training is not None:
             lines.extend(self._training_lines())
@@ -370,23 +403,104 @@ class PlanResult:
         ]
         return f"({' + '.join(terms)})" if terms else "0"
 
-    def _training_lines(self) -> list[str]:
-        training = self.training
+    def _candidate_lines(self) -> list[str]:
+        """Step 6: the talk-level plans that fit, the recommended one marked when the
+        recommendation is the talk-level one (a row even where nothing fits), and the legend."""
+        candidates = list(self.search.candidates)
+        picked = self.search.recommended if self.recommended.technique != "fsdp2_step_model" else None
+        if picked is not None and picked not in candidates:
+            candidates.append(picked)
         lines = [
-            f"7. FSDP2 step model (GPU budget {training.capacity_bytes / 2**30:.1f} GiB; "
-            f"{training.profiles[0][1].source}):"
+            "6. Partial offload and checkpointing, per GPU (plans that fit):",
+            "   technique                       batch  weights  activ.  GB/GPU  link GB/s     gain",
         ]
-        lines.append("   batch  setting                                  step s  peak GiB  tokens/s  fits")
-        ranked = sorted(training.predictions, key=lambda fp: -fp[0] / fp[1].step_s)
-        shown = [fp for fp in ranked if fp[1].peak_gpu_bytes <= training.capacity_bytes][:8]
+        for c in candidates:
+            marks = (["link-bound"] if c.link_bound else []) + (["does not fit"] if not c.fits else [])
+            if c == picked:
+                marks.append("<- recommended")
+            lines.append(
+                f"   {c.technique:<30}{c.microbatch_factor:>5g}x  {c.weights_fraction:>7.0%}  "
+                f"{c.activations_fraction:>6.0%}  {c.gpu_memory_GB:>6.1f}  {c.required_link_GBps:>9.0f}  "
+                f"{c.throughput_gain:>+7.0%}  {', '.join(marks)}".rstrip()
+            )
+        used = {c.technique for c in candidates} | ({"link-bound"} if any(c.link_bound for c in candidates) else set())
+        lines.append("   legend: Nx: N times today's micro-batch; link GB/s: what the copies need to stay hidden; gain: throughput over today's run")
+        lines.extend(f"   {text}" for key, text in TECHNIQUE_LEGEND.items() if key in used)
+        return lines
+
+    def _training_lines(self) -> list[str]:
+        """Step 7: today's run, the fastest settings that fit, the recommended one (always a row,
+        marked), the rows the decision rule compared; a legend of the labels; the rule when it
+        chose another row than the fastest."""
+        training = self.training
+        tokens = training.profiles[0][1].tokens
+
+        def speed(fp: tuple[float, StepPrediction]) -> float:
+            return fp[0] / fp[1].step_s
+
+        ranked = sorted(training.predictions, key=lambda fp: -speed(fp))
+        fitting = [fp for fp in ranked if fp[1].peak_gpu_bytes <= training.capacity_bytes]
         resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.label == "modules=0.00"]
-        for factor, p in resident + [fp for fp in shown if fp not in resident]:
-            tokens = factor * training.profiles[0][1].tokens / p.step_s
+        picked = training.best if self.recommended.technique == "fsdp2_step_model" else None
+        rule, compared = self._rule(fitting, picked) if picked is not None and fitting[0] != picked else ([], [])
+        chosen = fitting[:8] + compared + ([picked] if picked is not None else [])
+        rows = resident + [fp for fp in fitting if fp in chosen and fp not in resident]
+        width = max(len(p.config.label) for _, p in rows)
+        lines = [
+            f"7. FSDP2 step model, per GPU (budget {training.capacity_bytes / 2**30:.1f} GiB; "
+            f"{training.profiles[0][1].source}):",
+            f"   batch  {'setting':<{width}}  step s  peak GiB/GPU  tokens/s/GPU  fits",
+        ]
+        for fp in rows:
+            factor, p = fp
+            marks = (["today's run"] if fp in resident else []) + (["<- recommended"] if fp == picked else [])
             fits = "yes" if p.peak_gpu_bytes <= training.capacity_bytes else "no"
             lines.append(
-                f"   {factor:>4g}x  {p.config.label:<40}{p.step_s:>7.3f}  {p.peak_gpu_GiB:>8.1f}  {tokens:>8.0f}  {fits}"
+                f"   {factor:>4g}x  {p.config.label:<{width}}  {p.step_s:>6.3f}  {p.peak_gpu_GiB:>12.1f}  "
+                f"{factor * tokens / p.step_s:>12.0f}  {fits:<4}  {', '.join(marks)}".rstrip()
             )
+        kinds = {label_kind(part) for _, p in rows for part in p.config.label.split()}
+        lines.append("   legend: Nx: N times today's micro-batch; fits: the peak within the budget")
+        lines.extend(f"   {text}" for key, text in LABEL_LEGEND.items() if key in kinds)
+        lines.extend(textwrap.wrap(rule, _REPORT_WIDTH, initial_indent="   ", subsequent_indent="   ") if rule else [])
         return lines
+
+    @staticmethod
+    def _rule(
+        fitting: list[tuple[float, StepPrediction]], picked: tuple[float, StepPrediction]
+    ) -> tuple[str, list[tuple[float, StepPrediction]]]:
+        """Why ``picked`` and not the fastest row that fits (``fitting[0]``): the offload margin
+        or the tie rule of :func:`~torch_fsdp_offload.planner.search.choose`; and the rows compared."""
+
+        def speed(fp: tuple[float, StepPrediction]) -> float:
+            return fp[0] / fp[1].step_s
+
+        def moved_GB(fp: tuple[float, StepPrediction]) -> float:
+            return (fp[1].h2d_bytes + fp[1].d2h_bytes) / 1e9
+
+        def name(fp: tuple[float, StepPrediction]) -> str:
+            return f"{fp[1].config.label} at {fp[0]:g}x"
+
+        fastest = fitting[0]
+        head = (
+            f"recommended: the fastest row that fits; a row that moves bytes over the link must beat the fastest "
+            f"moving none by {OFFLOAD_MARGIN:.0%} (the step model's error against measured steps), and within "
+            f"{TIE_MARGIN:.0%} of the fastest the row moving the fewest bytes wins (then: the one without ckpt). "
+        )
+        if fastest not in offload_that_pays(fitting, throughput=speed, moves_bytes=lambda fp: moved_GB(fp) > 0):
+            staying = max((fp for fp in fitting if moved_GB(fp) == 0), key=speed)
+            return head + (
+                f"Here {name(fastest)} is {speed(fastest) / speed(staying) - 1:+.1%} faster than {name(staying)}, "
+                f"less than the {OFFLOAD_MARGIN:.0%} margin, so the recommendation moves no bytes."
+            ), [staying]
+        fewer = (
+            f"moves {moved_GB(picked):.1f} GB per step, not {moved_GB(fastest):.1f} GB"
+            if moved_GB(picked) < moved_GB(fastest) else "does not checkpoint"
+        )
+        return head + (
+            f"Here {name(picked)} is within {TIE_MARGIN:.0%} of {name(fastest)} "
+            f"({speed(picked) / speed(fastest) - 1:+.1%}) and {fewer}."
+        ), []
 
     # -- plot ---------------------------------------------------------------------------------
     def plot(self, path: str) -> None:

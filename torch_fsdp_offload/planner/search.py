@@ -35,6 +35,7 @@ from torch_fsdp_offload.planner.training_profile import TrainingProfile
 __all__ = [
     "DRAM_BOUND_UTILIZATION",
     "OFFLOAD_MARGIN",
+    "TIE_MARGIN",
     "choose",
     "ScenarioSearch",
     "default_training_configs",
@@ -49,7 +50,7 @@ __all__ = [
 # talk: "above 80% or 90% of your peak bandwidth, offloading is likely not beneficial").
 DRAM_BOUND_UTILIZATION = 0.85
 # Predictions closer than this are treated as equal; the plan that moves fewer bytes wins.
-_TIE = 0.02
+TIE_MARGIN = 0.02
 # A plan that offloads must beat a fitting plan that moves nothing by this much to be recommended:
 # the step model's own error against measured steps (see docs/planner.md); offload pays only when
 # it buys something.
@@ -268,8 +269,8 @@ def choose(
     checkpointing: Callable[[_T], bool],
 ) -> _T:
     """The planner's decision among candidates that fit: of :func:`offload_that_pays`, the most
-    throughput; within 2% of it, the one that moves the fewest bytes over the link, then the one
-    without activation checkpointing, then the faster.
+    throughput; within :data:`TIE_MARGIN` (2%) of it, the one that moves the fewest bytes over the
+    link, then the one without activation checkpointing, then the faster.
 
     Args:
         candidates: plans, predicted or measured (at least one).
@@ -293,7 +294,7 @@ def choose(
         raise ValueError("choose needs at least one candidate")
     paying = offload_that_pays(candidates, throughput=throughput, moves_bytes=lambda c: bytes_moved(c) > 0)
     top = max(throughput(c) for c in paying)
-    close = [c for c in paying if throughput(c) >= top * (1 - _TIE)]
+    close = [c for c in paying if throughput(c) >= top * (1 - TIE_MARGIN)]
     return min(close, key=lambda c: (bytes_moved(c), checkpointing(c), -throughput(c)))
 
 

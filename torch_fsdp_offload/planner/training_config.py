@@ -8,7 +8,25 @@ from typing import Any
 
 from torch_fsdp_offload.planner.library_facts import CAST_PLACEMENTS, spread_group_offloaded
 
-__all__ = ["TrainingConfig"]
+__all__ = ["LABEL_LEGEND", "TrainingConfig", "label_kind"]
+
+# One line per kind of part of :attr:`TrainingConfig.label`, in the label's order: the report's
+# legend under the step model's table.
+LABEL_LEGEND: dict[str, str] = {
+    "modules": "modules=F: fraction F of the blocks offloaded (params, grads, optimizer state), the last in forward order",
+    "opt": "opt=: where the offloaded blocks' optimizer steps: host; splitF: fraction F of them streamed through the GPU; stream: all",
+    "act": "act=F: activations of fraction F of the blocks offloaded to the host",
+    "ckpt": "ckpt: activation checkpointing per block (its forward recomputed in backward)",
+    "depth": "depth=N: N groups copied in ahead of their use",
+    "spread": "spread: the offloaded blocks spread evenly, as CoherentOffload(module_fraction=...) places them",
+    "keep": "keep=N: the last N blocks stay unsharded from forward to backward (one copy-in per step instead of two)",
+    "cast": "cast=device: the fp32 master copied in and cast on the GPU (no cast on the host, twice the copy-in bytes)",
+}
+
+
+def label_kind(part: str) -> str:
+    """The :data:`LABEL_LEGEND` key of one space-separated part of a label (``"keep=4"`` -> ``"keep"``)."""
+    return part.partition("=")[0]
 
 
 @dataclass(frozen=True)
