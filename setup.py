@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     extras_require={
-        "test": ["pytest", "expecttest", "parameterized", "numpy"],
+        "test": ["pytest", "expecttest", "parameterized", "numpy", "transformers"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["torch-fsdp-offload=torch_fsdp_offload.__main__:main"]},

@@ -162,6 +162,25 @@ class TestFindBlocks(TestCase):
         model.heads = _stack(2)
         self.assertIs(find_blocks(model), model.decoder.stack)
 
+    def test_given_blocks_by_module_or_name(self) -> None:
+        model = build_model("tiny", device="meta")
+        by_module = find_blocks(model, [model.blocks[1], model.blocks[0]])
+        self.assertEqual([id(block) for block in by_module], [id(model.blocks[1]), id(model.blocks[0])])
+        # Names find the same blocks in a copy of the model (the planner plans on one).
+        by_name = find_blocks(model, ["blocks.0", "output"])
+        self.assertIs(by_name[0], model.blocks[0])
+        self.assertIs(by_name[1], model.output)
+        with self.assertRaisesRegex(ValueError, "names 'blocks.7', which is no submodule of Transformer"):
+            find_blocks(model, ["blocks.7"])
+        with self.assertRaisesRegex(ValueError, "holds a Linear that is no submodule of Transformer"):
+            find_blocks(model, [torch.nn.Linear(2, 2)])
+        with self.assertRaisesRegex(ValueError, "blocks= is empty"):
+            find_blocks(model, [])
+        with self.assertRaisesRegex(ValueError, "holds 'blocks.0' twice"):
+            find_blocks(model, [model.blocks[0], "blocks.0"])
+        with self.assertRaisesRegex(ValueError, "'blocks.0' and 'blocks.0.attention', one inside the other"):
+            find_blocks(model, ["blocks.0", "blocks.0.attention"])
+
     def test_no_or_ambiguous_blocks_are_refused(self) -> None:
         with self.assertRaisesRegex(ValueError, "Linear has no non-empty nn.ModuleList of blocks.*pass blocks="):
             find_blocks(torch.nn.Linear(2, 2))

@@ -7,6 +7,7 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import (
@@ -18,7 +19,7 @@ from torch.testing._internal.common_utils import (
 
 import torch_fsdp_offload._integration as fsdp2_integration
 from common_offload import SingleRankGlooTestCase
-from torch_fsdp_offload import CoherentOffload
+from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy
 from torch_fsdp_offload.memory import HostMemoryError, memory_stats
 
 
@@ -257,6 +258,31 @@ class SharedPolicyTest(SingleRankGlooTestCase):
             placements.append(self._offloaded([*encoder, model]))
             models.append(model)
         self.assertEqual(placements, [[False, True, True]] * 2)
+
+
+class ActivationCheckpointingTest(SingleRankGlooTestCase):
+    def test_blocks_recompute_in_backward_with_the_same_gradients_and_names(self):
+        def build() -> nn.Sequential:
+            torch.manual_seed(0)
+            return nn.Sequential(*(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(3)))
+
+        reference, model = build(), build()
+        keys = list(model.state_dict())
+        fully_shard_with_policy(
+            model, list(model), CoherentOffload(platform="discrete", optimizer="host"), last_blocks=2,
+            activation_checkpointing=True, mesh=init_device_mesh("cpu", (1,)),
+        )
+        self.assertEqual(list(model.state_dict()), keys)
+        calls = []
+        for block in model:
+            block[0].register_forward_hook(lambda *_: calls.append(1))
+        batch = torch.randn(4, 8)
+        model(batch).square().sum().backward()
+        # Each block's first layer ran in forward and again in backward.
+        self.assertEqual(len(calls), 6)
+        reference(batch).square().sum().backward()
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            self.assertEqual(param.grad.full_tensor(), expected.grad, msg=name)
 
 
 instantiate_parametrized_tests(CoherentOffloadKnobsTest)

@@ -45,6 +45,7 @@ __all__ = [
     "offload_activations",
     "OffloadOptimizer",
     "plan",
+    "plan_and_shard",
     "predict_per_gpu",
     "Platform",
     "platform_from_attributes",
@@ -59,7 +60,7 @@ _install_on_import()
 
 def __getattr__(name: str):
     # The planner reads every room and no room imports it: load it only when asked for.
-    if name in ("plan", "predict_per_gpu"):
+    if name in ("plan", "plan_and_shard", "predict_per_gpu"):
         from torch_fsdp_offload import planner
 
         return getattr(planner, name)

@@ -24,7 +24,7 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -352,25 +352,31 @@ class Transformer(nn.Module):
 BLOCK_LIST_PATHS = ("blocks", "model.layers", "layers", "transformer.h")
 
 
-def find_blocks(model: nn.Module) -> nn.ModuleList:
+def find_blocks(model: nn.Module, blocks: Sequence[nn.Module | str] | None = None) -> nn.ModuleList:
     """The transformer blocks of ``model``: the per-layer modules, in forward order, that are sharded
     (one FSDP group each), offloaded and prefetched one by one.
 
-    The first non-empty ``nn.ModuleList`` at one of :data:`BLOCK_LIST_PATHS`; else the longest
-    non-empty ``nn.ModuleList`` that is not inside another one (a block's own list, such as the
-    experts of a mixture-of-experts layer, is never taken for the blocks).
+    ``blocks`` given: those modules, checked to be distinct submodules of ``model``, none inside
+    another (names are resolved with ``model.get_submodule``, so a plan made on a copy of the model
+    finds the same blocks in the model itself). Otherwise the first non-empty ``nn.ModuleList`` at
+    one of :data:`BLOCK_LIST_PATHS`; else the longest non-empty ``nn.ModuleList`` that is not inside
+    another one (a block's own list, such as the experts of a mixture-of-experts layer, is never
+    taken for the blocks).
 
     Args:
         model (nn.Module): the model, sharded or not, on any device (``meta`` included).
+        blocks (Sequence[nn.Module | str] | None): the blocks in forward order, as modules or as
+            qualified names (``"model.layers.0"``); None finds them.
 
     Returns:
-        nn.ModuleList: the blocks.
+        nn.ModuleList: the blocks (a new list holding the given ones when ``blocks`` is given).
 
     Raises:
         ValueError: no non-empty ``nn.ModuleList``, or two equally long ones not inside one another
             (an encoder and a decoder, say), which leaves the blocks ambiguous; the message says to
             keep the blocks at ``model.blocks`` or pass ``blocks=[...]`` (``Recommendation.apply``
-            and ``offload_activations`` take it).
+            and ``offload_activations`` take it). Given ``blocks``: an empty list, a name or module
+            that is not a submodule of ``model``, the same block twice, or one block inside another.
 
     Example::
 
@@ -379,7 +385,11 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
         True
         >>> len(find_blocks(build_hf_causal_lm("llama-tiny", device="meta")))  # its model.layers
         2
+        >>> find_blocks(model, blocks=["blocks.1"])[0] is model.blocks[1]
+        True
     """
+    if blocks is not None:
+        return _given_blocks(model, blocks)
     for path in BLOCK_LIST_PATHS:
         owner: Any = model
         for part in path.split("."):
@@ -408,6 +418,37 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
             "blocks=[...] in forward order where the call takes it"
         )
     return next(module for _, module in outermost if len(module) == longest)
+
+
+def _given_blocks(model: nn.Module, blocks: Sequence[nn.Module | str]) -> nn.ModuleList:
+    names = {id(module): name for name, module in model.named_modules()}
+    resolved: list[tuple[str, nn.Module]] = []
+    for block in blocks:
+        if isinstance(block, str):
+            try:
+                module = model.get_submodule(block)
+            except AttributeError as exc:
+                raise ValueError(f"blocks= names {block!r}, which is no submodule of {type(model).__name__}") from exc
+            resolved.append((block, module))
+        elif isinstance(block, nn.Module) and id(block) in names:
+            resolved.append((names[id(block)], block))
+        else:
+            raise ValueError(
+                f"blocks= holds a {type(block).__name__} that is no submodule of {type(model).__name__}; "
+                "pass the model's own block modules (or their qualified names) in forward order"
+            )
+    if not resolved:
+        raise ValueError("blocks= is empty; pass the model's blocks in forward order, or leave it out to find them")
+    for index, (name, module) in enumerate(resolved):
+        for other_name, other in resolved[index + 1:]:
+            if other is module:
+                raise ValueError(f"blocks= holds {name or 'the model itself'!r} twice; each block is one FSDP group")
+            if name == "" or other_name == "" or other_name.startswith(f"{name}.") or name.startswith(f"{other_name}."):
+                raise ValueError(
+                    f"blocks= holds {name or 'the model itself'!r} and {other_name or 'the model itself'!r}, one "
+                    "inside the other; pass blocks none of which contains another"
+                )
+    return nn.ModuleList(module for _, module in resolved)
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

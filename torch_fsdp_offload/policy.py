@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+import types
 from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any, Literal, Union
 
+import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -436,6 +440,7 @@ def fully_shard_with_policy(
     *,
     last_blocks: int | None = None,
     keep_unsharded_last: int = 0,
+    activation_checkpointing: bool = False,
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
     """``fully_shard`` each of ``blocks`` in forward order, then ``model``, with ``policy`` on every
@@ -462,6 +467,10 @@ def fully_shard_with_policy(
             these blocks at the start of backward). The last block's are needed again at once, so
             keeping it costs almost nothing. 0 (the default) leaves ``reshard_after_forward`` to
             ``fully_shard_kwargs`` or FSDP's default.
+        activation_checkpointing (bool): run each block's forward under non-reentrant
+            ``torch.utils.checkpoint`` (set before sharding; module names, state-dict keys and
+            hooks stay as they were): backward recomputes it from the block's input, reading the
+            parameters already copied in for backward.
         **fully_shard_kwargs: passed to every ``fully_shard`` call (``mesh``, ``mp_policy``, ...),
             never ``offload_policy``.
 
@@ -477,7 +486,8 @@ def fully_shard_with_policy(
 
         >>> policy = CoherentOffload(optimizer="host")
         >>> fully_shard_with_policy(
-        ...     model, model.blocks, policy, last_blocks=4, keep_unsharded_last=2, mp_policy=mp
+        ...     model, model.blocks, policy, last_blocks=4, keep_unsharded_last=2, activation_checkpointing=True,
+        ...     mp_policy=mp,
         ... )
         >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
     """
@@ -501,6 +511,9 @@ def fully_shard_with_policy(
         )
     first_with_policy = 0 if last_blocks is None else len(blocks) - last_blocks
     first_kept = len(blocks) - keep_unsharded_last
+    for block in blocks if activation_checkpointing else ():
+        if not isinstance(getattr(block, "forward", None), types.MethodType) or block.forward.__func__ is not _checkpointed_forward:
+            block.forward = types.MethodType(_checkpointed_forward, block)
     for index, block in enumerate(blocks):
         with_policy = policy is not None and index >= first_with_policy
         kept = {"reshard_after_forward": False} if index >= first_kept else {}
@@ -508,6 +521,14 @@ def fully_shard_with_policy(
     with_policy = policy is not None and last_blocks is None
     fully_shard(model, **fully_shard_kwargs, **({"offload_policy": policy} if with_policy else {}))
     return model
+
+
+def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Bound to the block as an instance attribute: nn.Module.__call__ (FSDP's hooks included) runs
+    # as before and calls it; the recompute calls the class's forward. A bound method, so a deep
+    # copy of the block binds to the copy.
+    forward = functools.partial(type(block).forward, block)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def spread_group_offloaded(index: int, module_fraction: float) -> bool:

@@ -6,7 +6,7 @@ micro-batch gains, partial offload, activation checkpointing) and ends with a ``
 to use. ``python -m torch_fsdp_offload plan`` is its command line. See docs/planner.md.
 """
 
-from torch_fsdp_offload.planner.api import plan, predict_per_gpu
+from torch_fsdp_offload.planner.api import plan, plan_and_shard, predict_per_gpu
 from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfile, get_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation
 from torch_fsdp_offload.planner.scenario import Scenario, ScenarioError, load_scenario
@@ -26,6 +26,7 @@ __all__ = [
     "get_profile",
     "load_scenario",
     "plan",
+    "plan_and_shard",
     "predict_per_gpu",
     "predict_step",
 ]

@@ -11,7 +11,7 @@ import torch
 
 from torch_fsdp_offload.planner.block_timing import measure_block_timings
 from torch_fsdp_offload.planner.host_step_probe import host_GBps_from_link_busy, measure_host_step
-from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, model_breakdown
+from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, block_names, map_tensors, model_breakdown
 from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfile, get_profile, measured_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
 from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
@@ -21,7 +21,7 @@ from torch_fsdp_offload.planner.step_time import predict_step, StepPrediction
 from torch_fsdp_offload.planner.training_config import TrainingConfig
 from torch_fsdp_offload.planner.training_profile import training_profile
 
-__all__ = ["plan", "predict_per_gpu"]
+__all__ = ["plan", "plan_and_shard", "predict_per_gpu"]
 
 # Peak allocated memory must leave room for the CUDA context, NCCL and allocator fragmentation.
 _MEMORY_HEADROOM = 0.9
@@ -129,35 +129,59 @@ def _plan_model(
     measure: bool,
     world_size: int,
     capacity_bytes: float | None,
+    example_input: Any = None,
+    blocks: Sequence[Any] | None = None,
+    device: torch.device | None = None,
 ) -> PlanResult:
     notes = []
     if capacity_bytes is None:
         capacity_bytes = platform.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM
-    breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len, compute_dtype=compute_dtype)
+    breakdown = model_breakdown(
+        model, batch_size=batch_size, seq_len=seq_len, compute_dtype=compute_dtype, example_input=example_input, blocks=blocks
+    )
     factors = sorted({1, *microbatch_factors})
     timings = None
     host_GBps = None
     host_rates = None
+    not_measured = "" if measure else "no GPU here, or platform= given"
     if measure:
-        timings = measure_block_timings(model, [batch_size * f for f in factors], seq_len, compute_dtype=compute_dtype)
-        if not timings:
+        try:
+            timings = measure_block_timings(
+                model, factors, example_input=example_input, batch_size=batch_size, seq_len=seq_len, blocks=blocks,
+                device=device, compute_dtype=compute_dtype,
+            )
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+            # A block that cannot be run alone on the captured inputs: the FLOP count still can.
+            not_measured = f"timing one block failed ({type(exc).__name__}: {exc})"
+        if timings is not None and not timings:
             raise ValueError(
                 f"one block at micro-batch {batch_size} x {seq_len} does not fit in half of the free GPU memory; "
                 "plan a smaller micro-batch or pass platform= to predict analytically"
             )
+    if timings:
         factors = factors[: len(timings)]
-        # Timing blocks needs the GPU, so the link can be kept busy too.
-        host_rates = measure_host_step(link_busy=True)
-        host_GBps = host_GBps_from_link_busy(host_rates.link_busy_s_per_param)
         notes.append(
-            f"host optimizer step measured here: {host_rates.alone_s_per_param * 1e9:.2f} ns per parameter alone, "
-            f"{host_rates.link_busy_s_per_param * 1e9:.2f} with the link copying both ways "
-            f"({host_rates.link_GBps_meanwhile:.0f} GB/s)"
+            f"times measured: one block timed on {device} at micro-batch "
+            f"{', '.join(str(t.batch_size) for t in timings)}, on the inputs the model's forward gave it"
         )
+        # The link can be kept busy only where there is one.
+        host_rates = measure_host_step(link_busy=device.type == "cuda")
+        if host_rates.link_busy_s_per_param is not None:
+            host_GBps = host_GBps_from_link_busy(host_rates.link_busy_s_per_param)
+            notes.append(
+                f"host optimizer step measured here: {host_rates.alone_s_per_param * 1e9:.2f} ns per parameter alone, "
+                f"{host_rates.link_busy_s_per_param * 1e9:.2f} with the link copying both ways "
+                f"({host_rates.link_GBps_meanwhile:.0f} GB/s)"
+            )
+        else:
+            notes.append(
+                f"host optimizer step measured here: {host_rates.alone_s_per_param * 1e9:.2f} ns per parameter alone; "
+                f"without a link to keep busy the step model keeps {platform.name}'s host rates"
+            )
     else:
         notes.append(
-            f"times are estimated from FLOPs for {platform.name}, not measured, and micro-batch scaling "
-            "is assumed linear (no gain); run on the GPU (or give a scenario) to measure it"
+            f"times are estimated from FLOPs for {platform.name}, not measured: {not_measured}; micro-batch "
+            "scaling is assumed linear (no gain); run on the GPU (or give a scenario) to measure it"
         )
         factors = [1]
     profiles = tuple(
@@ -217,6 +241,9 @@ def _plan_model(
     search = search_scenario(scenario)
     notes.extend(_talk_notes(scenario, search))
     capacity = capacity_bytes
+    names = None
+    if blocks is not None:
+        names = tuple(block_names(model, blocks)) if isinstance(model, torch.nn.Module) else tuple(blocks)
     if world_size > 1:
         notes.append(
             f"per-GPU predictions for FSDP over {world_size} GPUs of one host (collectives at "
@@ -264,7 +291,13 @@ def _plan_model(
             last_blocks=last_blocks,
             keep_unsharded_last=config.keep_unsharded,
         )
-    return PlanResult(scenario=scenario, search=search, recommended=recommendation, training=training, notes=notes)
+    recommendation = dataclasses.replace(
+        recommendation, micro_batch_size=round(batch_size * recommendation.microbatch_factor), block_names=names
+    )
+    return PlanResult(
+        scenario=scenario, search=search, recommended=recommendation, training=training, notes=notes,
+        timing="measured" if timings else "estimated",
+    )
 
 
 def _cast_reason(factor: float, prediction: StepPrediction, predictions: Sequence[tuple[float, StepPrediction]]) -> str:
@@ -289,13 +322,16 @@ def plan(
     *,
     scenario: str | os.PathLike | Mapping[str, Any] | Scenario | None = None,
     platform: str | PlatformProfile | None = None,
-    batch_size: int = 1,
-    seq_len: int = 2048,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     microbatch_factors: Sequence[int] = (1, 2, 4, 8),
     compute_dtype: torch.dtype = torch.bfloat16,
     measure: bool | None = None,
     world_size: int = 1,
     gpu_memory_GiB: float | None = None,
+    example_input: Any = None,
+    blocks: Sequence[Any] | None = None,
+    device: torch.device | str | None = None,
 ) -> PlanResult:
     """Decide whether offloading pays, and how much to offload, following the talk's framework:
     memory breakdown, iteration time, the model's own DRAM bandwidth against peak, the link
@@ -303,18 +339,22 @@ def plan(
     keeps the link hidden, and activation checkpointing.
 
     Args:
-        model: a real model (a built-in name such as ``"anchor-1.6b"``, a transformers config name,
-            a :class:`~torch_fsdp_offload.models.TransformerConfig`, a module factory, or a module).
-            Its memory is broken down on the ``meta`` device; on a GPU one block is timed at
-            ``batch_size * microbatch_factors``.
+        model: a real model: an ``nn.Module`` (a transformers model, a module whose blocks sit in
+            an ``nn.ModuleList``, a built-in transformer), a built-in name such as
+            ``"anchor-1.6b"``, a transformers config name, a
+            :class:`~torch_fsdp_offload.models.TransformerConfig`, or a module factory. Its memory
+            is broken down on the ``meta`` device; on a GPU one block is timed on the inputs the
+            model's forward gives it, at ``microbatch_factors`` times the micro-batch.
         scenario: instead of a model, an analytic scenario (JSON path, mapping or
             :class:`~torch_fsdp_offload.planner.scenario.Scenario`) for a machine not at hand.
         platform: a built-in profile name (``h100-pcie``, ``h100-sxm``, ``h200-pcie``, ``gh200``,
             ``gb200``, ``dgx-spark``) or a :class:`PlatformProfile`. Default: this machine, measured
             (needs a GPU). With a scenario it replaces the scenario's platform kind (explicit scenario
             bandwidths still win).
-        batch_size (int): today's micro-batch (sequences), for a model.
-        seq_len (int): tokens per sequence, for a model.
+        batch_size (int | None): today's micro-batch (sequences), for a model (default 1, or the
+            first dimension of ``example_input``).
+        seq_len (int | None): tokens per sequence, for a model (default 2048, or the second
+            dimension of ``example_input``).
         microbatch_factors: micro-batch multiples to time, for a model.
         compute_dtype (torch.dtype): forward dtype, for a model.
         measure (bool | None): time the block on the GPU (default: when CUDA is available and
@@ -325,15 +365,27 @@ def plan(
             the GPU's (room kept for something else, or a smaller GPU than the profile's).
             Default: 90% of the platform's memory (the rest for the CUDA context, NCCL and
             fragmentation).
+        example_input: what the model is called with, where it takes no ``(batch, seq)`` token ids:
+            a tensor (hidden states ``(batch, seq, dim)``, say), a tuple of arguments or a mapping
+            of keyword arguments; the first tensor's first two dimensions are the micro-batch and
+            the sequence.
+        blocks: the model's blocks in forward order, as modules of ``model`` or qualified names
+            (default: :func:`~torch_fsdp_offload.models.find_blocks`); ``.recommended.apply``
+            shards the same ones.
+        device: where ``measure`` times (default ``"cuda"``; ``"cpu"`` runs the same measurement
+            on the CPU, whose times say nothing about a GPU: for tests).
 
     Returns:
         PlanResult: ``.report()`` (text), ``.to_dict()`` (JSON), ``.plot(path)`` (PNG), and
         ``.recommended`` (a :class:`~torch_fsdp_offload.planner.report.Recommendation` with the
-        ``CoherentOffload`` keyword arguments and ``.policy``).
+        ``CoherentOffload`` keyword arguments, ``.policy``, the ``micro_batch_size`` to run and
+        ``.apply(model)``), and ``.timing``: ``"measured"`` or ``"estimated"`` (from FLOPs; a note
+        says why).
 
     Raises:
         ValueError: neither or both of ``model`` and ``scenario``; no GPU and no ``platform`` for a
-            model; an unknown profile name; ``gpu_memory_GiB`` not above 0.
+            model; an unknown profile name; ``gpu_memory_GiB`` not above 0; ``batch_size`` or
+            ``seq_len`` other than ``example_input``'s; ``blocks`` that are not the model's.
         ScenarioError: a malformed scenario (the message names the key).
 
     Example::
@@ -343,6 +395,8 @@ def plan(
         (0.35, 0.4)
         >>> print(plan("anchor-1.6b", platform="h200-pcie", batch_size=4).report())
         >>> plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14).recommended.kwargs
+        >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=4))
+        >>> plan(model, batch_size=2, seq_len=4096).recommended.apply(model, mp_policy=mp)  # on a GPU
     """
     if (model is None) == (scenario is None):
         raise ValueError("plan() needs exactly one of a model or scenario=")
@@ -358,13 +412,15 @@ def plan(
         return _plan_scenario(loaded)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    batch_size, seq_len = _micro_batch(example_input, batch_size, seq_len)
     if batch_size < 1 or seq_len < 1 or any(f < 1 for f in microbatch_factors):
         raise ValueError(
             f"batch_size, seq_len and microbatch_factors must be >= 1, got {batch_size}, {seq_len}, {list(microbatch_factors)}"
         )
     if measure is None:
         measure = torch.cuda.is_available() and platform is None
-    if measure and not torch.cuda.is_available():
+    device = torch.device(device if device is not None else "cuda")
+    if measure and device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("measure=True needs a CUDA GPU; pass platform= to predict for another machine")
     resolved = _resolve_platform(platform, need=True)
     return _plan_model(
@@ -377,7 +433,70 @@ def plan(
         measure=measure,
         world_size=world_size,
         capacity_bytes=capacity_bytes,
+        example_input=example_input,
+        blocks=blocks,
+        device=device,
     )
+
+
+def _micro_batch(example_input: Any, batch_size: int | None, seq_len: int | None) -> tuple[int, int]:
+    """(batch, sequence): the given ones, or the first two dimensions of the example's first tensor."""
+    if example_input is None:
+        return (1 if batch_size is None else batch_size), (2048 if seq_len is None else seq_len)
+    shapes: list[torch.Size] = []
+    map_tensors(example_input, lambda tensor: shapes.append(tensor.shape) or tensor)
+    if not shapes or len(shapes[0]) < 1:
+        raise ValueError("example_input holds no tensor with a batch dimension; pass the tensor(s) the model is called with")
+    shape = shapes[0]
+    found = (shape[0], shape[1] if len(shape) > 1 else 1)
+    for name, given, value in (("batch_size", batch_size, found[0]), ("seq_len", seq_len, found[1])):
+        if given is not None and given != value:
+            raise ValueError(
+                f"{name}={given} differs from example_input's {value} (its shape is {tuple(shape)}); "
+                f"drop {name} or pass an example of that size"
+            )
+    return found
+
+
+def plan_and_shard(
+    model: torch.nn.Module,
+    *,
+    example_input: Any = None,
+    blocks: Sequence[Any] | None = None,
+    fully_shard_kwargs: Mapping[str, Any] | None = None,
+    **plan_kwargs: Any,
+) -> PlanResult:
+    """Plan ``model`` and shard it as planned, in one call: :func:`plan`, then
+    ``.recommended.apply(model)`` (offloaded and unsharded blocks, the policy's cast and optimizer
+    placement, activation offload and activation checkpointing).
+
+    Args:
+        model (nn.Module): the model, not yet sharded.
+        example_input: what the model is called with (see :func:`plan`).
+        blocks: its blocks in forward order (default: found).
+        fully_shard_kwargs (Mapping | None): passed to every ``fully_shard`` call (``mesh``,
+            ``mp_policy``, ...), never ``offload_policy``.
+        **plan_kwargs: :func:`plan`'s other arguments (``platform``, ``batch_size``, ``seq_len``,
+            ``gpu_memory_GiB``, ...).
+
+    Returns:
+        PlanResult: the plan; ``model`` is sharded, and ``.recommended.micro_batch_size`` is the
+        micro-batch to train with.
+
+    Raises:
+        ValueError: as :func:`plan` and :meth:`~torch_fsdp_offload.planner.report.Recommendation.apply`,
+            before anything is sharded.
+
+    Example::
+
+        >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=4))
+        >>> result = plan_and_shard(model, batch_size=2, seq_len=4096, fully_shard_kwargs={"mp_policy": mp})
+        >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+        >>> result.recommended.micro_batch_size
+    """
+    result = plan(model, example_input=example_input, blocks=blocks, **plan_kwargs)
+    result.recommended.apply(model, blocks=blocks, **dict(fully_shard_kwargs or {}))
+    return result
 
 
 def _offload_config(offload: bool | float | TrainingConfig | None) -> TrainingConfig:

@@ -1,30 +1,46 @@
-"""One transformer block timed on the GPU at several micro-batch sizes.
+"""One block of any model timed at several micro-batch sizes, on the inputs the model gives it.
 
-One block needs little memory, so micro-batches far beyond what the whole model fits can be timed;
-the step model scales the block's times to the model.
+A forward pre-hook captures the block's real inputs (positional and keyword: the hidden states,
+and for a transformers layer its position embeddings, attention mask and position ids) during one
+short forward of the model, which stops as soon as the block is reached. The block is then timed
+alone on copies of those inputs whose batch dimension is scaled. One block needs little memory,
+so micro-batches far beyond what the whole model fits can be timed; the step model scales the
+block's times to the model.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from torch_fsdp_offload import models
+from torch_fsdp_offload.planner.memory_breakdown import (
+    block_names,
+    call_model,
+    first_tensor,
+    map_tensors,
+    plain_value,
+    resolve_model,
+)
 
-__all__ = ["BlockTiming", "measure_block_timings"]
+__all__ = ["BlockTiming", "capture_block_inputs", "measure_block_timings"]
 
 
 @dataclass(frozen=True)
 class BlockTiming:
-    """One block measured on the GPU at one micro-batch.
+    """One block measured at one micro-batch.
 
     Attributes:
         batch_size (int): micro-batch of the measurement.
         forward_s (float), backward_s (float): median times of the block alone.
-        activation_bytes (int): GPU memory the forward left allocated for backward.
+        activation_bytes (int): memory the forward left for backward (on a GPU, what it left
+            allocated; elsewhere the storages autograd saved, parameters excluded).
     """
 
     batch_size: int
@@ -33,81 +49,239 @@ class BlockTiming:
     activation_bytes: int
 
 
-def _cuda_time(fn: Callable[[], Any], repeats: int) -> float:
+class _Reached(Exception):
+    """Raised by the capture hook: the rest of the model's forward is not needed."""
+
+
+def capture_block_inputs(module: nn.Module, block: nn.Module, example_input: Any) -> tuple[tuple, dict]:
+    """The positional and keyword arguments ``module``'s forward on ``example_input`` calls
+    ``block`` with, detached; the forward stops when it reaches the block.
+
+    Keyword values that are neither tensors nor plain values (a transformers KV cache the forward
+    made) are left out, so the block runs without them as in training.
+
+    Args:
+        module (nn.Module): the model, with real (not ``meta``) tensors up to the block.
+        block (nn.Module): one of its blocks.
+        example_input: what the model is called with (see
+            :func:`~torch_fsdp_offload.planner.memory_breakdown.call_model`).
+
+    Returns:
+        tuple[tuple, dict]: the block's args and kwargs.
+
+    Raises:
+        ValueError: the forward finished without calling ``block``.
+
+    Example::
+
+        >>> model = build_hf_causal_lm("llama-tiny")
+        >>> args, kwargs = capture_block_inputs(model, model.model.layers[0], torch.zeros(1, 8, dtype=torch.long))
+        >>> sorted(kwargs)  # ['attention_mask', 'position_embeddings', 'position_ids', 'use_cache']
+    """
+    captured: list[tuple[tuple, dict]] = []
+
+    def hook(_block: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.append((args, kwargs))
+        raise _Reached
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            call_model(module, example_input)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise ValueError(
+            f"the model's forward on the example input never called the block ({type(block).__name__}); "
+            "pass blocks= that the forward runs, or an example_input= the model takes"
+        )
+    args, kwargs = captured[0]
+    kept = {key: value for key, value in kwargs.items() if plain_value(value)}
+    return map_tensors((args, kept), torch.Tensor.detach)
+
+
+def _has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def _materialized(model: Any, blocks: Sequence[nn.Module | str] | None, device: torch.device,
+                  dtype: torch.dtype) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(the model to run the short forward on, the block to capture at, the block to time).
+
+    A module with real tensors runs where it is and the timed block is a copy of its largest block
+    on ``device``. Anything else (a name, a config, a factory, a ``meta`` module) is built on
+    ``meta`` and everything up to its largest block is materialised on ``device`` with finite
+    random values: the values do not change the times.
+    """
+    if isinstance(model, nn.Module) and not _has_meta_tensors(model):
+        found = models.find_blocks(model, blocks)
+        sizes = [sum(p.numel() for p in block.parameters()) for block in found]
+        block = found[sizes.index(max(sizes))]
+        return model, block, copy.deepcopy(block).to(device=device, dtype=dtype)
+    names = block_names(model, blocks) if blocks is not None and isinstance(model, nn.Module) else blocks
+    module = resolve_model(model)[0].to(dtype)
+    found = models.find_blocks(module, names)
+    sizes = [sum(p.numel() for p in block.parameters()) for block in found]
+    index = sizes.index(max(sizes))
+    later = {id(m) for block in found[index + 1:] for m in block.modules()}
+    with torch.no_grad():
+        for submodule in module.modules():
+            if id(submodule) in later:
+                continue
+            submodule.to_empty(device=device, recurse=False)
+            for tensor in (*submodule.parameters(recurse=False), *submodule.buffers(recurse=False)):
+                if tensor.is_floating_point():
+                    tensor.uniform_(-0.02, 0.02)
+                else:
+                    tensor.zero_()
+    return module, found[index], found[index]
+
+
+def _scaled(value: Any, batch: int, factor: int) -> Any:
+    """Tensors whose first dimension is the captured batch repeated ``factor`` times along it."""
+
+    def scale(tensor: torch.Tensor) -> torch.Tensor:
+        if factor == 1 or tensor.dim() == 0 or tensor.shape[0] != batch:
+            return tensor
+        return tensor.repeat(factor, *([1] * (tensor.dim() - 1)))
+
+    return map_tensors(value, scale)
+
+
+def _elapsed(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn``: CUDA events on a GPU, the wall clock elsewhere."""
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
     return sorted(times)[len(times) // 2]
+
+
+def _activation_bytes(block: nn.Module, run: Callable[[], Any], device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        output = run()
+        after = torch.cuda.memory_allocated(device)
+        del output
+        return after - before
+    # Parameters (and views of them, such as a transposed weight) are state, not activations.
+    state = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in state:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = run()
+    del output
+    return sum(storages.values())
 
 
 def measure_block_timings(
     model: Any,
-    batch_sizes: Sequence[int],
-    seq_len: int,
+    factors: Sequence[int] = (1, 2, 4, 8),
     *,
+    example_input: Any = None,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    blocks: Sequence[nn.Module | str] | None = None,
     device: torch.device | str = "cuda",
     compute_dtype: torch.dtype = torch.bfloat16,
     repeats: int = 5,
     memory_fraction: float = 0.5,
 ) -> list[BlockTiming]:
-    """Time one block's forward and backward at several micro-batch sizes on the GPU.
+    """Time one block's forward and backward at several micro-batch sizes, on the inputs the model
+    gives it.
 
-    One block needs little memory, so micro-batches far beyond what the whole model fits can be
-    timed (the talk's method); sizes whose activations would exceed ``memory_fraction`` of the
-    free GPU memory are skipped.
+    The model's largest block (of ``blocks``, or those
+    :func:`~torch_fsdp_offload.models.find_blocks` finds) has its inputs captured during one short
+    forward on ``example_input`` (:func:`capture_block_inputs`), cast to ``compute_dtype`` and moved
+    to ``device``; a copy of the block is timed on them with every tensor whose first dimension is
+    the captured batch repeated ``factor`` times. On a GPU, sizes whose activations would exceed
+    ``memory_fraction`` of the free memory are skipped, with every size after them.
 
     Args:
-        model: a built-in model name or :class:`~torch_fsdp_offload.models.TransformerConfig`
-            (blocks are called as ``block(x, rope)``).
-        batch_sizes: micro-batch sizes, smallest first.
-        seq_len (int): tokens per sequence.
-        device: a CUDA device.
-        compute_dtype (torch.dtype): block dtype.
+        model: an ``nn.Module`` (a transformers model, a module of blocks in an ``nn.ModuleList``,
+            a built-in transformer), or anything :func:`~torch_fsdp_offload.planner.memory_breakdown.resolve_model`
+            takes (built on ``meta``, materialised up to the block with random values).
+        factors: micro-batch multiples of the captured batch, smallest first.
+        example_input: what the model is called with (a tensor, a tuple of arguments, or a mapping
+            of keyword arguments); default ``zeros(batch_size, seq_len)`` token ids.
+        batch_size (int), seq_len (int): the default example's shape.
+        blocks: the model's blocks in forward order (modules or qualified names).
+        device: where to time (a CUDA device; the CPU runs the same code, for tests).
+        compute_dtype (torch.dtype): the block's dtype, and its floating-point inputs'.
         repeats (int): timed repetitions per size (median), after one warm-up.
         memory_fraction (float): share of free GPU memory one size may use.
 
     Returns:
-        list[BlockTiming]: one per size that fitted.
+        list[BlockTiming]: one per size that fitted, ``batch_size`` the captured batch times the
+        factor.
 
     Raises:
-        RuntimeError: no CUDA device.
-        TypeError: a model that is not a built-in transformer.
+        ValueError: the forward never reached the block, or no block found (see
+            :func:`~torch_fsdp_offload.models.find_blocks`).
+        TypeError: the block returned no tensor.
 
     Example::
 
-        >>> [t.forward_s for t in measure_block_timings("anchor-1.6b", [1, 2, 4, 8], 2048)]
+        >>> model = build_hf_causal_lm("llama-tiny")
+        >>> [t.batch_size for t in measure_block_timings(model, [1, 2], batch_size=2, seq_len=64, device="cpu")]
+        [2, 4]
     """
-    if not torch.cuda.is_available():
-        raise RuntimeError("measure_block_timings needs a CUDA GPU; on CPU use a platform profile or a scenario")
-    config = models.MODEL_CONFIGS[model] if isinstance(model, str) else model
-    if not isinstance(config, models.TransformerConfig):
-        raise TypeError("measure_block_timings times built-in transformer blocks; pass a name or TransformerConfig")
     device = torch.device(device)
-    block = models.TransformerBlock(config).to(device=device, dtype=compute_dtype)
-    rope = None
-    if config.rope:
-        rope = tuple(t.to(device) for t in models.rope_tables(config))
-    timings = []
-    for batch_size in batch_sizes:
-        estimate = 40 * batch_size * seq_len * config.dim * 2
-        free, _ = torch.cuda.mem_get_info(device)
-        if estimate > memory_fraction * free:
-            break
-        x = torch.randn(batch_size, seq_len, config.dim, device=device, dtype=compute_dtype, requires_grad=True)
-        grad = torch.randn_like(x)
-        block(x, rope).backward(grad)  # warm-up: kernels chosen, workspaces allocated
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        output = block(x, rope)
-        activation_bytes = torch.cuda.memory_allocated(device) - before
-        del output
-        forward_s = _cuda_time(lambda: block(x, rope), repeats)
-        total_s = _cuda_time(lambda: block(x, rope).backward(grad), repeats)
-        timings.append(BlockTiming(batch_size, forward_s, max(total_s - forward_s, 0.0), activation_bytes))
-        del x, grad
+    source, capture_at, block = _materialized(model, blocks, device, compute_dtype)
+    if example_input is None:
+        parameter = next(source.parameters(), None)
+        where = parameter.device if parameter is not None else device
+        example_input = torch.zeros(batch_size, seq_len, dtype=torch.long, device=where)
+    args, kwargs = capture_block_inputs(source, capture_at, example_input)
+    del source, capture_at
+
+    def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=device, dtype=compute_dtype if tensor.is_floating_point() else None)
+
+    args, kwargs = map_tensors((args, kwargs), to_device)
+    hidden_key = None if args else next(iter(kwargs))
+    hidden = args[0] if args else kwargs[hidden_key]
+    captured_batch = hidden.shape[0]
+    timings: list[BlockTiming] = []
+    for factor in factors:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            per_sample = timings[0].activation_bytes / timings[0].batch_size if timings else 40 * hidden[:1].nbytes
+            if (per_sample + 3 * hidden[:1].nbytes) * captured_batch * factor > memory_fraction * free:
+                break
+        call_args, call_kwargs = _scaled((args, kwargs), captured_batch, factor)
+        leaf = (call_args[0] if hidden_key is None else call_kwargs[hidden_key]).detach().requires_grad_(True)
+        if hidden_key is None:
+            call_args = (leaf, *call_args[1:])
+        else:
+            call_kwargs = {**call_kwargs, hidden_key: leaf}
+
+        def forward() -> torch.Tensor:
+            return first_tensor(block(*call_args, **call_kwargs))
+
+        grad = torch.randn_like(forward())
+        forward().backward(grad)  # warm-up: kernels chosen, workspaces allocated
+        activation_bytes = _activation_bytes(block, forward, device)
+        forward_s = _elapsed(forward, repeats, device)
+        total_s = _elapsed(lambda: forward().backward(grad), repeats, device)
+        timings.append(BlockTiming(captured_batch * factor, forward_s, max(total_s - forward_s, 0.0), activation_bytes))
+        del leaf, grad, call_args, call_kwargs
     return timings

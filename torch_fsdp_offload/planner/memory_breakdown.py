@@ -11,7 +11,7 @@ device would trace, which would keep the O(seq^2) score matrix. The blocks are t
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torch_fsdp_offload import models
 
-__all__ = ["ModelBreakdown", "model_breakdown", "resolve_model"]
+__all__ = [
+    "ModelBreakdown",
+    "block_names",
+    "call_model",
+    "first_tensor",
+    "map_tensors",
+    "model_breakdown",
+    "plain_value",
+    "resolve_model",
+]
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,7 @@ def resolve_model(model: Any) -> tuple[nn.Module, str]:
         model: a built-in name (``MODEL_CONFIGS``), a transformers config name (``HF_CONFIGS``, or
             ``"hf:<name, path or hub id>"``), a :class:`~torch_fsdp_offload.models.TransformerConfig`,
             a factory called with no arguments under ``torch.device("meta")``, or an ``nn.Module``
-            (deep-copied to ``meta``; pass a factory for models too big to copy).
+            (its structure deep-copied, its parameters and buffers as ``meta`` tensors).
 
     Raises:
         ValueError: unknown name.
@@ -107,7 +116,12 @@ def resolve_model(model: Any) -> tuple[nn.Module, str]:
     if isinstance(model, models.TransformerConfig):
         return models.build_model(model, device="meta"), "custom TransformerConfig"
     if isinstance(model, nn.Module):
-        return copy.deepcopy(model).to("meta"), type(model).__name__
+        # Parameters and buffers are copied as meta tensors (ties kept), never their data.
+        memo: dict[int, Any] = {}
+        for tensor in (*model.parameters(), *model.buffers()):
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        return copy.deepcopy(model, memo).to("meta"), type(model).__name__
     if callable(model):
         with torch.device("meta"):
             built = model()
@@ -175,6 +189,8 @@ def model_breakdown(
     seq_len: int,
     compute_dtype: torch.dtype = torch.bfloat16,
     vocab_size: int | None = None,
+    example_input: Any = None,
+    blocks: Sequence[nn.Module | str] | None = None,
 ) -> ModelBreakdown:
     """Trace one forward pass and the loss on the ``meta`` device and count what backward needs.
 
@@ -185,12 +201,19 @@ def model_breakdown(
         compute_dtype (torch.dtype): dtype of the forward (FSDP's ``param_dtype``).
         vocab_size (int | None): token id range of the dummy input (default: the model's
             ``config.vocab_size``, else 2).
+        example_input: what the model is called with instead of ``zeros(batch_size, seq_len)``
+            token ids (see :func:`call_model`); its tensors are traced as ``meta`` tensors, floating
+            ones in ``compute_dtype``. The loss is then the mean of the output (cross entropy on
+            ``logits`` where the input is token ids).
+        blocks: the model's blocks in forward order, as modules of ``model`` or qualified names
+            (:func:`~torch_fsdp_offload.models.find_blocks`); default: found.
 
     Returns:
         ModelBreakdown: parameters per block and outside, activation bytes per block.
 
     Raises:
-        ValueError: non-positive sizes, or a model without a list of blocks.
+        ValueError: non-positive sizes, a model without a list of blocks, or blocks its forward
+            never calls.
 
     Example::
 
@@ -200,9 +223,10 @@ def model_breakdown(
     """
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    names = block_names(model, blocks) if blocks is not None and isinstance(model, nn.Module) else blocks
     module, name = resolve_model(model)
     module = module.to(compute_dtype)
-    blocks = models.find_blocks(module)
+    blocks = models.find_blocks(module, names)
     block_params = [sum(p.numel() for p in block.parameters()) for block in blocks]
     total_params = sum(p.numel() for p in module.parameters())
     recorder = _SavedTensorRecorder([*module.parameters(), *module.buffers()])
@@ -236,19 +260,30 @@ def model_breakdown(
         handles.append(block.register_forward_pre_hook(enter(index), with_kwargs=True))
         handles.append(block.register_forward_hook(leave))
     vocab = vocab_size or getattr(getattr(module, "config", None), "vocab_size", None) or 2
-    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    if example_input is None:
+        example_input = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    example_input = map_tensors(example_input, lambda t: t.to(device="meta", dtype=compute_dtype if t.is_floating_point() else None))
+    tokens = example_input if isinstance(example_input, torch.Tensor) and not example_input.is_floating_point() else None
     try:
         with (
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t),
             _FusedAttentionAccounting(recorder),
             counter,
         ):
-            output = module(tokens)
-            logits = output.logits if hasattr(output, "logits") else output
-            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % vocab)
+            output = call_model(module, example_input)
+            logits = output.logits if hasattr(output, "logits") else first_tensor(output)
+            if tokens is not None and logits.dim() == 3 and logits.shape[:2] == tokens.shape:
+                F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % vocab)
+            else:
+                logits.float().mean()
     finally:
         for handle in handles:
             handle.remove()
+    if not block_inputs:
+        raise ValueError(
+            f"{name}'s forward on the example input never called its blocks ({type(blocks[0]).__name__}); "
+            "pass blocks= that the forward runs, or an example_input= the model takes"
+        )
     block_bytes = [recorder.bytes_by_owner.get(i, 0) for i in range(len(blocks))]
     recompute, block_forward = _checkpoint_flops(blocks[largest], *largest_call[0]) if largest_call else (1.0, 0)
     # The trace counted no attention (SDPA is replaced above): what it counted outside the blocks
@@ -272,23 +307,58 @@ def model_breakdown(
     )
 
 
-def _plain_value(value: Any) -> bool:
+def plain_value(value: Any) -> bool:
+    """Whether ``value`` is a tensor, None, a number, a bool or a string, or a tuple or list of
+    them: a block argument that can be copied and replayed (a KV cache object cannot)."""
     if isinstance(value, (tuple, list)):
-        return all(_plain_value(item) for item in value)
+        return all(plain_value(item) for item in value)
     return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
 
 
-def _detached(value: Any) -> Any:
-    """``value`` with every tensor in it detached, through nested tuples (named ones too), lists
-    and dicts."""
+def call_model(module: nn.Module, example_input: Any) -> Any:
+    """``module`` called on an example input: a mapping as keyword arguments, a tuple or list as
+    positional arguments, anything else (a tensor) as the one argument."""
+    if isinstance(example_input, Mapping):
+        return module(**example_input)
+    if isinstance(example_input, (tuple, list)):
+        return module(*example_input)
+    return module(example_input)
+
+
+def block_names(model: nn.Module, blocks: Sequence[nn.Module | str]) -> list[str]:
+    """The qualified names in ``model`` of the given blocks (modules or names), checked by
+    :func:`~torch_fsdp_offload.models.find_blocks`: the same blocks in a copy of the model."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(block)] for block in models.find_blocks(model, blocks)]
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The first tensor of a module's output: itself, the first of a tuple, list or mapping (a
+    transformers output's first field).
+
+    Raises:
+        TypeError: the output holds no tensor first.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output:
+        return first_tensor(output[0])
+    if isinstance(output, Mapping) and output:
+        return first_tensor(next(iter(output.values())))
+    raise TypeError(f"the module returned a {type(output).__name__}, not a tensor to take a loss of")
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, through nested tuples (named ones too),
+    lists and mappings (block arguments: a transformers layer's ``(cos, sin)`` pair)."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_detached(item) for item in value))
+        return type(value)(*(map_tensors(item, fn) for item in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_detached(item) for item in value)
-    if isinstance(value, dict):
-        return {key: _detached(item) for key, item in value.items()}
+        return type(value)(map_tensors(item, fn) for item in value)
+    if isinstance(value, Mapping):
+        return {key: map_tensors(item, fn) for key, item in value.items()}
     return value
 
 
@@ -299,8 +369,8 @@ def _checkpoint_flops(block: nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     # Tensors detached, nested ones too (a (cos, sin) pair): the trace's graph is not this one.
     # Keyword objects that are neither tensors nor plain values (a transformers KV cache the trace
     # filled) are left out: the count must not append to them.
-    kept = {k: v for k, v in kwargs.items() if _plain_value(v)}
-    detached_args, detached_kwargs = _detached((args, kept))
+    kept = {k: v for k, v in kwargs.items() if plain_value(v)}
+    detached_args, detached_kwargs = map_tensors((args, kept), torch.Tensor.detach)
     # The hidden state is the first positional argument, else the first keyword one.
     hidden_key = None if args else next(iter(kwargs))
     hidden = args[0] if args else kwargs[hidden_key]

@@ -67,6 +67,10 @@ class Recommendation:
         keep_unsharded_last (int): shard the last this many blocks with
             ``reshard_after_forward=False`` (``fully_shard_with_policy(keep_unsharded_last=...)``):
             the offloaded ones copy their parameters in once per step instead of twice.
+        micro_batch_size (int | None): the micro-batch to run, in sequences (today's times
+            ``microbatch_factor``), for a real model: its predicted peak fits the memory budget.
+        block_names (tuple | None): the qualified names of the blocks planned, when the plan was
+            given ``blocks=``; :meth:`apply` shards those.
     """
 
     technique: str
@@ -81,6 +85,8 @@ class Recommendation:
     predicted_peak_gpu_GiB: float | None = None
     last_blocks: tuple[int, int] | None = None
     keep_unsharded_last: int = 0
+    micro_batch_size: int | None = None
+    block_names: tuple[str, ...] | None = None
 
     @property
     def policy(self):
@@ -94,17 +100,18 @@ class Recommendation:
 
     def apply(self, model: Any, *, blocks: Any = None, **fully_shard_kwargs: Any) -> Any:
         """Shard ``model`` as recommended: ``fully_shard`` on each block in forward order, then on
-        the model, with :attr:`policy` where it belongs (every module, or the last blocks of
-        :attr:`last_blocks`), and ``offload_activations`` when activations are to be offloaded.
-        Activation checkpointing, when recommended, is the caller's: checkpoint the blocks first.
-
-        The last :attr:`keep_unsharded_last` blocks are sharded with
-        ``reshard_after_forward=False``.
+        the model, with :attr:`policy` (its cast and optimizer placement) where it belongs (every
+        module, or the last blocks of :attr:`last_blocks`), the last :attr:`keep_unsharded_last`
+        blocks with ``reshard_after_forward=False``, each block's forward checkpointed when
+        :attr:`checkpointing` (``fully_shard_with_policy(activation_checkpointing=True)``), and
+        ``offload_activations`` when activations are to be offloaded. Train it at
+        :attr:`micro_batch_size`.
 
         Args:
             model (nn.Module): the model, not yet sharded.
-            blocks (Sequence[nn.Module] | None): the per-layer modules in forward order. Default:
-                :func:`~torch_fsdp_offload.models.find_blocks`, the blocks the planner planned.
+            blocks (Sequence[nn.Module | str] | None): the per-layer modules (or their names) in
+                forward order. Default: :attr:`block_names`, else
+                :func:`~torch_fsdp_offload.models.find_blocks`: the blocks the planner planned.
             **fully_shard_kwargs: passed to every ``fully_shard`` call (``mesh``, ``mp_policy``,
                 ...), never ``offload_policy``.
 
@@ -130,7 +137,7 @@ class Recommendation:
         from torch_fsdp_offload.models import find_blocks
         from torch_fsdp_offload.policy import fully_shard_with_policy
 
-        blocks = list(find_blocks(model) if blocks is None else blocks)
+        blocks = list(find_blocks(model, self.block_names if blocks is None else blocks))
         if self.last_blocks is not None and self.last_blocks[1] != len(blocks):
             raise ValueError(
                 f"the plan is for a model of {self.last_blocks[1]} blocks, this one has {len(blocks)}: "
@@ -142,6 +149,7 @@ class Recommendation:
             self.policy,
             last_blocks=None if self.last_blocks is None else self.last_blocks[0],
             keep_unsharded_last=self.keep_unsharded_last,
+            activation_checkpointing=self.checkpointing,
             **fully_shard_kwargs,
         )
         if self.activations_offload_fraction > 0:
@@ -232,6 +240,8 @@ class PlanResult:
         recommended (Recommendation): the final recommendation.
         training (TrainingPlan | None): the FSDP2 step model's predictions (real models only).
         notes (list[str]): caveats (what was estimated instead of measured).
+        timing (str | None): for a real model, ``"measured"`` (a block and the host step timed
+            here) or ``"estimated"`` (from FLOPs; a note says why); None for a scenario.
     """
 
     scenario: Scenario
@@ -239,6 +249,7 @@ class PlanResult:
     recommended: Recommendation
     training: TrainingPlan | None = None
     notes: list[str] = field(default_factory=list)
+    timing: str | None = None
 
     # -- the talk's numbers --------------------------------------------------------------------
     def scaled_factor(self) -> float:
@@ -293,6 +304,7 @@ class PlanResult:
             "recommended": self.recommended.to_dict(),
             "scenario": s.to_dict(),
             "notes": list(self.notes),
+            "timing": self.timing,
         }
         if self.training is not None:
             data["training"] = self.training.to_dict()
