@@ -439,10 +439,14 @@ def plan(
     )
 
 
+#: Tokens per sequence where neither ``seq_len`` nor an example input gives them.
+DEFAULT_SEQ_LEN = 2048
+
+
 def _micro_batch(example_input: Any, batch_size: int | None, seq_len: int | None) -> tuple[int, int]:
     """(batch, sequence): the given ones, or the first two dimensions of the example's first tensor."""
     if example_input is None:
-        return (1 if batch_size is None else batch_size), (2048 if seq_len is None else seq_len)
+        return (1 if batch_size is None else batch_size), (DEFAULT_SEQ_LEN if seq_len is None else seq_len)
     shapes: list[torch.Size] = []
     map_tensors(example_input, lambda tensor: shapes.append(tensor.shape) or tensor)
     if not shapes or len(shapes[0]) < 1:

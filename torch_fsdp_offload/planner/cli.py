@@ -12,13 +12,12 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import re
 import sys
 
 from torch_fsdp_offload.models import HF_CONFIGS, MODEL_CONFIGS
-from torch_fsdp_offload.planner.api import plan
+from torch_fsdp_offload.planner.api import DEFAULT_SEQ_LEN, plan
 from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES
 from torch_fsdp_offload.planner.scenario import ScenarioError
 
@@ -30,7 +29,7 @@ _MODEL_ONLY_FLAGS = ("batch_size", "seq_len", "world_size", "microbatch_factors"
 # name the keywords, the command line's name the flags.
 _PLAN_KEYWORDS = ("platform", "gpu_memory_GiB", *_MODEL_ONLY_FLAGS)
 # plan()'s default sequence length, which a run without --seq-len gets.
-_DEFAULT_SEQ_LEN = inspect.signature(plan).parameters["seq_len"].default
+_DEFAULT_SEQ_LEN = DEFAULT_SEQ_LEN
 
 
 def _flag(name: str) -> str:
@@ -123,7 +122,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         )
     config = MODEL_CONFIGS.get(args.model)
     seq_len = _DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
-    if config is not None and seq_len > config.max_seq_len:
+    if config is not None and config.max_seq_len is not None and seq_len > config.max_seq_len:
         parser.error(
             f"--seq-len {seq_len}{' (the default)' if args.seq_len is None else ''} exceeds the "
             f"{config.max_seq_len} tokens of --model {args.model}: pass --seq-len {config.max_seq_len} or less"
