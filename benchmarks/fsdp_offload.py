@@ -382,6 +382,7 @@ def run_row(
     else:
         raise ValueError(name)
     engine = get_transfer_engine("cuda")
+    norm_reads = dict(optimizer.norm_reads) if isinstance(optimizer, OffloadOptimizer) else {}
     tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(0))
     step_s, fwd_s, bwd_s, opt_s, host_s, host_wait_s, stream_s, losses = [], [], [], [], [], [], [], []
@@ -475,6 +476,8 @@ def run_row(
     }
     if isinstance(optimizer, OffloadOptimizer):
         row["host_stepped_params"] = optimizer.stepped_numel["host"]
+        # How clip_grad_norm_ read the offloaded gradients' norms in this row.
+        row["norm_reads"] = {key: count - norm_reads[key] for key, count in optimizer.norm_reads.items()}
     elif name.startswith("stock"):
         row["host_stepped_params"] = row["offloaded_params"]
     if overlap is not None:

@@ -99,6 +99,9 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
     explicit.update({k: row[k] for k in ("module_fraction", "optimizer", "activations", "checkpointing", "prefetch_depth") if k in row})
     if "stock" in name or "save_on_cpu" in name:
         return None
+    if name.startswith("coherent") and "early" not in re.split(r"[(;)]", name):
+        # The step model prices host steps that may run during backward (``early`` rows).
+        return None
     knobs: dict = {}
     # "coherent(...)" rows offload parameter groups; "offload(...)" rows (activations.py) offload
     # the activations of a fraction of the blocks.

@@ -43,6 +43,40 @@ def plot_fsdp_bs4(results: str, out: str) -> str:
     return path
 
 
+def _system_and_clip(name: str) -> tuple[str, str]:
+    """A row name without its clip item, and that item (``"unclipped"`` without one)."""
+    for clip in ("user-clip", "clip"):
+        for spelling in (f";{clip})", f";{clip}"):
+            if name.endswith(spelling):
+                return name[: -len(spelling)] + (")" if spelling.endswith(")") else ""), clip
+    return name, "unclipped"
+
+
+def plot_contract(results: str, out: str) -> str:
+    """Step time of each system unclipped, with ``max_grad_norm=1.0`` and with the loop's own
+    ``clip_grad_norm_``, at bs 4 and 16 (``fsdp_offload_contract_bs{4,16}.json``)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, batch_size in zip(axes, (4, 16)):
+        rows = {r["name"]: r for r in _rows(os.path.join(results, f"fsdp_offload_contract_bs{batch_size}.json"))}
+        systems: dict[str, dict[str, float]] = {}
+        for name, row in rows.items():
+            system, clip = _system_and_clip(name)
+            systems.setdefault(system, {})[clip] = row["step_s"]
+        labels = list(systems)
+        for offset, kind in enumerate(("unclipped", "clip", "user-clip")):
+            values = [systems[label].get(kind, 0.0) for label in labels]
+            ax.bar([i + 0.27 * (offset - 1) for i in range(len(labels))], values, width=0.27, label=kind)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([label.replace(";", ";\n") for label in labels], fontsize=5)
+        ax.set_ylabel("step (s)")
+        ax.set_title(f"anchor-1.6b bs {batch_size} x 2048, one H200", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "fsdp_offload_contract.png")
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def plot_activations(results: str, out: str) -> str:
     configs = []
     with open(os.path.join(results, "activations_default_rows.json")) as f:
@@ -68,7 +102,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/img")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for plot in (plot_fsdp_bs4, plot_activations):
+    for plot in (plot_fsdp_bs4, plot_contract, plot_activations):
         print(plot(args.results, args.out))
 
 

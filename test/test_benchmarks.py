@@ -49,7 +49,7 @@ def _fsdp_offload_result() -> dict:
     offloaded = {"h2d_GB": 6.4, "d2h_GB": 6.4, "host_stepped_params": 1611014144, "offloaded_params": 1611014144}
     rows = [row("resident", 0.158, 27.4),
             row("stock_cpu_offload+fused_cpu_adamw", 0.8, 8.9, **{**offloaded, "h2d_GB": 12.9}),
-            row("coherent(host;next-fwd)", 0.69, 10.0, host_optimizer_s=0.68, **offloaded)]
+            row("coherent(early;host;next-fwd)", 0.69, 10.0, host_optimizer_s=0.68, **offloaded)]
     return {"benchmark": "fsdp_offload", "torch": torch.__version__, "gpu": "NVIDIA H200", "model": "anchor-1.6b",
             "seq_len": 2048, "link_GBps": {"h2d_GBps": 55.0, "d2h_GBps": 55.0, "both_GBps": 97.0},
             "host_optimizer_measured": host, "rows": rows}
@@ -296,7 +296,7 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertIn("older.json: no host_optimizer_measured to recompute from; skipped", err.getvalue())
         self.assertIn("other.json: not a benchmarks/fsdp_offload.py result; skipped", err.getvalue())
         self.assertIn(f"== {good}", out.getvalue())
-        self.assertIn("coherent(host;next-fwd)", out.getvalue())
+        self.assertIn("coherent(early;host;next-fwd)", out.getvalue())
 
     def test_host_rates_from_the_planners_measurement(self):
         # The benchmark's host rates are measure_host_step's (one timing of the host step in the
@@ -383,12 +383,14 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertEqual(fsdp_offload.kept_unsharded_blocks(kept), 5)
         self.assertEqual(fsdp_offload.kept_unsharded_blocks("coherent(host;last=0.625)"), 0)
         self.assertEqual(fsdp_offload.coherent_row_config(kept), {"optimizer": "host", "prefetch_depth": 2})
-        self.assertEqual(planner_validate.row_config({"name": kept}, "host").keep_unsharded, 5)
-        config = planner_validate.row_config({"name": "coherent(split=0.25;next-fwd;last=0.625;ac;depth=1)"}, "host")
+        self.assertEqual(planner_validate.row_config({"name": kept.replace("(", "(early;")}, "host").keep_unsharded, 5)
+        config = planner_validate.row_config({"name": "coherent(early;split=0.25;next-fwd;last=0.625;ac;depth=1)"}, "host")
         self.assertEqual((config.module_fraction, config.optimizer, config.checkpointing, config.prefetch_depth),
                          (0.625, 0.25, True, 1))
         self.assertEqual(config.block_placement, "last")
-        spread = planner_validate.row_config({"name": "coherent(host;next-fwd;modules=0.625)"}, "host")
+        spread = planner_validate.row_config({"name": "coherent(early;host;next-fwd;modules=0.625)"}, "host")
+        # Rows that step nothing before step() are not what the step model prices.
+        self.assertIsNone(planner_validate.row_config({"name": "coherent(host;next-fwd;modules=0.625)"}, "host"))
         self.assertEqual(spread.offloaded_blocks(8), [1, 3, 4, 6, 7])
         # A misspelt row is refused before anything runs.
         with self.assertRaises(SystemExit):

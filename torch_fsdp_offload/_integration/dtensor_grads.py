@@ -28,7 +28,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["apply_scales", "compute_norms", "expect_norms", "unwatch_grad", "unwatched_writes", "watch_grad"]
+__all__ = [
+    "apply_scales",
+    "compute_norms",
+    "expect_norms",
+    "NORM_READS",
+    "unwatch_grad",
+    "unwatched_writes",
+    "watch_grad",
+]
 
 # Set while this thread runs ops whose writes to watched gradients are no change of them.
 _unwatched = threading.local()
@@ -37,6 +45,9 @@ _norms: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Gradient -> the scalars it is still to be multiplied by, in order.
 _scales: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _lock = threading.Lock()
+#: Norm reads of watched gradients: ``"served"`` from the landed norms, ``"computed"`` by the op
+#: itself (the gradient changed since it landed, or its norm is not an entire 2-norm).
+NORM_READS = {"served": 0, "computed": 0}
 
 _aten = torch.ops.aten
 
@@ -51,14 +62,14 @@ class _WatchedGrad(DTensor):
         kwargs = kwargs or {}
         # clip_grad_norm_ runs the foreach ops on DTensors, and the per-tensor ones on this
         # subclass (torch's foreach support lists DTensor by type).
-        if func is _aten._foreach_norm.Scalar:
-            norms = _landed_norms(*args, **kwargs)
+        if func is _aten._foreach_norm.Scalar or func is _aten.linalg_vector_norm.default:
+            whole = func is _aten._foreach_norm.Scalar or _whole_two_norm(*args, **kwargs)
+            norms = _landed_norms(*args, **kwargs) if func is _aten._foreach_norm.Scalar else (
+                _landed_norms([args[0]]) if whole else None
+            )
+            NORM_READS["served" if norms is not None else "computed"] += 1
             if norms is not None:
-                return norms
-        elif func is _aten.linalg_vector_norm.default and len(args) <= 2 and not kwargs:
-            norms = _landed_norms([args[0]], *args[1:])
-            if norms is not None:
-                return norms[0]
+                return norms if func is _aten._foreach_norm.Scalar else norms[0]
         elif func is _aten._foreach_mul_.Tensor and _defer_scale(*args, **kwargs):
             return None
         elif func is _aten.mul_.Tensor and not kwargs and _defer_scale([args[0]], args[1]):
@@ -106,6 +117,12 @@ def _norm_placement(placement: Any) -> Any:
     if isinstance(placement, Replicate):
         return placement
     return None
+
+
+def _whole_two_norm(self: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> bool:
+    """Whether ``linalg_vector_norm``'s arguments (defaults spelt out or not) ask for the 2-norm of
+    the whole tensor."""
+    return ord == 2 and dim in (None, [], ()) and not keepdim and dtype is None
 
 
 def _landed_norms(tensors: list, ord: Any = 2, dtype: Any = None) -> list[DTensor] | None:

@@ -6,8 +6,8 @@ optimizer state in between must see the stepped values, as after any ``torch.opt
 :class:`PendingUpdate` re-classes those DTensors to a subclass whose every op (dispatch), and
 ``to_local`` / ``full_tensor`` / ``redistribute`` (which read the local tensor without dispatch),
 first waits for the step; the step's end makes them plain DTensors again. FSDP's own copy-in reads
-the local shards directly and waits for the group's step itself. See Note: [Steps that finish in
-the next forward] in docs/design.md.
+the local shards directly and waits for the group's step itself. See Note: [Next-forward overlap]
+in docs/design.md.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload._integration.dtensor_grads import apply_scales, compute_norms, expect_norms
+from torch_fsdp_offload._integration.dtensor_grads import apply_scales, compute_norms, expect_norms, NORM_READS
 from torch_fsdp_offload._integration.pending_updates import in_step, PendingUpdate
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr
@@ -232,6 +232,8 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         self._optimizer_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stream_task: concurrent.futures.Future | None = None
         self._pending: dict[OffloadedGroup, concurrent.futures.Future] = {}
+        # The gradient-norm computations of this step's landings (an error is step()'s to raise).
+        self._norm_tasks: list[concurrent.futures.Future] = []
         self._overlap = LearnedOverlap()
         self._host_seconds = 0.0
         self._host_wait_seconds = 0.0
@@ -268,6 +270,13 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
     @state.setter
     def state(self, value: Any) -> None:
         self.__dict__["state"] = value
+
+    @property
+    def norm_reads(self) -> dict[str, int]:
+        """How norm ops (``clip_grad_norm_``'s) read offloaded gradients in this process so far:
+        ``"served"`` from the norms computed as they landed, ``"computed"`` by the op itself (the
+        gradient changed since it landed, or the op asked for another norm)."""
+        return dict(NORM_READS)
 
     @property
     def stepped_numel(self) -> dict[str, int]:
@@ -334,7 +343,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             # The host is idle until step(): compute the group's gradient norms as they land, for
             # clip_grad_norm_ (the user's, or max_grad_norm's) to read.
             expect_norms(param.grad for param in owner.params)
-            self._worker().submit(self._norms_in_worker, owner, landed=owner.grads_landed)
+            self._norm_tasks.append(self._worker().submit(self._norms_in_worker, owner, landed=owner.grads_landed))
         overlapping = self.step_during_backward and self._overlap.state is OverlapState.ON and is_last_backward
         if not overlapping or owner in self._streamed:
             return
@@ -350,6 +359,9 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
                 loss = closure()
         self._build()
         self.synchronize()
+        norm_tasks, self._norm_tasks = self._norm_tasks, []
+        for task in norm_tasks:
+            task.result()
         stepped = set(self._pending)
         changed = [owner for owner in stepped if hyperparameters_changed(self._inner[owner][1])]
         if changed:
@@ -512,7 +524,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_finish_lock", "_finishing", "_device_inner", "_flat_state", "_streamed", "_device_scalars", "_plain_twins"):
+        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_finish_lock", "_finishing", "_device_inner", "_flat_state", "_streamed", "_device_scalars", "_plain_twins", "_norm_tasks"):
             state.pop(transient, None)
         return state
 
