@@ -18,9 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.testing._internal.common_utils import run_tests, TestCase
 
-from common_offload import GlooMultiProcessTestCase
+from common_offload import GlooMultiProcessTestCase, SingleRankGlooTestCase
 from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload.optimizer import groups
 
 NOTHING_OFFLOADED = "none of its parameters was sharded with CoherentOffload"
 
@@ -134,6 +135,35 @@ class OffloadOptimizerArgumentTest(TestCase):
         model(torch.ones(2, 4)).sum().backward()
         plain.step()
         optim.load_state_dict(plain.state_dict())
+
+
+class PlainOptimizerOnOffloadedModelTest(SingleRankGlooTestCase):
+    def test_plain_optimizer_warns_once_offload_optimizer_never(self):
+        # A plain torch.optim optimizer steps host-resident groups on the training thread after
+        # backward: one warning per process says what to use instead; OffloadOptimizer (and the
+        # optimizers it runs inside) say nothing.
+        groups._warned = False
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (1,))
+        model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), mesh, MixedPrecisionPolicy())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, overlap_next_forward=False)
+            for step in range(2):
+                _loss(model, _batch(step, 0)).backward()
+                optim.step()
+                optim.zero_grad()
+        self.assertEqual([str(w.message) for w in caught if "CoherentOffload keeps in host memory" in str(w.message)], [])
+        plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                _loss(model, _batch(step, 0)).backward()
+                plain.step()
+                plain.zero_grad()
+        messages = [str(w.message) for w in caught if "CoherentOffload keeps in host memory" in str(w.message)]
+        self.assertEqual(len(messages), 1)
+        self.assertIn("OffloadOptimizer(model, AdamW, ...)", messages[0])
 
 
 class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):

@@ -10,16 +10,19 @@ the integration can import it without pulling the optimizer in.
 from __future__ import annotations
 
 import concurrent.futures
+import warnings
 import weakref
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = [
     "OffloadedGroup",
     "StreamedGroup",
     "attach_optimizer",
+    "mark_internal",
     "notify_grads_ready",
     "offloaded_group",
     "register_offloaded_group",
@@ -112,6 +115,39 @@ def register_offloaded_group(group: OffloadedGroup) -> None:
     """Called by the FSDP integration for every parameter group CoherentOffload manages."""
     for param in group.params:
         setattr(param, _GROUP_ATTRIBUTE, weakref.ref(group))
+    global _plain_step_hook
+    if _plain_step_hook is None:
+        _plain_step_hook = register_optimizer_step_pre_hook(_warn_plain_optimizer)
+
+
+# OffloadOptimizer and the optimizers it runs inside: they step offloaded groups where they should.
+_internal: weakref.WeakSet = weakref.WeakSet()
+# Optimizers already looked at by _warn_plain_optimizer.
+_seen: weakref.WeakSet = weakref.WeakSet()
+_plain_step_hook: Any = None
+_warned = False
+PLAIN_OPTIMIZER = (
+    "{name} steps parameters that CoherentOffload keeps in host memory: each step runs on the "
+    "training loop's thread after backward, as with stock CPU offload, and the GPU waits for it. "
+    "Wrap the class instead, OffloadOptimizer(model, {name}, ...), to step each group off the "
+    "critical path (torch.optim's contract is kept)."
+)
+
+
+def mark_internal(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` is OffloadOptimizer or one it runs: no plain-optimizer warning for it."""
+    _internal.add(optimizer)
+
+
+def _warn_plain_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Once per process: a plain torch.optim optimizer steps offloaded parameters."""
+    global _warned
+    if _warned or optimizer in _internal or optimizer in _seen:
+        return
+    _seen.add(optimizer)
+    if any(offloaded_group(param) is not None for group in optimizer.param_groups for param in group["params"]):
+        _warned = True
+        warnings.warn(PLAIN_OPTIMIZER.format(name=type(optimizer).__name__), stacklevel=3)
 
 
 def notify_grads_ready(group: OffloadedGroup, *, is_last_backward: bool) -> None:

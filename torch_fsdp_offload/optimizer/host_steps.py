@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch_fsdp_offload._integration.dtensor_grads import apply_scales, unwatched_writes
 from torch_fsdp_offload._integration.pending_updates import stepping
 from torch_fsdp_offload._integration.tensors import local_tensor
-from torch_fsdp_offload.optimizer.groups import OffloadedGroup
+from torch_fsdp_offload.optimizer.groups import mark_internal, OffloadedGroup
 from torch_fsdp_offload.optimizer import hyperparameters
 from torch_fsdp_offload.optimizer.step_worker import start_worker, StepWorker
 
@@ -116,6 +116,7 @@ class HostSteps:
         by_param = dict(zip(params, aliases))
         groups = [{**group, "params": [by_param[param] for param in group["params"]]} for group in inner.param_groups]
         twin = self.optimizer_class(groups, **self.optimizer_kwargs)
+        mark_internal(twin)
         self._plain_twins[owner] = (twin, aliases)
         return twin, aliases
 

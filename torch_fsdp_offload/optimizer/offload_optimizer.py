@@ -31,7 +31,7 @@ from torch_fsdp_offload._integration.dtensor_grads import apply_scales, compute_
 from torch_fsdp_offload._integration.pending_updates import in_step, PendingUpdate
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr
-from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, OffloadedGroup, offloaded_group
+from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, mark_internal, OffloadedGroup, offloaded_group
 from torch_fsdp_offload.optimizer.host_steps import HostSteps
 from torch_fsdp_offload.optimizer.hyperparameters import hyperparameters_changed
 from torch_fsdp_offload.optimizer.overlap import (
@@ -206,6 +206,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
         self.overlap_next_forward = overlap_next_forward
         _live.add(self)
+        mark_internal(self)
         # Host steps still running after step() returned (overlap_next_forward), and the
         # zero_grad() calls deferred until they finish: key group, value set_to_none.
         self._finishing: dict[OffloadedGroup, PendingUpdate] = {}
@@ -313,6 +314,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
                 {**self.param_groups[index], "params": params} for index, params in by_outer.items()
             ]
             inner = self.optimizer_class(inner_groups, **self.optimizer_kwargs)
+            mark_internal(inner)
             inner.state = self.state  # one state, keyed by parameter, shared by all inners
             pairs = list(zip(inner.param_groups, (self.param_groups[i] for i in by_outer)))
             self._inner[owner] = (inner, pairs)
