@@ -20,6 +20,8 @@ from torch.testing._internal.common_utils import instantiate_parametrized_tests,
 
 from common_offload import GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
+from torch_fsdp_offload._integration import dtensor_grads
+from torch_fsdp_offload.optimizer import offload_optimizer
 from torch_fsdp_offload.transfer import get_transfer_engine, TransferEngine
 
 DIM = 8
@@ -131,11 +133,11 @@ def _issue_label(label: str) -> str | None:
 class AsyncPathTest(GlooMultiProcessTestCase):
     WORLD_SIZE = 2
 
-    def _build(self, policy: CoherentOffload) -> tuple[nn.Module, OffloadOptimizer]:
+    def _build(self, policy: CoherentOffload, **optimizer_kwargs) -> tuple[nn.Module, OffloadOptimizer]:
         torch.manual_seed(0)
         model = _Net()
         fully_shard_with_policy(model, model.blocks, policy, mesh=init_device_mesh("cpu", (self.world_size,)))
-        return model, OffloadOptimizer(model, _RecordingAdamW, lr=1e-2)
+        return model, OffloadOptimizer(model, _RecordingAdamW, lr=1e-2, **optimizer_kwargs)
 
     def _step(self, model: nn.Module, optim: OffloadOptimizer, step: int) -> None:
         generator = torch.Generator().manual_seed(100 * step + self.rank)
@@ -219,9 +221,37 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         self.assertEqual(late, [], backward_events)
         self.assertTrue(done, backward_events)
 
-    def test_host_step_starts_before_backward_ends(self):
+    def test_gradient_norms_computed_before_backward_ends(self):
+        # By default nothing steps before step(), but the host computes each group's gradient
+        # norms (for clip_grad_norm_) as they land: the first starts while backward still runs.
         self.init_gloo()
         model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"))
+        self._step(model, optim, 0)  # the first step() attaches the optimizer to the groups
+        optim.synchronize()
+        _RecordingAdamW.started.clear()
+        started = threading.Event()
+        compute_norms = dtensor_grads.compute_norms
+
+        def recording_compute_norms(grads):
+            started.set()
+            return compute_norms(grads)
+
+        started_in_backward = []
+        _on_backward_of_first_layer.append(
+            lambda: started_in_backward.append((started.wait(_HOST_STEP_TIMEOUT_S), _RecordingAdamW.started.is_set()))
+        )
+        try:
+            with mock.patch.object(offload_optimizer, "compute_norms", recording_compute_norms):
+                self._step(model, optim, 1)
+        finally:
+            _on_backward_of_first_layer.clear()
+        optim.synchronize()
+        # The norms started while backward ran; no group stepped before step().
+        self.assertEqual(started_in_backward, [(True, False)])
+
+    def test_host_step_starts_before_backward_ends(self):
+        self.init_gloo()
+        model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"), step_during_backward=True)
         for step in range(2):  # overlap starts once a step showed the gradients' pattern
             self._step(model, optim, step)
         _events.clear()

@@ -75,6 +75,7 @@ class FSDP2ActivationOffloadTest(GlooMultiProcessTestCase):
             grads.append([param.grad.full_tensor() for param in model.parameters()])
             optim.step()
             optim.zero_grad()
+        optim.synchronize()  # the last step's host and streamed steps copy too
         return model, grads, (engine.stats.d2h_bytes, engine.stats.h2d_bytes)
 
     def assert_bitwise_equal(self, grads: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) -> None:
