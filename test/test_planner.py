@@ -37,7 +37,7 @@ from torch_fsdp_offload.planner import (
 from torch_fsdp_offload.planner.library_facts import DEFAULT_MAX_INFLIGHT_BYTES, STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.memory_breakdown import model_breakdown
 from torch_fsdp_offload.planner.peak_memory import phase_peaks
-from torch_fsdp_offload.planner.report import TECHNIQUE_LEGEND
+from torch_fsdp_offload.planner.report import Recommendation, TECHNIQUE_LEGEND
 from torch_fsdp_offload.planner.scenario_cost import TECHNIQUES
 from torch_fsdp_offload.planner.search import choose, default_training_configs, search_training
 from torch_fsdp_offload.planner.training_config import label_kind, LABEL_LEGEND
@@ -684,6 +684,27 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
         configs = [TrainingConfig(module_fraction=0.5, step_during_backward=early) for early in (True, False)]
         _, (_, best) = search_training([(1, self.profile)], self.platform, 140e9, configs)
         self.assertFalse(best.config.step_during_backward)
+
+    def test_plan_with_clipping_prices_clipped_settings(self):
+        result = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=13.7, clipping=True)
+        self.assertTrue(all(p.config.clipping for _, p in result.training.predictions))
+        self.assertEqual(result.recommended.optimizer_kwargs, {})
+        unclipped = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=13.7)
+        self.assertGreater(result.recommended.predicted_step_s, unclipped.recommended.predicted_step_s)
+
+    def test_recommendation_code_and_optimizer_carry_step_during_backward(self):
+        recommendation = Recommendation(
+            technique="fsdp2_step_model", microbatch_factor=1, weights_offload_fraction=1.0,
+            activations_offload_fraction=0.0, checkpointing=False, throughput_gain=0.0,
+            kwargs={"module_fraction": 1.0, "optimizer": "host"}, reason="", optimizer_kwargs={"step_during_backward": True},
+        )
+        self.assertExpectedInline(recommendation.code(), """\
+CoherentOffload(module_fraction=1.0, optimizer='host'); OffloadOptimizer(model, torch.optim.AdamW, step_during_backward=True, ...): breaks torch.optim's contract (parameters and optimizer state change before step())""")
+        with self.assertWarns(UserWarning):  # the module is not sharded with CoherentOffload
+            optimizer = recommendation.optimizer(nn.Linear(2, 2), lr=0.1)
+        self.assertTrue(optimizer.step_during_backward)
+        self.assertFalse(dataclasses.replace(recommendation, optimizer_kwargs={}).optimizer(nn.Linear(2, 2)).step_during_backward)
+        self.assertNotIn("OffloadOptimizer", dataclasses.replace(recommendation, optimizer_kwargs={}).code())
 
     def test_activation_copies_bound_the_forward_over_pcie(self):
         # The offloader waits rather than let more than DEFAULT_MAX_INFLIGHT_BYTES pile up: over
