@@ -691,6 +691,9 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
         self.assertEqual(result.recommended.optimizer_kwargs, {})
         unclipped = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=13.7)
         self.assertGreater(result.recommended.predicted_step_s, unclipped.recommended.predicted_step_s)
+        # Today's run is still the table's first row (its label carries clip).
+        self.assertIn("modules=0.00 clip", report_section(result, 7).splitlines()[2])
+        self.assertIn("today's run", report_section(result, 7).splitlines()[2])
 
     def test_recommendation_code_and_optimizer_carry_step_during_backward(self):
         recommendation = Recommendation(

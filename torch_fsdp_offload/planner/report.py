@@ -486,7 +486,8 @@ class PlanResult:
 
         ranked = sorted(training.predictions, key=lambda fp: -speed(fp))
         fitting = [fp for fp in ranked if fp[1].peak_gpu_bytes <= training.capacity_bytes]
-        resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.label == "modules=0.00"]
+        resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.coherent_offload_kwargs() is None
+                    and not fp[1].config.checkpointing]
         picked = training.best if self.recommended.technique == "fsdp2_step_model" else None
         rule, compared = self._rule(fitting, picked) if picked is not None and fitting[0] != picked else ([], [])
         chosen = fitting[:8] + compared + ([picked] if picked is not None else [])

@@ -39,7 +39,7 @@ class StepPrediction:
         forward_s, backward_s, optimizer_s (float): the phases, copies overlapped.
         peak_gpu_bytes (int): predicted peak of allocated GPU memory.
         h2d_bytes (int), d2h_bytes (int): link traffic.
-        host_optimizer_s (float): host optimizer work (overlapped with backward).
+        host_optimizer_s (float): host optimizer work (beside backward, after it with clipping, and the next forward).
         link_bound (bool): a copy stream, not compute, set the forward or backward time.
         host_bound (bool): the host optimizer step, not the GPU, ends the step.
         peak_phase (str): ``"forward"``, ``"backward"`` or ``"optimizer"``: where the peak is
