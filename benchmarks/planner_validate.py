@@ -64,6 +64,8 @@ TARGET_ERROR = 0.15
 # (run-to-run noise of one step time is a few percent); the strict agreement is kept too.
 AGREEMENT_TOLERANCE = 0.05
 _OUTPUT_NAME = "planner_validate.json"
+# CoherentOffload's prefetch_depth when a row (``default``) gives none.
+_POLICY_DEFAULT_DEPTH = 1
 # What a torn-down benchmark row may leave allocated before its measured peak is not its own.
 _LEFTOVER_GiB = 0.25
 
@@ -99,9 +101,6 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
     explicit.update({k: row[k] for k in ("module_fraction", "optimizer", "activations", "checkpointing", "prefetch_depth") if k in row})
     if "stock" in name or "save_on_cpu" in name:
         return None
-    if name.startswith("coherent") and "early" not in re.split(r"[(;)]", name):
-        # The step model prices host steps that may run during backward (``early`` rows).
-        return None
     knobs: dict = {}
     # "coherent(...)" rows offload parameter groups; "offload(...)" rows (activations.py) offload
     # the activations of a fraction of the blocks.
@@ -119,7 +118,14 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
     inside = re.search(r"\((.*)\)", name)
     for item in (re.split(r"[,;]", inside.group(1)) if inside else []):
         key, _, value = item.strip().partition("=")
-        if key == "depth":
+        if key == "default":
+            # CoherentOffload() and OffloadOptimizer's defaults: every group, optimizer="auto".
+            knobs.update(module_fraction=1.0, optimizer=default_optimizer, prefetch_depth=_POLICY_DEFAULT_DEPTH)
+        elif key == "early":
+            knobs["step_during_backward"] = True
+        elif key in ("clip", "user-clip"):
+            knobs["clipping"] = True
+        elif key == "depth":
             knobs["prefetch_depth"] = int(value)
         elif key == "fraction":
             knobs[fraction_knob] = float(value)
@@ -152,18 +158,21 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
     return TrainingConfig(**knobs)
 
 
-def auto_optimizer(kind: str) -> str:
-    """What ``CoherentOffload(optimizer="auto")`` resolves to on ``kind``, asked of the policy itself."""
+def auto_optimizer(kind: str) -> str | float:
+    """What ``CoherentOffload(optimizer="auto")`` resolves to on ``kind``, asked of the policy
+    itself: ``"host"``, ``"stream"`` or the streamed fraction (0.5 on a discrete GPU)."""
     try:
         from torch_fsdp_offload.platform import detect_platform
         from torch_fsdp_offload.policy import CoherentOffload
 
-        resolved = CoherentOffload().resolve(detect_platform(kind=kind)).optimizer
+        resolved = CoherentOffload().resolve(detect_platform(kind=kind))
     except Exception as error:  # the policy module may be unavailable; "host" is its default
         print(f"note: could not resolve optimizer='auto' through the policy ({error}); assuming 'host'")
         return "host"
     # "device": nothing offloaded for the step (UNIFIED), i.e. the step runs on the GPU.
-    return "host" if resolved == "host" else "stream"
+    if resolved.optimizer == "device":
+        return "stream"
+    return {0.0: "host", 1.0: "stream"}.get(resolved.optimizer_gpu_fraction, resolved.optimizer_gpu_fraction)
 
 
 def _groups(data: dict, seq_len: int) -> list[tuple[str, int, int, list[dict]]]:
@@ -383,6 +392,8 @@ def validate_file(path: str, args) -> dict | None:
                 calibration=row is resident,
                 moved_bytes=prediction.h2d_bytes + prediction.d2h_bytes,
                 checkpointing=config.checkpointing,
+                clipping=config.clipping,
+                breaks_contract=config.breaks_contract,
                 measured_step_s_rounds=row.get("step_s_rounds"),
             )
             if id(row) in run_position:
@@ -392,10 +403,15 @@ def validate_file(path: str, args) -> dict | None:
             results.append(entry)
             predicted.append(entry)
         capacity = args.gpu_memory_GiB * GiB
-        for scope, pool in (("all rows", predicted), ("without resident", [e for e in predicted if not e["calibration"]])):
-            pool_fit = [e for e in pool if e["predicted_peak_GiB"] * GiB <= capacity]
-            if len(pool) >= 2 and pool_fit:
-                agreements.append(agreement(os.path.basename(path), label, batch_size, scope, pool, pool_fit))
+        # A loop that clips picks among clipped settings only: each clipping mode is its own pool.
+        for clipping, rows in _by_clipping(predicted):
+            pools = {}
+            for scope, pool in (("all rows", rows), ("without resident", [e for e in rows if not e["calibration"]])):
+                pools.setdefault(tuple(map(id, pool)), (scope, pool))
+            for scope, pool in pools.values():
+                pool_fit = [e for e in pool if e["predicted_peak_GiB"] * GiB <= capacity]
+                if _a_choice(pool) and pool_fit:
+                    agreements.append(agreement(os.path.basename(path), label, batch_size, scope + clipping, pool, pool_fit))
     # The planner's question when the resident run does not fit: a GPU budget of half the resident
     # peak at the file's smallest micro-batch (the half-memory target), any micro-batch
     # the file measured, ranked by tokens per second.
@@ -403,18 +419,31 @@ def validate_file(path: str, args) -> dict | None:
     smallest = min((e for e in measured if e["calibration"]), key=lambda e: e["tokens"], default=None)
     if smallest is not None:
         budget = smallest["measured_peak_GiB"] / 2
-        pool = [e for e in measured if e["measured_peak_GiB"] <= budget]
-        pool_fit = [e for e in measured if e["predicted_peak_GiB"] <= budget]
-        if len(pool) >= 2 and pool_fit:
-            agreements.append(
-                agreement(os.path.basename(path), "any micro-batch", None, f"budget {budget:.1f} GiB", pool, pool_fit)
-            )
+        for clipping, rows in _by_clipping(measured):
+            pool = [e for e in rows if e["measured_peak_GiB"] <= budget]
+            pool_fit = [e for e in rows if e["predicted_peak_GiB"] <= budget]
+            if _a_choice(pool) and pool_fit:
+                agreements.append(agreement(
+                    os.path.basename(path), "any micro-batch", None, f"budget {budget:.1f} GiB{clipping}", pool, pool_fit))
     return {"file": path, "model": model, "seq_len": seq_len, "platform": dataclasses.asdict(platform),
             "host_GBps": host_GBps or platform.host_GBps,
             "host_step_ns_per_param": None if rates is None else {
                 "alone": rates.alone_s_per_param * 1e9, "link_busy": rates.link_busy_s_per_param * 1e9,
                 "link_GBps_meanwhile": rates.link_GBps_meanwhile},
             "rows": results, "agreements": agreements}
+
+
+def _by_clipping(entries: list[dict]) -> list[tuple[str, list[dict]]]:
+    """``entries`` split by whether their loop clips: ``("", unclipped)`` and ``(", clipped", ...)``,
+    each where there are such rows."""
+    split = [("", [e for e in entries if not e["clipping"]]), (", clipped", [e for e in entries if e["clipping"]])]
+    return [(suffix, rows) for suffix, rows in split if rows]
+
+
+def _a_choice(pool: list[dict]) -> bool:
+    """Whether ``pool`` holds two settings to choose between (rows of one setting, such as ``clip``
+    and ``user-clip``, differ by noise only)."""
+    return len({(e["config"], e["batch_size"]) for e in pool}) >= 2
 
 
 def agreement(file: str, group: str, batch_size: int | None, scope: str, pool: list[dict], pool_fit: list[dict]) -> dict:
@@ -469,9 +498,11 @@ def decide(entries: list[dict], step_key: str) -> dict:
     ``search_training`` applies it) over ``entries`` by ``step_key``: the most tokens per second
     among the rows that pay (a row that moves bytes must beat the fastest row that moves nothing
     by ``OFFLOAD_MARGIN``); within 2% of it, the row that moves the fewest bytes (as predicted),
-    then the one without checkpointing."""
+    then the one without checkpointing; a row that breaks torch.optim's contract (``early``) must
+    beat the fastest that keeps it by ``OFFLOAD_MARGIN``."""
     return choose(entries, throughput=lambda e: _rate(e, step_key), bytes_moved=lambda e: e["moved_bytes"],
-                  checkpointing=lambda e: e.get("checkpointing", False))
+                  checkpointing=lambda e: e.get("checkpointing", False),
+                  breaks_contract=lambda e: e.get("breaks_contract", False))
 
 
 def summarize(files: list[dict]) -> dict:

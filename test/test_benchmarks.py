@@ -228,6 +228,31 @@ class TestPlannerValidate(TestCase):
         self.assertEqual(validated["summary"]["rows_predicted"], 1)
         self.assertEqual(len(validated["files"]), 1)
 
+    def test_contract_rows_are_predicted_and_picked_per_clipping_mode(self):
+        # Rows that step nothing before step() and clipped rows are predicted; a clipping loop's
+        # pick is among clipped rows only, and clip / user-clip of one setting are not a choice.
+        results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+        paths = [os.path.join(results, f"fsdp_offload_contract_bs{bs}.json") for bs in (4, 16)]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "v.json")
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.assertEqual(planner_validate.main([*paths, "--offline", "--out", out]), 0)
+            with open(out, encoding="utf-8") as handle:
+                validated = json.load(handle)
+        bs4, bs16 = sorted(validated["files"], key=lambda f: "bs16" in f["file"])
+        # bs 16 measured one clipped setting (clip and user-clip): no clipped pick to check.
+        self.assertEqual([a["scope"] for a in bs16["agreements"]], ["all rows"])
+        validated = {"files": [bs4]}
+        rows = {r["name"]: r for r in validated["files"][0]["rows"]}
+        self.assertEqual(rows["coherent(default;clip)"]["config"], "modules=1.00 opt=split0.50 clip")
+        self.assertTrue(rows["coherent(default;user-clip)"]["clipping"])
+        self.assertFalse(rows["coherent(default)"]["clipping"])
+        self.assertIn("skipped", rows["stock_cpu_offload+fused_cpu_adamw;user-clip"])
+        for entry in validated["files"][0]["agreements"]:
+            picked = entry["planner_pick"].split(" (bs")[0]
+            self.assertEqual(rows[picked]["clipping"], "clipped" in entry["scope"])
+        self.assertIn("all rows, clipped", [a["scope"] for a in validated["files"][0]["agreements"]])
+
     def test_a_file_that_is_not_a_result_object_is_skipped(self):
         # The default run reads every JSON under benchmarks/results; one that is not an object
         # (a bare list of rows) is named and skipped, the others validated.
@@ -389,9 +414,19 @@ class TestFsdpOffloadBenchmark(TestCase):
                          (0.625, 0.25, True, 1))
         self.assertEqual(config.block_placement, "last")
         spread = planner_validate.row_config({"name": "coherent(early;host;next-fwd;modules=0.625)"}, "host")
-        # Rows that step nothing before step() are not what the step model prices.
-        self.assertIsNone(planner_validate.row_config({"name": "coherent(host;next-fwd;modules=0.625)"}, "host"))
+        self.assertTrue(spread.step_during_backward)
         self.assertEqual(spread.offloaded_blocks(8), [1, 3, 4, 6, 7])
+        # Rows that step nothing before step() are predicted in that mode, clipped rows as clipping.
+        contract = planner_validate.row_config({"name": "coherent(host;next-fwd;modules=0.625)"}, "host")
+        self.assertEqual((contract.module_fraction, contract.step_during_backward, contract.clipping), (0.625, False, False))
+        for clipped in ("coherent(host;next-fwd;last=0.5;clip)", "coherent(host;next-fwd;last=0.5;user-clip)"):
+            self.assertTrue(planner_validate.row_config({"name": clipped}, "host").clipping)
+        # default rows: CoherentOffload()'s defaults (every group, optimizer="auto", prefetch_depth=1).
+        default = planner_validate.row_config({"name": "coherent(default;clip)"}, 0.5, 2)
+        self.assertEqual((default.module_fraction, default.optimizer, default.prefetch_depth, default.clipping),
+                         (1.0, 0.5, 1, True))
+        # optimizer="auto" streams half the groups on a discrete GPU.
+        self.assertEqual(planner_validate.auto_optimizer("discrete"), 0.5)
         # A misspelt row is refused before anything runs.
         with self.assertRaises(SystemExit):
             with contextlib.redirect_stderr(io.StringIO()):

@@ -58,6 +58,7 @@ class TestPlanArguments(CLITestCase):
         )
         for flag, value in (("--seq-len", "512"), ("--microbatch-factors", "1,2")):
             self.assertRefused(dispatch, ["plan", "--scenario", TALK, flag, value], f"drop {flag}, or plan with --model")
+        self.assertRefused(dispatch, ["plan", "--scenario", TALK, "--clipping"], "drop --clipping, or plan with --model")
 
 
 @instantiate_parametrized_tests

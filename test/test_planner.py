@@ -37,9 +37,9 @@ from torch_fsdp_offload.planner import (
 from torch_fsdp_offload.planner.library_facts import DEFAULT_MAX_INFLIGHT_BYTES, STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.planner.memory_breakdown import model_breakdown
 from torch_fsdp_offload.planner.peak_memory import phase_peaks
-from torch_fsdp_offload.planner.report import TECHNIQUE_LEGEND
+from torch_fsdp_offload.planner.report import Recommendation, TECHNIQUE_LEGEND
 from torch_fsdp_offload.planner.scenario_cost import TECHNIQUES
-from torch_fsdp_offload.planner.search import default_training_configs, search_training
+from torch_fsdp_offload.planner.search import choose, default_training_configs, search_training
 from torch_fsdp_offload.planner.training_config import label_kind, LABEL_LEGEND
 from torch_fsdp_offload.planner.traffic import (
     copy_in_bytes_per_param,
@@ -640,6 +640,75 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
         self.assertEqual(TrainingConfig(module_fraction=0.5).coherent_offload_kwargs(),
                          {"module_fraction": 0.5, "optimizer": "host"})
 
+    def test_clipping_starts_host_steps_after_backward(self):
+        # Every block stepped on the host: with clipping step() waits for the last gradients (block
+        # 0's, at the end of backward) and steps the groups in forward order; each group's step
+        # outlasts its block's forward, so the step is the backward, the last gradients' copy, every
+        # host step, and the last block's forward after its group's step.
+        knobs = dict(module_fraction=1.0, optimizer="host")
+        clipped, plain = self.predict(clipping=True, **knobs), self.predict(**knobs)
+        n_blocks = self.profile.n_blocks
+        grad_copy = self.profile.block_params * self.profile.reduce_bytes / (self.platform.d2h_GBps * 1e9)
+        self.assertGreater(clipped.host_optimizer_s / n_blocks, clipped.forward_s / n_blocks)
+        self.assertAlmostEqual(
+            clipped.step_s, clipped.backward_s + grad_copy + clipped.host_optimizer_s + clipped.forward_s / n_blocks, places=9
+        )
+        self.assertGreater(clipped.step_s, plain.step_s)
+        self.assertEqual((clipped.forward_s, clipped.backward_s), (plain.forward_s, plain.backward_s))
+
+    def test_step_during_backward_priced_as_the_default_without_clipping(self):
+        # The CPU reaches step() before the first host group's gradients land: the default's host
+        # steps start as early as step_during_backward's. With clipping the optimizer never steps early.
+        knobs = dict(module_fraction=0.5, optimizer="host")
+        for clipping in (False, True):
+            early = self.predict(step_during_backward=True, clipping=clipping, **knobs)
+            self.assertEqual(early.step_s, self.predict(clipping=clipping, **knobs).step_s)
+            self.assertEqual(early.config.breaks_contract, not clipping)
+        self.assertEqual(TrainingConfig(module_fraction=0.5, step_during_backward=True).offload_optimizer_kwargs(),
+                         {"step_during_backward": True})
+        self.assertEqual(TrainingConfig(module_fraction=0.5).offload_optimizer_kwargs(), {})
+        self.assertEqual(TrainingConfig(module_fraction=0.5, step_during_backward=True, clipping=True).label,
+                         "modules=0.50 opt=host early clip")
+        for name in ("step_during_backward", "clipping"):
+            with self.assertRaisesRegex(ValueError, f"TrainingConfig.{name} must be a bool"):
+                TrainingConfig(**{name: 1})
+
+    def test_breaking_the_contract_must_beat_keeping_it_by_the_margin(self):
+        def pick(candidates):
+            return choose(candidates, throughput=lambda c: c[0], bytes_moved=lambda c: 0,
+                          checkpointing=lambda c: False, breaks_contract=lambda c: c[1])
+
+        self.assertEqual(pick([(1.0, False), (1.05, True)]), (1.0, False))
+        self.assertEqual(pick([(1.0, False), (1.2, True)]), (1.2, True))
+        # search_training: an early twin predicted no faster is not picked.
+        configs = [TrainingConfig(module_fraction=0.5, step_during_backward=early) for early in (True, False)]
+        _, (_, best) = search_training([(1, self.profile)], self.platform, 140e9, configs)
+        self.assertFalse(best.config.step_during_backward)
+
+    def test_plan_with_clipping_prices_clipped_settings(self):
+        result = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=13.7, clipping=True)
+        self.assertTrue(all(p.config.clipping for _, p in result.training.predictions))
+        self.assertEqual(result.recommended.optimizer_kwargs, {})
+        unclipped = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=13.7)
+        self.assertGreater(result.recommended.predicted_step_s, unclipped.recommended.predicted_step_s)
+        # Today's run is still the table's first row (its label carries clip).
+        self.assertIn("modules=0.00 clip", report_section(result, 7).splitlines()[2])
+        self.assertIn("today's run", report_section(result, 7).splitlines()[2])
+
+    def test_recommendation_code_and_optimizer_carry_step_during_backward(self):
+        recommendation = Recommendation(
+            technique="fsdp2_step_model", microbatch_factor=1, weights_offload_fraction=1.0,
+            activations_offload_fraction=0.0, checkpointing=False, throughput_gain=0.0,
+            kwargs={"module_fraction": 1.0, "optimizer": "host"}, reason="", optimizer_kwargs={"step_during_backward": True},
+        )
+        self.assertExpectedInline(recommendation.code(), """\
+CoherentOffload(module_fraction=1.0, optimizer='host'); OffloadOptimizer(model, torch.optim.AdamW, step_during_backward=True, ...): breaks torch.optim's contract (parameters and optimizer state change before step())""")
+        with self.assertWarns(UserWarning):  # the module is not sharded with CoherentOffload
+            optimizer = recommendation.optimizer(nn.Linear(2, 2), lr=0.1)
+        self.assertTrue(optimizer.step_during_backward)
+        self.assertFalse(dataclasses.replace(recommendation, optimizer_kwargs={}).optimizer(nn.Linear(2, 2)).step_during_backward)
+        self.assertNotIn("OffloadOptimizer", dataclasses.replace(recommendation, optimizer_kwargs={}).code())
+
     def test_activation_copies_bound_the_forward_over_pcie(self):
         # The offloader waits rather than let more than DEFAULT_MAX_INFLIGHT_BYTES pile up: over
         # PCIe the forward takes as long as its copies down, every block but the last (used in
@@ -912,7 +981,8 @@ class TestReport(TestCase):
 
     def test_every_label_kind_has_a_legend_line(self):
         configs = default_training_configs(8) + [
-            TrainingConfig(module_fraction=0.5, optimizer="stream", prefetch_depth=2, block_placement="spread")
+            TrainingConfig(module_fraction=0.5, optimizer="stream", prefetch_depth=2, block_placement="spread"),
+            TrainingConfig(module_fraction=0.5, step_during_backward=True, clipping=True),
         ]
         kinds = {label_kind(part) for config in configs for part in config.label.split()}
         self.assertEqual(kinds, set(LABEL_LEGEND))

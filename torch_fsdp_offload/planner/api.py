@@ -16,7 +16,7 @@ from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfi
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
 from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
 from torch_fsdp_offload.planner.scenario_cost import Candidate
-from torch_fsdp_offload.planner.search import search_scenario, search_training
+from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN, search_scenario, search_training
 from torch_fsdp_offload.planner.step_time import predict_step, StepPrediction
 from torch_fsdp_offload.planner.training_config import TrainingConfig
 from torch_fsdp_offload.planner.training_profile import training_profile
@@ -132,6 +132,7 @@ def _plan_model(
     example_input: Any = None,
     blocks: Sequence[Any] | None = None,
     device: torch.device | None = None,
+    clipping: bool = False,
 ) -> PlanResult:
     notes = []
     if capacity_bytes is None:
@@ -249,7 +250,7 @@ def _plan_model(
             f"per-GPU predictions for FSDP over {world_size} GPUs of one host (collectives at "
             f"{platform.gpu_interconnect_GBps:g} GB/s, one host DRAM for all host optimizer steps)"
         )
-    predictions, best = search_training(profiles, platform, capacity, world_size=world_size)
+    predictions, best = search_training(profiles, platform, capacity, world_size=world_size, clipping=clipping)
     training = TrainingPlan(
         profiles=profiles, predictions=tuple(predictions), best=best, capacity_bytes=capacity, world_size=world_size
     )
@@ -285,11 +286,13 @@ def _plan_model(
                 f"{what} at {factor:g}x the micro-batch{' with activation checkpointing' if config.checkpointing else ''}: "
                 f"predicted {prediction.step_s:.3f} s per step, {prediction.peak_gpu_GiB:.1f} GiB peak per GPU, "
                 f"{gain:+.0%} throughput over today's resident run." + _cast_reason(factor, prediction, predictions)
+                + _early_reason(factor, prediction, predictions)
             ),
             predicted_step_s=prediction.step_s,
             predicted_peak_gpu_GiB=prediction.peak_gpu_GiB,
             last_blocks=last_blocks,
             keep_unsharded_last=config.keep_unsharded,
+            optimizer_kwargs=config.offload_optimizer_kwargs(),
         )
     recommendation = dataclasses.replace(
         recommendation, micro_batch_size=round(batch_size * recommendation.microbatch_factor), block_names=names
@@ -317,6 +320,20 @@ def _cast_reason(factor: float, prediction: StepPrediction, predictions: Sequenc
     )
 
 
+def _early_reason(factor: float, prediction: StepPrediction, predictions: Sequence[tuple[float, StepPrediction]]) -> str:
+    """Why the recommended setting steps during backward: its twin keeping torch.optim's contract,
+    compared."""
+    config = prediction.config
+    if not config.breaks_contract:
+        return ""
+    twin = next((p for f, p in predictions if f == factor and p.config == dataclasses.replace(config, step_during_backward=False)), None)
+    against = "" if twin is None else f" ({prediction.step_s:.3f} s per step against {twin.step_s:.3f} s keeping it)"
+    return (
+        f" OffloadOptimizer(step_during_backward=True) is predicted faster by more than {OFFLOAD_MARGIN:.0%}{against}; "
+        "it breaks torch.optim's contract: parameters and optimizer state change before step()."
+    )
+
+
 def plan(
     model: Any = None,
     *,
@@ -332,6 +349,7 @@ def plan(
     example_input: Any = None,
     blocks: Sequence[Any] | None = None,
     device: torch.device | str | None = None,
+    clipping: bool = False,
 ) -> PlanResult:
     """Decide whether offloading pays, and how much to offload, following the talk's framework:
     memory breakdown, iteration time, the model's own DRAM bandwidth against peak, the link
@@ -374,6 +392,9 @@ def plan(
             shards the same ones.
         device: where ``measure`` times (default ``"cuda"``; ``"cpu"`` runs the same measurement
             on the CPU, whose times say nothing about a GPU: for tests).
+        clipping (bool): the training loop clips the gradients to a global norm
+            (``OffloadOptimizer(max_grad_norm=...)`` or ``clip_grad_norm_``), for a model: host
+            steps then start after the whole backward (``TrainingConfig.clipping``).
 
     Returns:
         PlanResult: ``.report()`` (text), ``.to_dict()`` (JSON), ``.plot(path)`` (PNG), and
@@ -436,6 +457,7 @@ def plan(
         example_input=example_input,
         blocks=blocks,
         device=device,
+        clipping=clipping,
     )
 
 

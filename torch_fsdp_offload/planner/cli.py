@@ -24,7 +24,7 @@ from torch_fsdp_offload.planner.scenario import ScenarioError
 __all__ = ["add_arguments", "check_arguments", "cli_spelling", "run"]
 
 # Flags that describe a --model run; a --scenario file holds its own figures instead.
-_MODEL_ONLY_FLAGS = ("batch_size", "seq_len", "world_size", "microbatch_factors")
+_MODEL_ONLY_FLAGS = ("batch_size", "seq_len", "world_size", "microbatch_factors", "clipping")
 # plan()'s keyword arguments that a flag sets (the flag is the name with dashes): plan()'s errors
 # name the keywords, the command line's name the flags.
 _PLAN_KEYWORDS = ("platform", "gpu_memory_GiB", *_MODEL_ONLY_FLAGS)
@@ -92,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="GPU memory the peak must fit in (a budget, or a smaller GPU); default 90%% of the platform's",
     )
+    parser.add_argument(
+        "--clipping", action="store_const", const=True,
+        help="the training loop clips the gradients (max_grad_norm or clip_grad_norm_): host steps start after backward "
+        "(model only)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of the report")
     parser.add_argument("--plot", metavar="FILE.png", help="write throughput against offloaded fraction (needs matplotlib)")
 
@@ -132,7 +137,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 def run(args: argparse.Namespace) -> int:
     """Run the planner; print the report (or JSON); return the exit status."""
     model_options = {
-        name: getattr(args, name) for name in ("batch_size", "seq_len", "world_size") if getattr(args, name) is not None
+        name: getattr(args, name) for name in ("batch_size", "seq_len", "world_size", "clipping") if getattr(args, name) is not None
     }
     if args.microbatch_factors is not None:
         try:

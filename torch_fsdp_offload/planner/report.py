@@ -71,6 +71,10 @@ class Recommendation:
             ``microbatch_factor``), for a real model: its predicted peak fits the memory budget.
         block_names (tuple | None): the qualified names of the blocks planned, when the plan was
             given ``blocks=``; :meth:`apply` shards those.
+        optimizer_kwargs (dict): the ``OffloadOptimizer`` timing arguments the step was predicted
+            with (:meth:`optimizer` passes them): empty for its defaults, which keep
+            ``torch.optim``'s contract; ``{"step_during_backward": True}`` only where that was
+            predicted faster by :data:`OFFLOAD_MARGIN` (it breaks the contract).
     """
 
     technique: str
@@ -87,6 +91,7 @@ class Recommendation:
     keep_unsharded_last: int = 0
     micro_batch_size: int | None = None
     block_names: tuple[str, ...] | None = None
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def policy(self):
@@ -131,7 +136,7 @@ class Recommendation:
             >>> rec.last_blocks
             (4, 8)
             >>> rec.apply(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-            >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
+            >>> optim = rec.optimizer(model, lr=1e-4, fused=True)
         """
         from torch_fsdp_offload.activations import offload_activations
         from torch_fsdp_offload.models import find_blocks
@@ -157,6 +162,35 @@ class Recommendation:
             offload_activations(model, blocks=blocks, fraction=self.activations_offload_fraction)
         return model
 
+    def optimizer(self, model: Any, optimizer_class: Any = None, **optimizer_kwargs: Any) -> Any:
+        """The ``OffloadOptimizer`` over ``model`` (sharded by :meth:`apply`) in the timing mode the
+        step was predicted with (:attr:`optimizer_kwargs`).
+
+        Args:
+            model (nn.Module): the sharded model.
+            optimizer_class (type | None): the ``torch.optim`` class to run (default ``AdamW``).
+            **optimizer_kwargs: passed to ``OffloadOptimizer`` (``lr``, ``fused``, ``max_grad_norm``, ...).
+
+        Returns:
+            OffloadOptimizer: the optimizer.
+
+        Example::
+
+            >>> optim = plan("anchor-1.6b", platform="h200-pcie", batch_size=4).recommended.optimizer(model, lr=1e-4)
+        """
+        import torch
+
+        from torch_fsdp_offload.optim import OffloadOptimizer
+
+        return OffloadOptimizer(model, optimizer_class or torch.optim.AdamW, **{**self.optimizer_kwargs, **optimizer_kwargs})
+
+    def _optimizer_code(self) -> str:
+        if not self.optimizer_kwargs:
+            return ""
+        arguments = ", ".join(f"{key}={value!r}" for key, value in self.optimizer_kwargs.items())
+        return (f"; OffloadOptimizer(model, torch.optim.AdamW, {arguments}, ...): breaks torch.optim's contract "
+                "(parameters and optimizer state change before step())")
+
     def _activations_code(self) -> str:
         if self.activations_offload_fraction <= 0:
             return ""
@@ -179,7 +213,7 @@ class Recommendation:
             )
         if self.keep_unsharded_last:
             code += f"; reshard_after_forward=False for the last {self.keep_unsharded_last} blocks"
-        code += self._activations_code()
+        code += self._activations_code() + self._optimizer_code()
         return code + "; activation checkpointing per block" if self.checkpointing else code
 
     def to_dict(self) -> dict[str, Any]:
@@ -452,7 +486,8 @@ class PlanResult:
 
         ranked = sorted(training.predictions, key=lambda fp: -speed(fp))
         fitting = [fp for fp in ranked if fp[1].peak_gpu_bytes <= training.capacity_bytes]
-        resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.label == "modules=0.00"]
+        resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.coherent_offload_kwargs() is None
+                    and not fp[1].config.checkpointing]
         picked = training.best if self.recommended.technique == "fsdp2_step_model" else None
         rule, compared = self._rule(fitting, picked) if picked is not None and fitting[0] != picked else ([], [])
         chosen = fitting[:8] + compared + ([picked] if picked is not None else [])

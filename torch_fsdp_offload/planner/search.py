@@ -191,15 +191,17 @@ def throughput_curves(scenario: Scenario, points: int = 101) -> dict[str, list[t
 _DEFAULT_PLACEMENTS: tuple[str | float, ...] = ("host", 0.25, 0.5)
 
 
-def default_training_configs(n_blocks: int, *, checkpointing: bool = True) -> list[TrainingConfig]:
+def default_training_configs(n_blocks: int, *, checkpointing: bool = True, clipping: bool = False) -> list[TrainingConfig]:
     """The grid :func:`search_training` explores: module fractions in whole blocks (at most 9
     values), the offloaded groups' optimizer on the host or a quarter or half of them streamed
     through the GPU, the offloaded (last) blocks resharded after forward or not (``keep_unsharded``:
     one copy-in per step instead of two, their parameters held through backward), where settings
     with host-stepped groups cast the master to the compute dtype (``cast_on``: on the host, or on
     the GPU for twice the copy-in bytes), activations offloaded for none, half or all blocks, with
-    and without checkpointing. Pass configs with ``optimizer="stream"`` to predict that placement
-    too.
+    and without checkpointing, every one with ``OffloadOptimizer``'s defaults (nothing steps before
+    ``step()``) and ``clipping`` as given. Pass configs with ``optimizer="stream"`` or
+    ``step_during_backward=True`` to predict those too (without clipping the step model prices
+    ``step_during_backward`` as the default; with it the optimizer never steps early).
 
     Example::
 
@@ -228,6 +230,7 @@ def default_training_configs(n_blocks: int, *, checkpointing: bool = True) -> li
                                     checkpointing=checkpoint,
                                     keep_unsharded=keep,
                                     cast_on=cast_on,
+                                    clipping=clipping,
                                 )
                             )
     return configs
@@ -267,16 +270,21 @@ def choose(
     throughput: Callable[[_T], float],
     bytes_moved: Callable[[_T], float],
     checkpointing: Callable[[_T], bool],
+    breaks_contract: Callable[[_T], bool] | None = None,
 ) -> _T:
     """The planner's decision among candidates that fit: of :func:`offload_that_pays`, the most
     throughput; within :data:`TIE_MARGIN` (2%) of it, the one that moves the fewest bytes over the
-    link, then the one without activation checkpointing, then the faster.
+    link, then the one without activation checkpointing, then the faster. A candidate that breaks
+    ``torch.optim``'s contract (``step_during_backward``) stays only if it beats the fastest that
+    keeps it by :data:`OFFLOAD_MARGIN`, as offload must beat moving nothing.
 
     Args:
         candidates: plans, predicted or measured (at least one).
         throughput (Callable): a candidate's samples per second.
         bytes_moved (Callable): bytes a candidate moves over the link per step.
         checkpointing (Callable): whether a candidate checkpoints activations.
+        breaks_contract (Callable | None): whether a candidate changes parameters before
+            ``step()`` (None: none does).
 
     Returns:
         The chosen candidate.
@@ -292,6 +300,8 @@ def choose(
     """
     if not candidates:
         raise ValueError("choose needs at least one candidate")
+    if breaks_contract is not None:
+        candidates = offload_that_pays(candidates, throughput=throughput, moves_bytes=breaks_contract)
     paying = offload_that_pays(candidates, throughput=throughput, moves_bytes=lambda c: bytes_moved(c) > 0)
     top = max(throughput(c) for c in paying)
     close = [c for c in paying if throughput(c) >= top * (1 - TIE_MARGIN)]
@@ -305,6 +315,7 @@ def search_training(
     configs: Sequence[TrainingConfig] | None = None,
     *,
     world_size: int = 1,
+    clipping: bool = False,
 ) -> tuple[list[tuple[float, StepPrediction]], tuple[float, StepPrediction] | None]:
     """Predict every config at every micro-batch factor and pick the highest throughput that fits.
 
@@ -314,12 +325,14 @@ def search_training(
         capacity_bytes (float): GPU memory the peak must stay within.
         configs: settings to predict (default :func:`default_training_configs`).
         world_size (int): GPUs the parameters are sharded over; predictions are per GPU.
+        clipping (bool): the loop clips the gradients (the default grid's ``clipping``).
 
     Returns:
         ``(predictions, best)``: every ``(factor, prediction)``, and the fitting one with the most
         samples per second (within 2%, the one that moves the fewest bytes), or None if none fits.
         A plan that offloads is picked over a fitting plan that moves nothing only if it is faster
-        by :data:`OFFLOAD_MARGIN` (the step model's error against measured steps).
+        by :data:`OFFLOAD_MARGIN` (the step model's error against measured steps), and one that
+        breaks ``torch.optim``'s contract over the fastest that keeps it by the same margin.
 
     Example::
 
@@ -327,7 +340,7 @@ def search_training(
     """
     predictions = []
     for factor, profile in profiles:
-        for config in configs if configs is not None else default_training_configs(profile.n_blocks):
+        for config in configs if configs is not None else default_training_configs(profile.n_blocks, clipping=clipping):
             predictions.append((factor, predict_step(profile, config, platform, world_size=world_size)))
     fitting = [(f, p) for f, p in predictions if p.peak_gpu_bytes <= capacity_bytes]
     if not fitting:
@@ -337,5 +350,6 @@ def search_training(
         throughput=lambda fp: fp[0] / fp[1].step_s,
         bytes_moved=lambda fp: fp[1].h2d_bytes + fp[1].d2h_bytes,
         checkpointing=lambda fp: fp[1].config.checkpointing,
+        breaks_contract=lambda fp: fp[1].config.breaks_contract,
     )
     return predictions, best

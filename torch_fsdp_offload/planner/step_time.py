@@ -39,7 +39,7 @@ class StepPrediction:
         forward_s, backward_s, optimizer_s (float): the phases, copies overlapped.
         peak_gpu_bytes (int): predicted peak of allocated GPU memory.
         h2d_bytes (int), d2h_bytes (int): link traffic.
-        host_optimizer_s (float): host optimizer work (overlapped with backward).
+        host_optimizer_s (float): host optimizer work (beside backward, after it with clipping, and the next forward).
         link_bound (bool): a copy stream, not compute, set the forward or backward time.
         host_bound (bool): the host optimizer step, not the GPU, ends the step.
         peak_phase (str): ``"forward"``, ``"backward"`` or ``"optimizer"``: where the peak is
@@ -94,6 +94,28 @@ def _activation_traffic(profile: TrainingProfile, activation_blocks: int, per_bl
     return down - in_flight, in_flight, (activation_blocks - kept_on_device) * per_block
 
 
+def _host_step_ends(landed: dict[int, float], per_group: float, *, clipping: bool) -> dict[int, float]:
+    """When each host group's step ends, from when its gradients landed (``landed``, by forward
+    index), one worker taking ``per_group`` seconds per group.
+
+    Without clipping a group steps once its gradients have landed, in landing order (the reverse
+    of forward). With clipping ``step()`` waits for every gradient and the global norm, then steps
+    the groups newest first, which after backward is forward order.
+    """
+    if clipping:
+        done = max(landed.values())
+        ends = {}
+        for index in sorted(landed):
+            done += per_group
+            ends[index] = done
+        return ends
+    done, ends = 0.0, {}
+    for index in sorted(landed, key=landed.__getitem__):
+        done = max(done, landed[index]) + per_group
+        ends[index] = done
+    return ends
+
+
 def predict_step(
     profile: TrainingProfile, config: TrainingConfig, platform: PlatformProfile, *, world_size: int = 1
 ) -> StepPrediction:
@@ -118,9 +140,14 @@ def predict_step(
     measured rates, its measured time,
     :func:`~torch_fsdp_offload.planner.traffic.host_step_seconds_per_param`) leave the host step;
     the device memory of its one landing chunk (``chunk_bytes``) is not counted. Host-stepped
-    groups are the last in forward order, so their gradients land first in backward; host steps start when the first of them landed, run beside the streamed
-    steps, and must end before the next forward reaches the host groups (with or without
-    ``overlap_next_forward``). What outlasts the GPU work is exposed.
+    groups are the last in forward order, so their gradients land first in backward. Without
+    ``config.clipping`` each host group steps once its gradients landed, in landing order, whether
+    before ``step()`` (``step_during_backward``) or from ``step()`` on (the default; the CPU is
+    taken to reach ``step()`` before the GPU lands the first host group's gradients, so the two
+    are priced alike). With ``clipping`` ``step()`` waits for every gradient and the global norm:
+    the host steps start after the last group's gradients landed, newest first (forward order).
+    They run beside the streamed steps and on into the next forward, which copies each host group
+    in, in forward order, once its step has ended. What outlasts the GPU work is exposed.
 
     Host DRAM serves the host step and the link's DMA at once (parameters copied in, gradients
     down, streamed state, activations), so link traffic slows the host step. When the profile has
@@ -227,9 +254,7 @@ def predict_step(
     gpu_path_optimizer = max(gpu_optimizer, stream_time)
 
     # The host steps run beside everything else, on one host DRAM shared by all GPUs of the host
-    # and by the link's DMA. They start when the first host group's gradients have landed (host
-    # groups are the last in forward order, so the first in backward) and must end before the
-    # next forward reaches the host groups (with or without overlap_next_forward).
+    # and by the link's DMA; each must end before the next forward copies its group in.
     h2d_bytes = weight_bytes + backward_weight_bytes + reloaded + stream_up
     d2h_bytes = grad_down + act_forward + act_in_flight + stream_down
     host_params = host_blocks * shard * world_size
@@ -258,14 +283,17 @@ def predict_step(
     host_tail = 0.0
     if host_blocks:
         # From the start of backward: block i's gradients land after the backward of the blocks
-        # behind it; one worker steps the host groups in landing order (the reverse of forward).
+        # behind it; one worker steps the host groups (see the docstring for the order).
         grad_copy = shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
-        done = 0.0
-        for index in reversed(host_indices):
-            done = max(done, backward * (n_blocks - index) / n_blocks + grad_copy) + host_time / host_blocks
-        # The next forward needs the first host group in forward order, whose step ends last.
-        needed = backward + gpu_path_optimizer + forward * host_indices[0] / n_blocks
-        host_tail = max(0.0, done - needed)
+        landed = {index: backward * (n_blocks - index) / n_blocks + grad_copy for index in host_indices}
+        done = _host_step_ends(landed, host_time / host_blocks, clipping=config.clipping)
+        # The next forward copies each host group in, in forward order, once its step has ended.
+        start = backward + gpu_path_optimizer
+        reach, previous = start, 0
+        for index in host_indices:
+            reach = max(reach + forward * (index - previous) / n_blocks, done[index])
+            previous = index
+        host_tail = reach - (start + forward * host_indices[-1] / n_blocks)
     optimizer = gpu_path_optimizer + host_tail
 
     peaks = phase_peaks(profile, config, offloaded_blocks=offloaded_blocks, streamed_blocks=streamed_blocks,

@@ -21,6 +21,10 @@ LABEL_LEGEND: dict[str, str] = {
     "spread": "spread: the offloaded blocks spread evenly, as CoherentOffload(module_fraction=...) places them",
     "keep": "keep=N: the last N blocks stay unsharded from forward to backward (one copy-in per step instead of two)",
     "cast": "cast=device: the fp32 master copied in and cast on the GPU (no cast on the host, twice the copy-in bytes)",
+    "early": "early: OffloadOptimizer(step_during_backward=True): host steps during backward; breaks torch.optim's "
+             "contract (parameters and state change before step())",
+    "clip": "clip: the gradients clipped to a global norm (max_grad_norm or clip_grad_norm_): host steps start "
+            "after the whole backward",
 }
 
 
@@ -54,6 +58,14 @@ class TrainingConfig:
             (the cast is host work; compute-dtype bytes cross the link; a streamed step brings the
             mirror back too). ``"device"``: the master's bytes cross the link and are cast on the
             GPU as they land (no cast on the host, twice the copy-in bytes, no mirror to bring back).
+        step_during_backward (bool): ``OffloadOptimizer(step_during_backward=True)``: a host group
+            steps as soon as its gradients landed, before ``step()`` (breaks ``torch.optim``'s
+            contract). False (the default): host steps start at ``step()``, each when its gradients
+            landed, and run on into the next forward. Without effect with ``clipping`` (the
+            optimizer never steps early then).
+        clipping (bool): the training loop clips the gradients to a global norm
+            (``OffloadOptimizer(max_grad_norm=...)`` or ``clip_grad_norm_`` before ``step()``):
+            ``step()`` waits for every gradient and the norm, so host steps start after backward.
 
     Raises:
         ValueError: a knob outside its range, naming the knob and what it accepts.
@@ -72,6 +84,8 @@ class TrainingConfig:
     block_placement: str = "last"
     keep_unsharded: int = 0
     cast_on: str = "host"
+    step_during_backward: bool = False
+    clipping: bool = False
 
     def __post_init__(self) -> None:
         for name in ("module_fraction", "activations"):
@@ -91,6 +105,9 @@ class TrainingConfig:
             raise ValueError(f"TrainingConfig.block_placement must be 'last' or 'spread', got {self.block_placement!r}")
         if isinstance(self.keep_unsharded, bool) or not isinstance(self.keep_unsharded, int) or self.keep_unsharded < 0:
             raise ValueError(f"TrainingConfig.keep_unsharded must be an int >= 0, got {self.keep_unsharded!r}")
+        for name in ("step_during_backward", "clipping"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TrainingConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.cast_on not in CAST_PLACEMENTS:
             raise ValueError(
                 f"TrainingConfig.cast_on must be 'host' (the master cast into a pinned mirror on the host) or "
@@ -114,6 +131,18 @@ class TrainingConfig:
         return [i for i in range(n_blocks) if spread_group_offloaded(i, self.module_fraction)]
 
     @property
+    def steps_early(self) -> bool:
+        """Whether host steps may start during backward, before ``step()``: ``step_during_backward``
+        without ``clipping`` (the optimizer never steps early when it clips)."""
+        return self.step_during_backward and not self.clipping
+
+    @property
+    def breaks_contract(self) -> bool:
+        """Whether this setting changes parameters before ``step()``: host steps during backward
+        (:attr:`steps_early`) on offloaded groups."""
+        return self.steps_early and self.module_fraction > 0
+
+    @property
     def optimizer_gpu_fraction(self) -> float:
         return {"host": 0.0, "stream": 1.0}.get(self.optimizer, self.optimizer)  # type: ignore[arg-type]
 
@@ -135,6 +164,10 @@ class TrainingConfig:
             parts.append(f"keep={self.keep_unsharded}")
         if self.cast_on != "host" and self.module_fraction > 0:
             parts.append(f"cast={self.cast_on}")
+        if self.step_during_backward and self.module_fraction > 0:
+            parts.append("early")
+        if self.clipping:
+            parts.append("clip")
         return " ".join(parts)
 
     def coherent_offload_kwargs(self) -> dict[str, Any] | None:
@@ -154,3 +187,15 @@ class TrainingConfig:
         if self.prefetch_depth != 1:
             kwargs["prefetch_depth"] = self.prefetch_depth
         return kwargs
+
+    def offload_optimizer_kwargs(self) -> dict[str, Any]:
+        """The ``OffloadOptimizer(...)`` timing arguments this setting was predicted with: empty for
+        the library's defaults (nothing steps before ``step()``), ``step_during_backward=True`` for
+        an ``early`` setting that offloads.
+
+        Example::
+
+            >>> TrainingConfig(module_fraction=0.5, step_during_backward=True).offload_optimizer_kwargs()
+            {'step_during_backward': True}
+        """
+        return {"step_during_backward": True} if self.step_during_backward and self.module_fraction > 0 else {}
