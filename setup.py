@@ -15,6 +15,8 @@ setup(
     extras_require={
         "test": ["pytest", "expecttest", "parameterized", "numpy", "transformers"],
         "plot": ["matplotlib"],
+        # benchmarks/peers.py only: the systems it measures beside this library, never its dependency.
+        "peers": ["deepspeed", "torchao"],
     },
     entry_points={"console_scripts": ["torch-fsdp-offload=torch_fsdp_offload.__main__:main"]},
     license="BSD-3-Clause",

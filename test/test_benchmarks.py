@@ -26,7 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import activations  # noqa: E402
 import fsdp_offload  # noqa: E402
 import multi_gpu  # noqa: E402
+import peers  # noqa: E402
 import planner_validate  # noqa: E402
+import stream_timeline  # noqa: E402
 import transfer  # noqa: E402
 from memory_snapshot import peak_breakdown  # noqa: E402
 from common_offload import GlooMultiProcessTestCase  # noqa: E402
@@ -577,6 +579,182 @@ class TestPlotResults(TestCase):
             for plot in (plot_results.plot_fsdp_bs4, plot_results.plot_activations):
                 with open(plot(tmp, tmp), "rb") as handle:
                     self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
+
+
+class TestPeersBenchmark(TestCase):
+    def test_doubling_then_bisection_finds_the_largest_size(self):
+        tried = []
+
+        def probe(n):
+            tried.append(n)
+            return n <= 13
+
+        self.assertEqual(peers.largest_fitting(probe, 40), (13, True))
+        self.assertEqual(tried, [1, 2, 4, 8, 16, 12, 14, 13])
+        tried.clear()
+        # A smaller cap's answer is known to fit: doubling starts above it; the bound is tried last.
+        self.assertEqual(peers.largest_fitting(probe, 10, known=5), (10, True))
+        self.assertEqual(tried, [10])
+        tried.clear()
+        self.assertEqual(peers.largest_fitting(probe, 40, start=20), (13, True))
+        self.assertEqual(tried, [20, 10, 15, 12, 13, 14][: len(tried)])
+        self.assertEqual(peers.largest_fitting(lambda n: False, 40), (0, True))
+        self.assertEqual(peers.largest_fitting(probe, 40, known=40), (40, True))
+
+    def test_out_of_time_stops_the_search_with_what_it_found(self):
+        answers = iter([True, True, None])
+        self.assertEqual(peers.largest_fitting(lambda n: next(answers), 40), (2, False))
+
+    def test_host_memory_bounds_the_sizes_tried(self):
+        per_block = peers.param_count(2) - peers.param_count(1)
+        self.assertEqual(peers.param_count(8), 1611014144)  # anchor-1.6b itself
+        gib = 1 << 30
+        bound = peers.size_bound("torch_fsdp_offload", 64 * gib, 16 * gib)
+        self.assertTrue(peers.host_fits("torch_fsdp_offload", peers.param_count(bound), 64 * gib))
+        self.assertFalse(peers.host_fits("torch_fsdp_offload", peers.param_count(bound) + per_block, 64 * gib))
+        # Resident needs 16 bytes a parameter on the GPU, whatever the host has.
+        self.assertEqual(peers.size_bound("resident", 1 << 50, 16 * gib), (16 * gib // 16 - (peers.param_count(1) - per_block)) // per_block)
+        self.assertEqual(peers.size_bound("deepspeed_zero3", 2 * gib, 16 * gib), 0)
+        seconds, probes = peers.estimate_seconds(list(peers.SYSTEMS), [4, 16], [16.0], 64 * gib)
+        self.assertGreater(probes, 0)
+        self.assertGreater(seconds, 12 * 45.0)
+
+    def test_deepspeed_configs(self):
+        zero2, zero3 = (peers.deepspeed_config(s, 4) for s in ("deepspeed_zero2", "deepspeed_zero3"))
+        self.assertEqual(zero2["bf16"], {"enabled": True})
+        self.assertEqual(zero2["train_micro_batch_size_per_gpu"], 4)
+        self.assertEqual((zero2["zero_optimization"]["stage"], zero3["zero_optimization"]["stage"]), (2, 3))
+        self.assertEqual(zero2["zero_optimization"]["offload_optimizer"]["device"], "cpu")
+        self.assertNotIn("offload_param", zero2["zero_optimization"])
+        self.assertEqual(zero3["zero_optimization"]["offload_param"]["device"], "cpu")
+        self.assertEqual(zero2["optimizer"]["params"]["lr"], peers.LR)
+        with self.assertRaises(ValueError):
+            peers.deepspeed_config("resident", 4)
+
+    def test_a_missing_package_is_a_row_with_an_error(self):
+        runner = peers.Runner(argparse.Namespace(row_timeout=10.0), deadline=float("inf"))
+        with mock.patch.object(peers.importlib.util, "find_spec", return_value=None), \
+                mock.patch.object(runner, "child", side_effect=AssertionError("no process for a missing package")):
+            row = runner.row("deepspeed_zero3", 4)
+        self.assertIn("deepspeed is not installed", row["error"])
+        self.assertIsNone(peers.missing_package("resident"))
+        out_of_time = peers.Runner(argparse.Namespace(row_timeout=10.0), deadline=0.0).row("resident", 16)
+        self.assertEqual(out_of_time["error"], "not run: --max-seconds reached")
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            peers.print_table([row, {"system": "resident", "batch_size": 4, "tokens_per_s": 52000, "step_s": 0.157,
+                                     "peak_gpu_GiB": 27.4, "pinned_GiB": 0.0, "host_rss_GiB": 3.1,
+                                     "host_rss_peak_GiB": 9.8, "loss_after_steps": 3.41}])
+        self.assertIn("deepspeed_zero3          4 error: deepspeed is not installed", printed.getvalue())
+        self.assertRegex(printed.getvalue(), r"resident +4 +52000 +0\.157 +27\.4")
+
+    def test_capacity_search_per_cap_and_system(self):
+        # Fake probes: a system trains up to 2 blocks per 8 GiB of cap; resident uncapped fits 10 blocks.
+        runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
+
+        calls = []
+
+        def row(system, batch_size, n_blocks=8, gpu_cap_GiB=None, steps=None, warmup=None):
+            calls.append((n_blocks, gpu_cap_GiB))
+            fits = n_blocks <= (10 if gpu_cap_GiB is None else gpu_cap_GiB // 8 * 2)
+            return ({"params": peers.param_count(n_blocks), "tokens_per_s": 1000 // n_blocks, "step_s": 1.0,
+                     "peak_gpu_GiB": 1.0, "host_bytes_per_param": 18.0, "pinned_GiB": 1.0} if fits
+                    else {"error": "OOM: CUDA out of memory"})
+
+        with mock.patch.object(runner, "row", side_effect=row):
+            found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {}, log=lambda line: None)
+        by_cap = {entry["gpu_cap_GiB"]: entry for entry in found["results"]}
+        self.assertEqual((by_cap[16.0]["largest_n_blocks"], by_cap[24.0]["largest_n_blocks"]), (4, 6))
+        self.assertTrue(all(entry["search_complete"] for entry in found["results"]))
+        self.assertEqual(by_cap[24.0]["host_bytes_per_param"], 18.0)
+        self.assertEqual(by_cap[16.0]["resident_uncapped_tokens_per_s"], 250)
+        # Doubling from 1, then bisection; the 24 GiB search starts above the 16 GiB answer; then
+        # resident, uncapped, at each largest size.
+        self.assertEqual(calls, [(1, 16.0), (2, 16.0), (4, 16.0), (8, 16.0), (6, 16.0), (5, 16.0),
+                                 (8, 24.0), (6, 24.0), (7, 24.0), (4, None), (6, None)])
+
+    def test_a_failure_other_than_memory_stops_the_search(self):
+        runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
+        failure = {"error": "RuntimeError: Ninja is required to load C++ extensions"}
+        with mock.patch.object(runner, "row", return_value=failure) as row:
+            found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0], 4, 1 << 40, {}, log=lambda line: None)
+        self.assertEqual(row.call_count, 1)
+        self.assertEqual(found["results"][0]["error"], failure["error"])
+        self.assertFalse(found["results"][0]["search_complete"])
+        self.assertTrue(peers.does_not_fit("OOM: CUDA out of memory. Tried to allocate 2.00 GiB"))
+        self.assertTrue(peers.does_not_fit("exit -9 (killed: host memory?): "))
+        self.assertFalse(peers.does_not_fit(failure["error"]))
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            peers.print_capacity(found)
+        self.assertIn("error: RuntimeError: Ninja", printed.getvalue())
+
+    def test_meminfo_in_bytes(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "meminfo")
+            with open(path, "w") as handle:
+                handle.write("MemTotal:       131072 kB\nMemAvailable:    65536 kB\nHugePages_Total:       0\n")
+            self.assertEqual(peers.read_meminfo(path), {"MemTotal": 128 << 20, "MemAvailable": 64 << 20, "HugePages_Total": 0})
+        self.assertEqual(peers.read_meminfo(os.path.join(os.sep, "nonexistent", "meminfo")), {})
+
+    @unittest.skipIf(torch.cuda.is_available(), "checks a machine without a GPU")
+    def test_refuses_a_machine_without_a_gpu(self):
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()) as err:
+            self.assertEqual(peers.main(["--out", os.path.join(tmp, "peers.json")]), 2)
+        self.assertIn("needs a GPU", err.getvalue())
+
+
+def _synthetic_trace() -> dict:
+    """A step's chrome trace in torch.profiler's layout: kernels and copies on two CUDA streams, host
+    optimizer steps on a worker thread, and events no lane shows."""
+    def gpu(cat, name, ts, stream):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": 10,
+                "args": {"device": 0, "stream": stream}}
+
+    def cpu(name, ts, tid):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": 50}
+
+    events = [
+        gpu("kernel", "ampere_bf16_gemm", 100, 7), gpu("kernel", "vectorized_elementwise", 130, 7),
+        gpu("kernel", "ncclDevKernel_AllReduce", 150, 7),
+        gpu("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 90, 20),
+        gpu("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 140, 20),
+        gpu("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 110, 20),
+        cpu("torch_fsdp_offload::host_optimizer_step", 160, 555), cpu("torch_fsdp_offload::grad_norms", 120, 555),
+        cpu("torch_fsdp_offload::params_h2d:blocks.0", 80, 1),  # the training thread: no lane
+        cpu("aten::mm", 95, 1),
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "stream 7"}},
+    ]
+    return {"traceEvents": events}
+
+
+class TestStreamTimeline(TestCase):
+    def test_lanes_per_stream_and_host_optimizer_thread(self):
+        from torch_fsdp_offload.timeline import lane_counts, timeline_lanes
+
+        lanes = timeline_lanes(_synthetic_trace())
+        self.assertEqual(list(lanes), ["GPU 0 stream 20", "GPU 0 stream 7", "CPU thread 555"])
+        counts = lane_counts(lanes)
+        self.assertEqual(counts["GPU 0 stream 7"], {"compute": 2, "h2d": 0, "d2h": 0, "host_optimizer": 0, "other": 1})
+        self.assertEqual(counts["GPU 0 stream 20"], {"compute": 0, "h2d": 2, "d2h": 1, "host_optimizer": 0, "other": 0})
+        self.assertEqual(counts["CPU thread 555"]["host_optimizer"], 2)
+        self.assertEqual([e.start_us for e in lanes["GPU 0 stream 20"]], [90.0, 110.0, 140.0])  # in time order
+        self.assertEqual(timeline_lanes({"traceEvents": []}), {})
+
+    def test_script_prints_the_lanes_and_writes_the_png(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = _write_json(tmp, "step.trace.json", _synthetic_trace()["traceEvents"])  # a bare list too
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                self.skipTest("needs matplotlib")
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                self.assertEqual(stream_timeline.main([trace]), 0)
+            self.assertRegex(printed.getvalue(), r"CPU thread 555 +0 +0 +0 +2 +0")
+            with open(os.path.join(tmp, "step.png"), "rb") as handle:
+                self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
+            empty = _write_json(tmp, "empty.json", {"traceEvents": []})
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                self.assertEqual(stream_timeline.main([empty, "--out", os.path.join(tmp, "empty.png")]), 2)
+            self.assertIn("no CUDA kernels", err.getvalue())
 
 
 if __name__ == "__main__":

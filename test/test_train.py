@@ -190,6 +190,23 @@ class TestTrain(TestCase):
         finally:
             dist.destroy_process_group()
 
+    def test_profile_writes_one_steps_trace_and_timeline(self) -> None:
+        profile = self._path("profile")
+        output = _run([sys.executable, "-m", "torch_fsdp_offload.train", *BASE_ARGS, "--platform", "discrete",
+                       "--steps", "3", "--profile", profile])
+        self.assertIn(f"profile of step 2: {os.path.join(profile, 'trace_rank0.json')}", output)
+        with open(os.path.join(profile, "trace_rank0.json"), encoding="utf-8") as handle:
+            names = [event.get("name", "") for event in json.load(handle)["traceEvents"]]
+        # The step's copies are in it: each block's parameters in and its gradients out.
+        self.assertGreaterEqual(names.count("torch_fsdp_offload::grads_d2h:blocks.0"), 1)
+        self.assertGreaterEqual(names.count("torch_fsdp_offload::params_h2d:blocks.0"), 1)
+        # The timeline is drawn where the step has something to draw (on the CPU, at most the host
+        # optimizer steps that ran inside the profiled step).
+        png = os.path.join(profile, "timeline.png")
+        self.assertTrue(os.path.isfile(png) if f"{png} (" in output else "(no timeline: " in output, output[-2000:])
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            parse_args(["--profile", os.path.join(profile, "trace_rank0.json")])
+
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_gpu_partial_module_offload(self) -> None:
         # Resident groups (module_fraction < 1) must be materialised on the GPU, offloaded ones on

@@ -55,6 +55,7 @@ from torch_fsdp_offload.materialize import materialize_sharded
 from torch_fsdp_offload.optim import OffloadOptimizer
 from torch_fsdp_offload.platform import detect_platform
 from torch_fsdp_offload.policy import CoherentOffload
+from torch_fsdp_offload.timeline import draw_timeline, load_trace, step_profiler, timeline_lanes
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 # Written last, after every rank finished saving: a checkpoint named here is complete.
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "and start from scratch")
     io.add_argument("--json-log", default=None, metavar="FILE",
                     help="append one JSON record per step to FILE (rank 0)")
+    io.add_argument("--profile", default=None, metavar="DIR",
+                    help="profile one step (the second this run takes, or its only one) and write its chrome "
+                    "trace (trace_rank<R>.json) and, on rank 0 with matplotlib, its stream timeline (timeline.png)")
     io.add_argument("--fail-at-step", type=int, default=None, metavar="N",
                     help=argparse.SUPPRESS)  # fault-injection for tests: see _maybe_inject_failure
     return parser
@@ -181,6 +185,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     log_folder = None if args.json_log is None else os.path.dirname(os.path.abspath(args.json_log))
     if log_folder is not None and not os.path.isdir(log_folder):
         parser.error(f"--json-log {args.json_log}: the folder {log_folder} does not exist; create it or log elsewhere")
+    if args.profile is not None and os.path.isfile(args.profile):
+        parser.error(f"--profile {args.profile} is a file, not a folder: pass a folder (created if missing)")
     args.resume_from = None
     if args.resume:
         try:
@@ -514,9 +520,11 @@ def train(args: argparse.Namespace, dist_env: _Distributed) -> list[dict]:
     progress = _Progress(start_step, args.steps, enabled=is_rank0)
     log_file = open(args.json_log, "a", encoding="utf-8") if (args.json_log and is_rank0) else None
     records = []
+    profiled_step = min(start_step + 1, args.steps - 1) if args.profile is not None else None
     try:
         for step in range(start_step, args.steps):
             _maybe_inject_failure(args, step, dist_env)
+            profiler = _start_profiler(dist_env.device) if step == profiled_step else None
             if dist_env.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dist_env.device)
             h2d_before, d2h_before = engine.stats.h2d_bytes, engine.stats.d2h_bytes
@@ -538,6 +546,8 @@ def train(args: argparse.Namespace, dist_env: _Distributed) -> list[dict]:
             dist.all_reduce(loss_sum)  # SUM: gloo has no AVG
             loss_value = loss_sum.item() / dist_env.world_size  # .item() also waits for the step
             elapsed = time.perf_counter() - started
+            if profiler is not None:
+                _write_profile(profiler, args.profile, dist_env.rank, step + 1)
             record = {
                 "step": step + 1,
                 "loss": loss_value,
@@ -568,6 +578,31 @@ def train(args: argparse.Namespace, dist_env: _Distributed) -> list[dict]:
         if log_file is not None:
             log_file.close()
     return records
+
+
+def _start_profiler(device: torch.device):
+    profiler = step_profiler(device)
+    profiler.__enter__()
+    return profiler
+
+
+def _write_profile(profiler, directory: str, rank: int, step: int) -> None:
+    """Stop ``profiler`` and write its chrome trace; rank 0 also draws the stream timeline."""
+    profiler.__exit__(None, None, None)
+    os.makedirs(directory, exist_ok=True)
+    trace = os.path.join(directory, f"trace_rank{rank}.json")
+    profiler.export_chrome_trace(trace)
+    if rank != 0:
+        return
+    message = f"profile of step {step}: {trace}"
+    try:
+        lanes = timeline_lanes(load_trace(trace))
+        png = os.path.join(directory, "timeline.png")
+        draw_timeline(lanes, png, title=f"step {step}")
+        message += f", {png} ({len(lanes)} lanes)"
+    except (ImportError, ValueError) as error:  # no matplotlib, or nothing to draw (a CPU run)
+        message += f" (no timeline: {error})"
+    print(message, flush=True)
 
 
 def _format_record(record: dict, total_steps: int) -> str:

@@ -1,0 +1,623 @@
+"""This library against its peers on one GPU: the same model, data and optimizer through six systems.
+
+The built-in ``anchor-1.6b`` (``torch_fsdp_offload.models.build_model``), seeded synthetic tokens,
+bf16 compute and AdamW (lr 1e-4, weight decay 0.01) through:
+
+- ``resident``: GPU-resident FSDP2 (``MixedPrecisionPolicy(bf16, fp32)``), fused AdamW on the GPU;
+- ``stock_cpu_offload``: FSDP2 with ``CPUOffloadPolicy(pin_memory=True)``, fused CPU AdamW;
+- ``deepspeed_zero2``: DeepSpeed ZeRO-2, ``offload_optimizer`` on the CPU (DeepSpeedCPUAdam);
+- ``deepspeed_zero3``: DeepSpeed ZeRO-3, ``offload_param`` and ``offload_optimizer`` on the CPU;
+- ``torchao_cpu_offload``: torchao's ``CPUOffloadOptimizer(offload_gradients=True)`` (fused CPU AdamW
+  inside) on a plain one-GPU model under ``torch.autocast(bf16)``;
+- ``torch_fsdp_offload``: this library's defaults, ``CoherentOffload()`` and
+  ``OffloadOptimizer(model, torch.optim.AdamW, lr, fused=True)`` (README's usage).
+
+Each system runs in a process of its own (this script with ``--one-row``), its model built once and
+trained at each batch size in turn, so that DeepSpeed's global state and process group never meet
+another system, and the process's RSS and pinned bytes are the system's own. Each row reports tokens/s and the median step time over ``--steps`` after
+``--warmup``, the peak allocated GPU memory over those steps, the host memory (pinned bytes as the
+system reports them: torch's pinned allocator and this library's pool; the process's RSS, now and
+at its peak) and the loss after all its steps. DeepSpeed and torchao are an optional extra
+(``pip install -e ".[peers]"``); a system whose package is missing is a row with an ``error``.
+
+``--capacity``: under GPU caps (``--caps``, GiB, ``torch.cuda.set_per_process_memory_fraction`` in
+each probe's process), for each system the largest model of anchor-1.6b's width (``n_blocks``
+blocks) that trains 3 steps, by doubling then bisection over ``n_blocks``. Sizes whose estimated
+host memory (``HOST_BYTES_PER_PARAM``) does not fit ``MemAvailable`` are not tried. It reports each
+system's tokens/s and measured host bytes per parameter at its largest size, and the uncapped
+resident tokens/s of that model where it fits the whole GPU (else it is marked not measurable).
+``--max-seconds`` stops rows and probes gracefully: what ran is written, what did not is marked.
+
+Usage (GPU machine; DeepSpeed builds its CPU Adam on first use, which needs g++ and ninja):
+    python benchmarks/peers.py --batch-sizes 4,16 --out benchmarks/results/peers.json
+    python benchmarks/peers.py --batch-sizes 4 --capacity --max-seconds 500 --out ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GiB = 1 << 30
+SYSTEMS = {
+    "resident": "GPU-resident FSDP2, fused AdamW on the GPU",
+    "stock_cpu_offload": "FSDP2 + CPUOffloadPolicy(pin_memory=True), fused CPU AdamW",
+    "deepspeed_zero2": "DeepSpeed ZeRO-2, offload_optimizer cpu (DeepSpeedCPUAdam)",
+    "deepspeed_zero3": "DeepSpeed ZeRO-3, offload_param + offload_optimizer cpu (DeepSpeedCPUAdam)",
+    "torchao_cpu_offload": "torchao CPUOffloadOptimizer(offload_gradients=True), fused CPU AdamW",
+    "torch_fsdp_offload": "CoherentOffload() + OffloadOptimizer(model, AdamW, lr, fused=True)",
+}
+# The optional package each peer needs (the benchmark's "peers" extra).
+REQUIRES = {"deepspeed_zero2": "deepspeed", "deepspeed_zero3": "deepspeed", "torchao_cpu_offload": "torchao"}
+# Host bytes per parameter each system keeps, estimated from what it stores there (fp32 master 4,
+# two AdamW moments 8, fp32 gradients 4, bf16 copies 2 each); the capacity search skips sizes whose
+# estimate does not fit. The measured figure of each probe is in its row (host_bytes_per_param).
+HOST_BYTES_PER_PARAM = {
+    "resident": 0.0,
+    "stock_cpu_offload": 16.0,
+    "deepspeed_zero2": 18.0,
+    "deepspeed_zero3": 20.0,
+    "torchao_cpu_offload": 16.0,
+    "torch_fsdp_offload": 18.0,
+}
+# GPU bytes per parameter each system needs at least, whatever the batch: resident keeps params,
+# grads and AdamW state (16), torchao the fp32 params (4), ZeRO-2 the bf16 params and gradients (4).
+GPU_BYTES_PER_PARAM = {"resident": 16.0, "torchao_cpu_offload": 4.0, "deepspeed_zero2": 4.0}
+HOST_MARGIN, HOST_OVERHEAD_BYTES = 1.1, 4 * GiB
+LR, WEIGHT_DECAY = 1e-4, 0.01
+CAPACITY_STEPS = 3
+
+
+def model_config(n_blocks: int, seq_len: int = 2048):
+    """anchor-1.6b's config with ``n_blocks`` blocks (its width, heads and MLP)."""
+    from torch_fsdp_offload.models import MODEL_CONFIGS
+
+    base = MODEL_CONFIGS["anchor-1.6b"]
+    return dataclasses.replace(base, n_layers=n_blocks, max_seq_len=max(base.max_seq_len, seq_len))
+
+
+def param_count(n_blocks: int) -> int:
+    """Parameters of the ``n_blocks`` model (built on ``meta``: nothing is allocated)."""
+    from torch_fsdp_offload.models import build_model
+
+    return build_model(model_config(n_blocks), device="meta").param_count()
+
+
+def missing_package(system: str) -> str | None:
+    """The error of a row whose optional package is not installed, else None."""
+    package = REQUIRES.get(system)
+    if package is None or importlib.util.find_spec(package) is not None:
+        return None
+    return f"{package} is not installed (pip install -e \".[peers]\")"
+
+
+def deepspeed_config(system: str, batch_size: int) -> dict:
+    """The ``deepspeed.initialize`` config of a DeepSpeed row: bf16, AdamW as the other rows run
+    it, ZeRO-2 with the optimizer on the CPU or ZeRO-3 with parameters and optimizer there."""
+    offload = {"device": "cpu", "pin_memory": True}
+    zero: dict = {"stage": 2, "offload_optimizer": offload, "overlap_comm": True, "contiguous_gradients": True}
+    if system == "deepspeed_zero3":
+        zero = {**zero, "stage": 3, "offload_param": offload}
+    elif system != "deepspeed_zero2":
+        raise ValueError(f"{system!r} is not a DeepSpeed row")
+    return {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "eps": 1e-8}},
+        "zero_optimization": zero,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``MemTotal``, ``MemAvailable``, ...); empty where unreadable."""
+    values = {}
+    try:
+        with open(path, encoding="ascii") as handle:
+            for line in handle:
+                name, _, rest = line.partition(":")
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    values[name] = int(fields[0]) * (1024 if fields[1:2] == ["kB"] else 1)
+    except OSError:
+        pass
+    return values
+
+
+def host_fits(system: str, params: int, available_bytes: int) -> bool:
+    """Whether ``params`` parameters of ``system`` fit the host's available memory (estimated)."""
+    return params * HOST_BYTES_PER_PARAM[system] * HOST_MARGIN + HOST_OVERHEAD_BYTES <= available_bytes
+
+
+def size_bound(system: str, available_bytes: int, gpu_cap_bytes: int, max_blocks: int = 256) -> int:
+    """The largest ``n_blocks`` the estimates allow (host memory, and the GPU bytes per parameter a
+    system needs whatever the batch); the search tries nothing above it."""
+    per_block = param_count(2) - param_count(1)
+    root = param_count(1) - per_block
+    bound = 0
+    for n in range(1, max_blocks + 1):
+        params = root + n * per_block
+        if not host_fits(system, params, available_bytes) or params * GPU_BYTES_PER_PARAM.get(system, 0.0) > gpu_cap_bytes:
+            break
+        bound = n
+    return bound
+
+
+def does_not_fit(error: str) -> bool:
+    """Whether a probe's error says the size does not fit (GPU or host memory, killed, too slow),
+    rather than that the system failed otherwise."""
+    return error.startswith(("OOM", "timeout")) or "killed" in error or "out of memory" in error.lower()
+
+
+def largest_fitting(probe, upper: int, known: int = 0, start: int | None = None) -> tuple[int, bool]:
+    """The largest ``n`` in ``1..upper`` for which ``probe(n)`` is True, by doubling then bisection.
+
+    ``probe(n)`` returns True (trains), False (does not) or None (out of time: the search stops).
+    ``known`` is a size known to fit (a smaller cap's answer), ``start`` the first size to try
+    (default ``2 * known``, or 1). Returns the largest size found to fit (``known`` or 0 if none)
+    and whether the search completed."""
+    best, fail = known, upper + 1
+    if best >= upper:
+        return best, True
+    n = min(max(start if start is not None else 2 * best, best + 1, 1), upper)
+    while True:
+        fits = probe(n)
+        if fits is None:
+            return best, False
+        if not fits:
+            fail = n
+            break
+        best = n
+        if n >= upper:
+            return best, True
+        n = min(2 * n, upper)
+    while fail - best > 1:
+        mid = (best + fail) // 2
+        fits = probe(mid)
+        if fits is None:
+            return best, False
+        best, fail = (mid, fail) if fits else (best, mid)
+    return best, True
+
+
+def versions() -> dict:
+    found = {}
+    for package in ("torch", "deepspeed", "torchao"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _pinned_bytes() -> int:
+    """Pinned host bytes this process holds as its systems report them: torch's pinned allocator
+    (stock offload, DeepSpeed, torchao) and this library's pool."""
+    import torch
+    from torch_fsdp_offload.memory import memory_stats
+
+    total = memory_stats()["locked_bytes"]
+    try:
+        total += int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    except (AttributeError, RuntimeError):
+        pass
+    return total
+
+
+def _build(system: str, config, batch_size: int, capped: bool):
+    """The system's model and one training step ``step(tokens) -> loss``."""
+    import torch
+    from torch_fsdp_offload.models import build_model, causal_lm_loss
+
+    if system in ("resident", "stock_cpu_offload", "torch_fsdp_offload"):
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+        from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, materialize_sharded, OffloadOptimizer
+
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+        policy = {"resident": None, "stock_cpu_offload": CPUOffloadPolicy(pin_memory=True),
+                  "torch_fsdp_offload": CoherentOffload()}[system]
+        # Under a cap the model cannot pass through the GPU whole: built on meta, each shard
+        # allocated where FSDP keeps it. Uncapped, as benchmarks/fsdp_offload.py builds it.
+        model = build_model(config, device="meta" if capped else "cuda")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard_with_policy(model, model.blocks, policy, mp_policy=mp)
+        if capped:
+            materialize_sharded(model, "cuda")
+            model.init_weights(seed=0)
+        if system == "torch_fsdp_offload":
+            optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=LR, fused=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+        def step(tokens):
+            loss = causal_lm_loss(model(tokens), tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        return model, step
+    if system.startswith("deepspeed"):
+        import deepspeed
+
+        model = build_model(config, device="cpu")
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=deepspeed_config(system, batch_size))
+
+        def step(tokens):
+            loss = causal_lm_loss(engine(tokens), tokens)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return engine, step
+    if system == "torchao_cpu_offload":
+        from torchao.optim import CPUOffloadOptimizer
+
+        model = build_model(config, device="cuda")
+        optimizer = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True,
+                                        lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+        def step(tokens):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(tokens)
+            loss = causal_lm_loss(logits, tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        return model, step
+    raise ValueError(f"unknown system {system!r}; choose from {sorted(SYSTEMS)}")
+
+
+def run_one_row(system: str, batch_sizes: list[int], seq_len: int, steps: int, warmup: int, n_blocks: int,
+                gpu_cap_GiB: float | None = None) -> list[dict]:
+    """The rows of one system, in this process (the ``--one-row`` child): build once, then train and
+    measure at each batch size in turn (peak GPU memory per batch size; the RSS peak is the
+    process's so far)."""
+    import torch
+
+    torch.cuda.set_device(0)
+    if gpu_cap_GiB is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_cap_GiB * GiB / total), 0)
+    rss_before = _status_bytes("VmRSS")
+    started = time.perf_counter()
+    config = model_config(n_blocks, seq_len)
+    model, step = _build(system, config, max(batch_sizes), capped=gpu_cap_GiB is not None)
+    params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    setup = {"params": params, "setup_s": round(time.perf_counter() - started, 2),
+             "peak_gpu_setup_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2)}
+    rows = []
+    for batch_size in batch_sizes:
+        row = {"system": system, "batch_size": batch_size, "seq_len": seq_len, "n_blocks": n_blocks,
+               "gpu_cap_GiB": gpu_cap_GiB, **setup}
+        try:
+            tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len), device="cuda",
+                                   generator=torch.Generator(device="cuda").manual_seed(0))
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times, losses = [], []
+            for index in range(warmup + steps):
+                t0 = time.perf_counter()
+                loss = step(tokens)
+                losses.append(loss.item())  # waits for the step's GPU work
+                torch.cuda.synchronize()
+                if index >= warmup:
+                    times.append(time.perf_counter() - t0)
+        except torch.OutOfMemoryError as error:
+            rows.append({**row, "error": f"OOM: {error}"[:300]})
+            break  # a larger batch would not fit either
+        step_s = statistics.median(times)
+        rss_peak = _status_bytes("VmHWM")
+        row.update(
+            step_s=round(step_s, 4),
+            tokens_per_s=round(batch_size * seq_len / step_s),
+            peak_gpu_GiB=round(torch.cuda.max_memory_allocated() / GiB, 2),
+            pinned_GiB=round(_pinned_bytes() / GiB, 2),
+            host_rss_GiB=round(_status_bytes("VmRSS") / GiB, 2),
+            host_rss_peak_GiB=round(rss_peak / GiB, 2),
+            host_bytes_per_param=round((rss_peak - rss_before) / params, 2),
+            loss_after_steps=losses[-1],
+            steps_taken=len(losses),
+        )
+        rows.append(row)
+    return rows
+
+
+def _child_main(args) -> int:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    try:
+        rows = run_one_row(args.one_row, batch_sizes, args.seq_len, args.steps, args.warmup, args.n_blocks, args.gpu_cap_GiB)
+    except Exception as error:  # noqa: BLE001 (the rows record what failed; the parent goes on)
+        traceback.print_exc()
+        memory = isinstance(error, MemoryError) or "OutOfMemory" in type(error).__name__ or "out of memory" in str(error)
+        kind = "OOM" if memory else type(error).__name__
+        rows = [{"system": args.one_row, "batch_size": batch_size, "n_blocks": args.n_blocks,
+                 "gpu_cap_GiB": args.gpu_cap_GiB, "error": f"{kind}: {error}"[:300]} for batch_size in batch_sizes]
+    with open(args.row_out, "w", encoding="utf-8") as handle:
+        json.dump(rows, handle)
+    return 0
+
+
+def describe_machine() -> dict:
+    """GPU, link (``measure_bandwidth``), host cores and RAM (the ``--describe`` child)."""
+    import torch
+    from torch_fsdp_offload.platform import measure_bandwidth
+
+    meminfo = read_meminfo()
+    machine = {"host_cores": len(os.sched_getaffinity(0)), "host_cpu_count": os.cpu_count(),
+               "host_ram_GiB": round(meminfo.get("MemTotal", 0) / GiB, 1),
+               "host_available_GiB": round(meminfo.get("MemAvailable", 0) / GiB, 1)}
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        machine.update(gpu=properties.name, gpu_memory_GiB=round(properties.total_memory / GiB, 1))
+        report = measure_bandwidth(0)
+        machine["link_GBps"] = {"h2d": round(report.h2d_gbps, 1), "d2h": round(report.d2h_gbps, 1),
+                                "both": round(report.bidirectional_gbps, 1)}
+    return machine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Runner:
+    """Runs rows in child processes of this script, within a deadline."""
+
+    def __init__(self, args, deadline: float):
+        self.args, self.deadline = args, deadline
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def child(self, flags: list[str], timeout: float) -> tuple[dict | None, str]:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "row.json")
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONUNBUFFERED="1")
+            command = [sys.executable, os.path.abspath(__file__), *flags, "--row-out", out]
+            try:
+                done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return None, f"timeout after {timeout:.0f} s"
+            if os.path.exists(out):
+                with open(out, encoding="utf-8") as handle:
+                    return json.load(handle), ""
+            lines = (done.stdout + done.stderr).strip().splitlines()
+            killed = " (killed: host memory?)" if done.returncode in (-9, 137) else ""
+            return None, f"exit {done.returncode}{killed}: {lines[-1] if lines else ''}"[:300]
+
+    def rows(self, system: str, batch_sizes: list[int], n_blocks: int = 8, gpu_cap_GiB: float | None = None,
+             steps: int | None = None, warmup: int | None = None) -> list[dict]:
+        """One system's rows at ``batch_sizes``, in one child process."""
+        base = [{"system": system, "batch_size": b, "n_blocks": n_blocks, "gpu_cap_GiB": gpu_cap_GiB} for b in batch_sizes]
+        missing = missing_package(system)
+        if missing is not None:
+            return [{**row, "error": missing} for row in base]
+        timeout = min(self.args.row_timeout, self.remaining())
+        if timeout < 20:
+            return [{**row, "error": "not run: --max-seconds reached"} for row in base]
+        flags = ["--one-row", system, "--batch-sizes", ",".join(map(str, batch_sizes)), "--seq-len", str(self.args.seq_len),
+                 "--steps", str(self.args.steps if steps is None else steps),
+                 "--warmup", str(self.args.warmup if warmup is None else warmup), "--n-blocks", str(n_blocks)]
+        if gpu_cap_GiB is not None:
+            flags += ["--gpu-cap-GiB", str(gpu_cap_GiB)]
+        rows, error = self.child(flags, timeout)
+        return rows if rows is not None else [{**row, "error": error} for row in base]
+
+    def row(self, system: str, batch_size: int, n_blocks: int = 8, gpu_cap_GiB: float | None = None,
+            steps: int | None = None, warmup: int | None = None) -> dict:
+        return self.rows(system, [batch_size], n_blocks, gpu_cap_GiB, steps, warmup)[0]
+
+
+def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: int, available: int,
+             measured: dict[str, dict], log=print) -> dict:
+    """The capacity search of every system under every cap (module docstring); ``measured`` holds
+    the 8-block rows at ``batch_size`` measured in this run, which seed each search's first size."""
+    results, probes = [], []
+    known = {system: 0 for system in systems}
+    for cap in caps:
+        for system in systems:
+            if missing_package(system) is not None:
+                results.append({"system": system, "gpu_cap_GiB": cap, "error": missing_package(system)})
+                continue
+            upper = size_bound(system, available, int(cap * GiB))
+            reference = measured.get(system, {})
+            start = None
+            if reference.get("peak_gpu_GiB") and known[system] == 0:
+                start = max(1, int(8 * cap / reference["peak_gpu_GiB"]))  # the peak taken as proportional to the blocks
+            rows: dict[int, dict] = {}
+
+            def probe(n: int) -> bool | None:
+                if runner.remaining() < 20:
+                    return None
+                row = runner.row(system, batch_size, n, cap, steps=CAPACITY_STEPS - 1, warmup=1)
+                if str(row.get("error", "")).startswith("not run"):
+                    return None
+                rows[n] = row
+                probes.append(row)
+                log(f"capacity {system} cap {cap} GiB n_blocks {n}: " + (row["error"][:80] if "error" in row else f"{row['tokens_per_s']} tok/s"))
+                if "error" in row and not does_not_fit(row["error"]):
+                    failed.append(row["error"])  # not a size the system cannot hold: stop its search
+                    return None
+                return "error" not in row
+
+            failed: list[str] = []
+            best, complete = largest_fitting(probe, upper, known[system], start)
+            known[system] = best
+            entry = {"system": system, "gpu_cap_GiB": cap, "batch_size": batch_size, "largest_n_blocks": best,
+                     "size_bound_n_blocks": upper, "search_complete": complete}
+            if failed:
+                entry["error"] = failed[0]
+            if best and best in rows:
+                at = rows[best]
+                entry.update(params=at["params"], tokens_per_s=at["tokens_per_s"], step_s=at["step_s"],
+                             peak_gpu_GiB=at["peak_gpu_GiB"], host_bytes_per_param=at["host_bytes_per_param"],
+                             pinned_GiB=at["pinned_GiB"])
+            elif best:
+                entry["note"] = "fits as the answer of a smaller cap; not probed again"
+            results.append(entry)
+    resident = {}
+    for n in sorted({entry.get("largest_n_blocks", 0) for entry in results} - {0}):
+        if param_count(n) * GPU_BYTES_PER_PARAM["resident"] > runner.args.gpu_memory_GiB * GiB:
+            resident[n] = {"error": "not measurable: its parameters, gradients and AdamW state exceed the GPU"}
+            continue
+        row = runner.row("resident", batch_size, n, None, steps=CAPACITY_STEPS - 1, warmup=1)
+        resident[n] = ({"tokens_per_s": row["tokens_per_s"], "peak_gpu_GiB": row["peak_gpu_GiB"]} if "error" not in row
+                       else {"error": ("not measurable: " + row["error"]) if row["error"].startswith("OOM") else row["error"]})
+    for entry in results:
+        if entry.get("largest_n_blocks"):
+            found = resident[entry["largest_n_blocks"]]
+            entry["resident_uncapped_tokens_per_s"] = found.get("tokens_per_s", found.get("error"))
+    return {"results": results, "probes": probes, "resident_uncapped": {str(n): r for n, r in resident.items()}}
+
+
+def estimate_seconds(systems: list[str], batch_sizes: list[int], caps: list[float], available: int,
+                     row_s: float = 45.0, probe_s: float = 35.0) -> tuple[float, int]:
+    """Worst-case seconds of a run (rows at ``row_s`` each; capacity probes at ``probe_s``, doubling
+    and bisection up to each size bound) and the number of capacity probes."""
+    probes = 0
+    for cap in caps:
+        for system in systems:
+            upper = size_bound(system, available, int(cap * GiB))
+            probes += 2 * max(1, upper.bit_length())
+    return len(systems) * len(batch_sizes) * row_s + probes * probe_s, probes
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'system':22s} {'bs':>3s} {'tokens/s':>9s} {'step s':>7s} {'peak GiB':>8s} {'pinned GiB':>10s} "
+          f"{'RSS GiB':>7s} {'RSS peak':>8s} {'loss':>7s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['system']:22s} {r['batch_size']:>3d} error: {r['error'][:100]}")
+            continue
+        print(f"{r['system']:22s} {r['batch_size']:>3d} {r['tokens_per_s']:9d} {r['step_s']:7.3f} {r['peak_gpu_GiB']:8.1f} "
+              f"{r['pinned_GiB']:10.1f} {r['host_rss_GiB']:7.1f} {r['host_rss_peak_GiB']:8.1f} {r['loss_after_steps']:7.4f}")
+
+
+def print_capacity(found: dict) -> None:
+    print(f"{'system':22s} {'cap GiB':>7s} {'blocks':>6s} {'params B':>8s} {'tokens/s':>9s} {'host B/param':>12s} "
+          f"{'resident uncapped tok/s':>24s} complete")
+    for e in found["results"]:
+        if "error" in e:
+            print(f"{e['system']:22s} {e['gpu_cap_GiB']:7.0f} error: {e['error'][:90]}")
+            continue
+        params = f"{e['params'] / 1e9:8.2f}" if "params" in e else f"{'-':>8s}"
+        print(f"{e['system']:22s} {e['gpu_cap_GiB']:7.0f} {e['largest_n_blocks']:6d} {params} {e.get('tokens_per_s', '-'):>9} "
+              f"{e.get('host_bytes_per_param', '-'):>12} {str(e.get('resident_uncapped_tokens_per_s', '-'))[:24]:>24s} "
+              f"{e['search_complete']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--batch-sizes", default="4,16", help="rows at these batch sizes ('none': no rows)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/peers.json")
+    parser.add_argument("--capacity", action="store_true", help="after the rows, the capacity search under --caps")
+    parser.add_argument("--caps", default="16,24,40", help="GPU caps of the capacity search, GiB")
+    parser.add_argument("--capacity-batch-size", type=int, default=4)
+    parser.add_argument("--seed-from", default=None, metavar="FILE",
+                        help="a peers.json whose 8-block rows seed the capacity search's first sizes (else this run's rows)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop starting rows and probes after this long")
+    parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one row's process may take")
+    parser.add_argument("--one-row", choices=sorted(SYSTEMS), help=argparse.SUPPRESS)  # a row's child process
+    parser.add_argument("--describe", action="store_true", help=argparse.SUPPRESS)  # the machine's child process
+    parser.add_argument("--n-blocks", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--gpu-cap-GiB", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one_row:
+        return _child_main(args)
+    if args.describe:
+        with open(args.row_out, "w", encoding="utf-8") as handle:
+            json.dump(describe_machine(), handle)
+        return 0
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    batch_sizes = [] if args.batch_sizes == "none" else [int(b) for b in args.batch_sizes.split(",")]
+    caps = sorted(float(c) for c in args.caps.split(",")) if args.capacity else []  # each cap's answer seeds the next
+    started = time.monotonic()
+    runner = Runner(args, started + (args.max_seconds if args.max_seconds is not None else float("inf")))
+    machine, error = runner.child(["--describe"], timeout=300)
+    if machine is None or "gpu" not in machine:
+        print(f"benchmarks/peers.py needs a GPU ({error or 'none visible'})", file=sys.stderr)
+        return 2
+    args.gpu_memory_GiB = machine["gpu_memory_GiB"]
+    available = read_meminfo().get("MemAvailable", 0)
+    estimate, probes = estimate_seconds(systems, batch_sizes, caps, available)
+    limit = f"; --max-seconds {args.max_seconds:.0f} stops it" if args.max_seconds is not None else ""
+    print(f"machine: {json.dumps(machine)}\nversions: {json.dumps(versions())}")
+    print(f"estimated worst case: {estimate:.0f} s ({len(systems) * len(batch_sizes)} rows, {probes} capacity probes){limit}", flush=True)
+    rows: list[dict] = []
+    result = {"benchmark": "peers", "model": "anchor-1.6b", "seq_len": args.seq_len, "steps": args.steps,
+              "warmup": args.warmup, "systems": {s: SYSTEMS[s] for s in systems}, "machine": machine,
+              "versions": versions(), "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def write() -> None:
+        result["elapsed_s"] = round(time.monotonic() - started, 1)
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=1)
+
+    for system in systems if batch_sizes else ():
+        for row in runner.rows(system, batch_sizes):
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        write()
+    rows.sort(key=lambda row: row["batch_size"])  # stable: the systems in order within a batch size
+    print_table(rows)
+    if caps:
+        seeds = rows
+        if args.seed_from:
+            with open(args.seed_from, encoding="utf-8") as handle:
+                seeds = json.load(handle)["rows"] + rows
+        measured = {r["system"]: r for r in seeds if r["batch_size"] == args.capacity_batch_size and "error" not in r
+                    and r.get("n_blocks", 8) == 8}
+        result["capacity"] = capacity(runner, systems, caps, args.capacity_batch_size, available, measured,
+                                      log=lambda line: print(line, flush=True))
+        write()
+        print_capacity(result["capacity"])
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (NCCL and DeepSpeed threads can abort it once everything is written).
+    os._exit(exit_code)
