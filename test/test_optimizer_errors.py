@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -21,6 +22,7 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 from common_offload import GlooMultiProcessTestCase, SingleRankGlooTestCase
 from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload._integration import dtensor_grads
 from torch_fsdp_offload.optimizer import groups
 
 NOTHING_OFFLOADED = "none of its parameters was sharded with CoherentOffload"
@@ -164,6 +166,28 @@ class PlainOptimizerOnOffloadedModelTest(SingleRankGlooTestCase):
         messages = [str(w.message) for w in caught if "CoherentOffload keeps in host memory" in str(w.message)]
         self.assertEqual(len(messages), 1)
         self.assertIn("OffloadOptimizer(model, AdamW, ...)", messages[0])
+
+
+class SubclassDispatchTest(SingleRankGlooTestCase):
+    def test_a_torch_that_skips_subclass_dispatch_is_named_and_steps_nothing_early(self):
+        # Releases whose native DTensor dispatch skips a subclass's __torch_dispatch__ cannot see
+        # writes to gradients or reads of parameters being stepped: OffloadOptimizer says so once,
+        # with what to do, and steps nothing before step() even when asked to.
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (1,))
+        model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), mesh, MixedPrecisionPolicy())
+        param = next(p for p in model.parameters())
+        self.assertTrue(dtensor_grads.subclass_dispatch_works(param))  # this torch runs it
+        with mock.patch.object(dtensor_grads, "_dispatch_works", False):
+            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, step_during_backward=True)
+            with self.assertWarnsRegex(UserWarning, r"skips their __torch_dispatch__.*optim.synchronize\(\)"):
+                for step in range(3):
+                    _loss(model, _batch(step, 0)).backward()
+                    self.assertEqual(optim._pending, {})
+                    optim.step()
+                    optim.zero_grad()
+        self.assertFalse(optim.step_during_backward)
+        optim.synchronize()
 
 
 class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):

@@ -33,6 +33,7 @@ __all__ = [
     "compute_norms",
     "expect_norms",
     "NORM_READS",
+    "subclass_dispatch_works",
     "unwatch_grad",
     "unwatched_writes",
     "watch_grad",
@@ -170,6 +171,39 @@ def expect_norms(grads: Iterable[torch.Tensor | None]) -> None:
         for grad in grads:
             if type(grad) is _WatchedGrad:
                 _norms[grad] = _LandedNorm()
+
+
+class _DispatchProbe(DTensor):
+    """Records that its ``__torch_dispatch__`` ran."""
+
+    __slots__ = ()
+    seen = False
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        _DispatchProbe.seen = True
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_dispatch_works: bool | None = None
+
+
+def subclass_dispatch_works(like: DTensor) -> bool:
+    """Whether this torch runs a DTensor subclass's ``__torch_dispatch__`` (checked once, on a tiny
+    DTensor on ``like``'s mesh). Some releases route every DTensor, subclasses included, through a
+    native fast path that skips it; then no op on a watched gradient or a guarded parameter is
+    seen (their ``to_local``, ``full_tensor`` and ``redistribute`` still are)."""
+    global _dispatch_works
+    if _dispatch_works is None:
+        mesh = like.device_mesh
+        probe = DTensor.from_local(
+            torch.zeros(1, device=like._local_tensor.device), mesh, [Replicate()] * mesh.ndim, run_check=False
+        )
+        probe.__class__ = _DispatchProbe
+        _DispatchProbe.seen = False
+        probe.add_(0)
+        _dispatch_works = _DispatchProbe.seen
+    return _dispatch_works
 
 
 def compute_norms(grads: Iterable[torch.Tensor | None]) -> None:

@@ -27,7 +27,13 @@ import torch.nn as nn
 
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload._integration.dtensor_grads import apply_scales, compute_norms, expect_norms, NORM_READS
+from torch_fsdp_offload._integration.dtensor_grads import (
+    apply_scales,
+    compute_norms,
+    expect_norms,
+    NORM_READS,
+    subclass_dispatch_works,
+)
 from torch_fsdp_offload._integration.pending_updates import in_step, PendingUpdate
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr
@@ -45,6 +51,17 @@ from torch_fsdp_offload.optimizer.step_worker import StepWorker
 from torch_fsdp_offload.optimizer.streamed_steps import StreamedSteps
 
 __all__ = ["OffloadOptimizer"]
+
+DISPATCH_SKIPPED = (
+    "OffloadOptimizer: torch {version} runs DTensor subclasses through its native DTensor dispatch "
+    "and skips their __torch_dispatch__, which OffloadOptimizer uses to see writes to the gradients "
+    "and reads of parameters still being stepped. On this torch: step_during_backward=True is "
+    "ignored (no group steps before step()); clip_grad_norm_ stays exact but computes its norms "
+    "itself; and an op that reads a parameter or its state between step() and the next forward "
+    "(other than state_dict, to_local, full_tensor or redistribute) may see it before its step: call "
+    "optim.synchronize() first, or pass overlap_next_forward=False. torch 2.12 and later run the "
+    "subclass's dispatch."
+)
 
 # Optimizers whose steps may outlive step(): the interpreter waits for them before it exits, as a
 # step killed half-way inside a kernel or a copy aborts the process.
@@ -320,6 +337,10 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             self._inner[owner] = (inner, pairs)
             if owner is not None:
                 attach_optimizer(owner, self)
+        dtensors = [p for group in self.param_groups for p in group["params"] if isinstance(p, DTensor)]
+        if dtensors and not subclass_dispatch_works(dtensors[0]):
+            warnings.warn(DISPATCH_SKIPPED.format(version=torch.__version__), stacklevel=3)
+            self.step_during_backward = False
         offloaded = sorted((o for o in self._inner if o is not None), key=lambda o: o.forward_index())
         if offloaded:
             # Stream the groups that run first in forward: their gradients land last, so a host
