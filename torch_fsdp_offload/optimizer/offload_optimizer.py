@@ -59,8 +59,8 @@ DISPATCH_SKIPPED = (
     "ignored (no group steps before step()); clip_grad_norm_ stays exact but computes its norms "
     "itself; and an op that reads a parameter or its state between step() and the next forward "
     "(other than state_dict, to_local, full_tensor or redistribute) may see it before its step: call "
-    "optim.synchronize() first, or pass overlap_next_forward=False. torch 2.12 and later run the "
-    "subclass's dispatch."
+    "optim.synchronize() first, or pass overlap_next_forward=False. Releases with the fix of pytorch "
+    "issue 177716 run the subclass's dispatch."
 )
 
 # Optimizers whose steps may outlive step(): the interpreter waits for them before it exits, as a
