@@ -18,15 +18,16 @@ any other op reads the gradient.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.utils.weak import WeakIdKeyDictionary
+
+from torch_fsdp_offload._integration.pending_updates import in_step
 
 __all__ = [
     "apply_scales",
@@ -35,12 +36,9 @@ __all__ = [
     "NORM_READS",
     "subclass_dispatch_works",
     "unwatch_grad",
-    "unwatched_writes",
     "watch_grad",
 ]
 
-# Set while this thread runs ops whose writes to watched gradients are no change of them.
-_unwatched = threading.local()
 # Watched gradient -> its _LandedNorm.
 _norms: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Gradient -> the scalars it is still to be multiplied by, in order.
@@ -64,13 +62,14 @@ class _WatchedGrad(DTensor):
         # clip_grad_norm_ runs the foreach ops on DTensors, and the per-tensor ones on this
         # subclass (torch's foreach support lists DTensor by type).
         if func is _aten._foreach_norm.Scalar or func is _aten.linalg_vector_norm.default:
-            whole = func is _aten._foreach_norm.Scalar or _whole_two_norm(*args, **kwargs)
-            norms = _landed_norms(*args, **kwargs) if func is _aten._foreach_norm.Scalar else (
-                _landed_norms([args[0]]) if whole else None
-            )
+            single = func is _aten.linalg_vector_norm.default
+            if single:
+                norms = _landed_norms([args[0]]) if _whole_two_norm(*args, **kwargs) else None
+            else:
+                norms = _landed_norms(*args, **kwargs)
             NORM_READS["served" if norms is not None else "computed"] += 1
             if norms is not None:
-                return norms if func is _aten._foreach_norm.Scalar else norms[0]
+                return norms[0] if single else norms
         elif func is _aten._foreach_mul_.Tensor and _defer_scale(*args, **kwargs):
             return None
         elif func is _aten.mul_.Tensor and not kwargs and _defer_scale([args[0]], args[1]):
@@ -85,7 +84,8 @@ class _WatchedGrad(DTensor):
                         entry.ready.wait()
                     apply_scales(tensor)
         result = super().__torch_dispatch__(func, types, args, kwargs)
-        if func._schema.is_mutable and not getattr(_unwatched, "active", False):
+        # An optimizer step's fused kernel declares the gradients it reads as written: no change.
+        if func._schema.is_mutable and not in_step():
             for position, argument in enumerate(func._schema.arguments):
                 if argument.is_write:
                     value = args[position] if position < len(args) else kwargs.get(argument.name)
@@ -248,14 +248,3 @@ def unwatch_grad(grad: torch.Tensor | None) -> None:
         grad.__class__ = DTensor
         with _lock:
             _norms.pop(grad, None)
-
-
-@contextlib.contextmanager
-def unwatched_writes() -> Iterator[None]:
-    """Ops this thread runs inside do not count as changes of watched gradients (fused optimizer
-    kernels declare the gradients they read as written)."""
-    _unwatched.active = True
-    try:
-        yield
-    finally:
-        _unwatched.active = False

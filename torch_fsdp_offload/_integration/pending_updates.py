@@ -121,7 +121,8 @@ class PendingUpdate:
 
 @contextlib.contextmanager
 def stepping() -> Iterator[None]:
-    """The optimizer step this thread runs inside reads and writes the tensors it changes itself."""
+    """The optimizer step this thread runs inside reads and writes the tensors it changes itself:
+    its reads of them do not wait, and its writes to watched gradients are no change of them."""
     previous = in_step()
     _stepping.active = True
     try:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload._integration.dtensor_grads import apply_scales, unwatched_writes
+from torch_fsdp_offload._integration.dtensor_grads import apply_scales
 from torch_fsdp_offload._integration.pending_updates import stepping
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.optimizer.groups import mark_internal, OffloadedGroup
@@ -68,7 +68,7 @@ class HostSteps:
         params = [param for group in inner.param_groups for param in group["params"]]
         stepped = [param for param in params if param.grad is not None]
         if not any(isinstance(param, DTensor) for param in params) or not all(self.state.get(p) for p in stepped):
-            with unwatched_writes():
+            with stepping():
                 inner.step()
             return
         twin, aliases = self._plain_twin(owner, inner, params)

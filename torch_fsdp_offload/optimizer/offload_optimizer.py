@@ -395,8 +395,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             self._refuse_step(CHANGED_AFTER_STEP)
         if self.max_grad_norm is not None or self.skip_nonfinite:
             total_norm = self._total_grad_norm()
-            total = total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
-            if self.skip_nonfinite and not torch.isfinite(total).all():
+            if self.skip_nonfinite and not _finite(total_norm):
                 self.skipped_steps += 1
                 for group in self.param_groups:
                     for param in group["params"]:
@@ -408,7 +407,11 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
                 torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total_norm)
         todo = [owner for owner in self._inner if owner is not None and owner not in stepped]
         # Taken before any step is submitted: a first step adds the state it creates meanwhile.
-        changed = {owner: self._changed_by_step(owner) for owner in self._inner if owner is not None}
+        guarded = (
+            {owner: self._changed_by_step(owner) for owner in self._inner if owner is not None}
+            if self.overlap_next_forward
+            else {}
+        )
         host_todo = [owner for owner in todo if owner not in self._streamed]
         streamed_todo = [owner for owner in todo if owner in self._streamed]
         host_futures = dict(self._pending)
@@ -442,7 +445,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             # Each group's next copy-in waits for its own step, and so does every read of its
             # parameters, their state and gradients; nothing else waits here.
             for owner, future in host_futures.items():
-                owner.update_pending = PendingUpdate(future, changed[owner])
+                owner.update_pending = PendingUpdate(future, guarded[owner])
             self._finishing = {owner: owner.update_pending for owner in host_futures}
         else:
             for future in host_futures.values():
@@ -550,6 +553,11 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_finish_lock", "_finishing", "_device_inner", "_flat_state", "_streamed", "_device_scalars", "_plain_twins", "_norm_tasks"):
             state.pop(transient, None)
         return state
+
+
+def _finite(norm: torch.Tensor) -> bool:
+    """Whether a global norm (a DTensor partial norm, or a tensor) is finite on every rank."""
+    return bool(torch.isfinite(norm.full_tensor() if isinstance(norm, DTensor) else norm).all())
 
 
 def _zero_grads(params: Iterable[nn.Parameter], set_to_none: bool) -> None:
