@@ -77,7 +77,7 @@ from rounds import median_of_rounds, round_order  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss  # noqa: E402
-from torch_fsdp_offload.planner.host_step_probe import measure_host_step  # noqa: E402
+from torch_fsdp_offload.host_step import measure_host_step  # noqa: E402
 from torch_fsdp_offload.planner.traffic import shared_dram_host_seconds  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
 from torch_fsdp_offload.transfer import get_transfer_engine  # noqa: E402
@@ -119,7 +119,7 @@ _ROUND_TIME_KEYS = ("step_s", "fwd_s", "bwd_s", "opt_s", "host_optimizer_s", "ho
 #                              sooner, so less of the step waits on one group's gradients or the
 #                              next forward on one group's step
 _ROW_ITEM = re.compile(
-    r"(host|stream|next-fwd|ac|default|early|clip|user-clip)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units)=([0-9]+)|cast=(host|device)"
+    r"(host|stream|next-fwd|ac|default|early|clip|user-clip)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units|accum)=([0-9]+)|cast=(host|device)"
 )
 
 
@@ -135,8 +135,8 @@ def coherent_row_config(name: str) -> dict:
         raise ValueError(f"{name!r} is not a CoherentOffload row: name it coherent(item;...)")
     items = match.group(1).split(";")
     if "default" in items:
-        if not set(items) <= {"default", "clip", "user-clip"}:
-            raise ValueError(f"row {name!r}: default takes only clip or user-clip beside it")
+        if not all(item in ("default", "clip", "user-clip") or re.fullmatch(r"accum=\d+", item) for item in items):
+            raise ValueError(f"row {name!r}: default takes only clip, user-clip or accum=N beside it")
         return {}
     knobs: dict = {"prefetch_depth": 2}
     for item in items:
@@ -144,7 +144,7 @@ def coherent_row_config(name: str) -> dict:
         if parsed is None:
             raise ValueError(f"unknown item {item!r} in row {name!r}: use host, stream, split=F, depth=N, "
                              "modules=F, last=F, keep=N, act=F, ac, next-fwd, early, clip, user-clip, threads=N, "
-                             "chunk=N, units=2 or cast=device (or default, alone or with clip / user-clip)")
+                             "chunk=N, units=2, accum=N or cast=device (or default, alone or with clip / user-clip / accum=N)")
         flag, fraction_key, fraction, count_key, count, cast_on = parsed.groups()
         if cast_on is not None:
             knobs["cast_on"] = cast_on
@@ -209,13 +209,22 @@ def baseline(name: str) -> str:
 
 def known_row(name: str) -> bool:
     """Whether ``run_row`` can run a row of this name."""
-    if baseline(name) in ("resident", "stock_cpu_offload+fused_cpu_adamw") and set(row_items(name)) <= {"ac", "user-clip"}:
+    if baseline(name) in ("resident", "stock_cpu_offload+fused_cpu_adamw") and all(
+        item in ("ac", "user-clip") or re.fullmatch(r"accum=\d+", item) for item in row_items(name)
+    ):
         return True
     try:
         coherent_row_config(name)
     except ValueError:
         return False
     return True
+
+
+def accumulated_micro_batches(name: str) -> int:
+    """Rows named ``accum=N`` accumulate N micro-batches a step: the first N - 1 backward passes
+    under ``set_requires_gradient_sync(False)``, the last one reducing (1 when not named)."""
+    match = re.search(r"accum=(\d+)", name)
+    return int(match.group(1)) if match else 1
 
 
 def checkpointed(name: str) -> bool:
@@ -389,6 +398,7 @@ def run_row(
     phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
     h2d = d2h = 0
     profiler = None
+    micro_batches = accumulated_micro_batches(name)
     for step in range(warmup + steps):
         if step == warmup:
             engine.stats.reset()
@@ -402,8 +412,14 @@ def run_row(
         end_event = torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start_event.record()
-        with _phase_peak(phase_peaks, "forward", step >= warmup):
-            loss = causal_lm_loss(model(tokens), tokens)
+        # Accumulating rows: the micro-batches before the last one are timed with the forward.
+        for micro in range(micro_batches):
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            with _phase_peak(phase_peaks, "forward", step >= warmup):
+                loss = causal_lm_loss(model(tokens), tokens) / micro_batches
+            if micro < micro_batches - 1:
+                with _phase_peak(phase_peaks, "backward", step >= warmup):
+                    loss.backward()
         fwd_event.record()
         with _phase_peak(phase_peaks, "backward", step >= warmup):
             loss.backward()
@@ -467,7 +483,8 @@ def run_row(
         "peak_GiB_by_phase": {phase: round(peak / GiB, 2) for phase, peak in phase_peaks.items()},
         "h2d_GB": round(h2d / 1e9, 3),
         "d2h_GB": round(d2h / 1e9, 3),
-        "tokens_per_s": round(batch_size * seq_len / statistics.median(step_s)),
+        "tokens_per_s": round(micro_batches * batch_size * seq_len / statistics.median(step_s)),
+        "micro_batches": micro_batches,
         "loss_last": losses[-1],
         "n_blocks": len(model.blocks),
         "offloaded_params": sum(
@@ -567,8 +584,11 @@ def lower_bound(
     term is the measured host work per parameter times the parameters this row steps on the
     host, not the row's own host time. ``shared_dram``: LBs, the host work slowed by the row's
     link traffic. ``chain``: LBd, the host term of ``next-fwd`` rows plus the GPU work no host
-    step can run beside (:func:`dependency_chain_s`)."""
-    t_gpu = resident["fwd_s"] + resident["bwd_s"]
+    step can run beside (:func:`dependency_chain_s`). Accumulating rows do ``micro_batches`` times
+    the GPU work, and no host step starts before the last micro-batch's backward."""
+    # The GPU work before the last micro-batch: no group's gradients are final during it.
+    accumulating = (row.get("micro_batches", 1) - 1) * (resident["fwd_s"] + resident["bwd_s"])
+    t_gpu = resident["fwd_s"] + resident["bwd_s"] + accumulating
     terms = [
         t_gpu,
         row["h2d_GB"] / bandwidth["h2d_GBps"],
@@ -585,13 +605,13 @@ def lower_bound(
         next_forward, early = kwargs.get("overlap_next_forward", True), kwargs.get("step_during_backward", False)
         if early and next_forward:
             # Host steps may run under the next forward as well as backward, but for the chain.
-            terms.append(t_host + (dependency_chain_s(row, resident) if chain else 0.0))
+            terms.append(t_host + accumulating + (dependency_chain_s(row, resident) if chain else 0.0))
         elif early:
             n = _groups(row)
             terms.append(t_gpu + t_host - resident["bwd_s"] * (n - 1) / n)
         elif next_forward:
             # Nothing steps before step(): host steps start after backward, under the next forward.
-            terms.append(resident["bwd_s"] + t_host)
+            terms.append(resident["bwd_s"] + t_host + accumulating)
         else:
             terms.append(t_gpu + t_host)
     return max(terms)

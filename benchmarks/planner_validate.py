@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from torch_fsdp_offload.planner import get_profile, predict_per_gpu, predict_step, TrainingConfig  # noqa: E402
-from torch_fsdp_offload.planner.host_step_probe import host_GBps_from_link_busy, HostStepRates  # noqa: E402
+from torch_fsdp_offload.host_step import host_GBps_from_link_busy, HostStepRates  # noqa: E402
 from torch_fsdp_offload.planner.memory_breakdown import model_breakdown  # noqa: E402
 from torch_fsdp_offload.planner.training_profile import training_profile  # noqa: E402
 from torch_fsdp_offload.planner.search import choose  # noqa: E402
@@ -644,7 +644,7 @@ def main(argv=None) -> int:
         parser.error("--measure-host measures the host step; --host-GBps fixes a bandwidth instead: pick one")
     args.host_rates = None
     if args.measure_host:
-        from torch_fsdp_offload.planner.host_step_probe import measure_host_step
+        from torch_fsdp_offload.host_step import measure_host_step
 
         args.host_rates = measure_host_step()
         print(f"host optimizer step measured here: {args.host_rates}")

@@ -22,16 +22,6 @@ from torch.testing._internal.common_utils import FILE_SCHEMA, TestCase
 from torch_fsdp_offload.cpu_copy_stream import misuses_detected
 
 
-def skip_unless_subclass_dispatch(test: TestCase, like) -> None:
-    """Skip ``test`` on a torch whose native DTensor dispatch skips a DTensor subclass's
-    ``__torch_dispatch__`` (``like``: a DTensor on the test's mesh): what it tests needs it, and
-    OffloadOptimizer turns it off there with a warning (SubclassDispatchTest)."""
-    from torch_fsdp_offload._integration.dtensor_grads import subclass_dispatch_works
-
-    if not subclass_dispatch_works(like):
-        test.skipTest(f"torch {torch.__version__} skips DTensor subclass dispatch")
-
-
 class SingleRankGlooTestCase(TestCase):
     """A one-rank gloo process group in this process, around each test."""
 

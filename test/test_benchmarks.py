@@ -329,7 +329,7 @@ class TestFsdpOffloadBenchmark(TestCase):
         # The benchmark's host rates are measure_host_step's (one timing of the host step in the
         # library), at the thread count that ran fastest alone, then with the link busy at that
         # count, in the per-Gparam layout its files and --rederive read.
-        from torch_fsdp_offload.planner.host_step_probe import HostStepRates
+        from torch_fsdp_offload.host_step import HostStepRates
 
         calls = []
 
@@ -370,6 +370,11 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertFalse(fsdp_offload.user_clips("coherent(default;clip)"))
         self.assertTrue(fsdp_offload.known_row("stock_cpu_offload+fused_cpu_adamw;user-clip"))
         self.assertFalse(fsdp_offload.known_row("coherent(default;host)"))
+        # accum=N: N micro-batches a step, on any row.
+        self.assertEqual(fsdp_offload.coherent_row_config("coherent(default;accum=4)"), {})
+        self.assertEqual(fsdp_offload.accumulated_micro_batches("resident;accum=4"), 4)
+        self.assertEqual(fsdp_offload.accumulated_micro_batches("coherent(default)"), 1)
+        self.assertTrue(fsdp_offload.known_row("resident;accum=4"))
         for name in fsdp_offload.DEFAULT_ROWS:
             self.assertTrue(fsdp_offload.known_row(name), name)
         self.assertEqual(
@@ -529,6 +534,10 @@ class TestFsdpOffloadBenchmark(TestCase):
                          (rows[1]["step_over_lb"], rows[1]["step_over_lb_shared_dram"]))
         self.assertNotIn("speedup_vs_stock", rows[2])  # another batch size
         self.assertNotIn("step_over_lb", rows[3])
+        # Accumulating 4 micro-batches: 4x the GPU work, and the host step (0.2 s/Gparam x 1.5
+        # Gparam, cast 0.1 s/Gparam) starts after the last backward, behind 3 micro-batches.
+        accumulating = {**row("coherent(default;accum=4)", 1.0, 9.0), "micro_batches": 4, "host_stepped_params": 1.5e9, "params_M": 1500.0}
+        self.assertAlmostEqual(fsdp_offload.lower_bound(accumulating, rows[1], bandwidth, host), 0.1 + 0.45 + 3 * 0.15)
 
 
 class TestMultiGpuBenchmark(TestCase):

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests, TestCase
 
-from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase, skip_unless_subclass_dispatch
+from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload.optimizer import step_worker, streamed_steps
 from torch_fsdp_offload._integration.fsdp2_param_group import GroupOffload
@@ -629,7 +629,6 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         torch.manual_seed(0)
         model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), self._mesh(), MixedPrecisionPolicy())
         optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, step_during_backward=True)
-        skip_unless_subclass_dispatch(self, next(model.parameters()))
         for step in range(2):  # the first step learns that overlap is safe
             _loss(model, _batch(step, self.rank)).backward()
             optim.step()

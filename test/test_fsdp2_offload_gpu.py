@@ -71,6 +71,7 @@ class CoherentOffloadGPUTest(TestCase):
         last_blocks=None,
         keep_unsharded_last=0,
         layer_groups=False,
+        max_grad_norm=None,
     ):
         # The reference steps with the same fused CPU AdamW kernel (stock CPUOffloadPolicy): a
         # GPU-resident reference differs only by the optimizer kernel's rounding.
@@ -97,7 +98,9 @@ class CoherentOffloadGPUTest(TestCase):
             reference,
             torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True),
             model,
-            OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, overlap_next_forward=overlap_next_forward),
+            OffloadOptimizer(
+                model, torch.optim.AdamW, lr=1e-3, fused=True, overlap_next_forward=overlap_next_forward, max_grad_norm=max_grad_norm
+            ),
         )
 
     @staticmethod
@@ -128,6 +131,31 @@ class CoherentOffloadGPUTest(TestCase):
             optim.synchronize()
             self._assert_params_close(model, reference)
             self.assertIs(optim._overlap.state, OverlapState.ON)
+
+    def test_clipping_both_ways_matches_stock_offload(self):
+        # A clip tight enough to scale every step, by max_grad_norm= and by the user's own
+        # clip_grad_norm_ between backward and step(): stock offload's clipped training within
+        # 1e-6, every norm served from the norms computed as the gradients landed.
+        for user_clip in (True, False):
+            reference, reference_optim, model, optim = self._pair(2, overlap_next_forward=True, max_grad_norm=None if user_clip else 0.05)
+            before = optim.norm_reads
+            for step in range(10):
+                tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+                losses = []
+                for net, net_optim in ((reference, reference_optim), (model, optim)):
+                    loss = causal_lm_loss(net(tokens), tokens)
+                    loss.backward()
+                    if net is reference or user_clip:
+                        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+                    net_optim.step()
+                    net_optim.zero_grad()
+                    losses.append(loss.detach())
+                self.assertEqual(losses[1], losses[0], atol=0, rtol=1e-6)
+            optim.synchronize()
+            self._assert_params_close(model, reference)
+            reads = {key: count - before[key] for key, count in optim.norm_reads.items()}
+            self.assertGreater(reads["served"], 0, msg=f"user_clip={user_clip}")
+            self.assertEqual(reads["computed"], 0, msg=f"user_clip={user_clip}")
 
     def test_parity_with_activation_checkpointing(self):
         # Checkpointed blocks recompute their forward inside backward, after our copy-in for

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests
 
 import test_fsdp2_offload as parity
-from common_offload import GlooMultiProcessTestCase, skip_unless_subclass_dispatch
+from common_offload import GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload._integration import dtensor_grads
 
@@ -131,7 +131,6 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
         # thread as their gradients landed, and leaves its multiplication to that thread: on the
         # training loop's thread it only combines one number per parameter.
         self.init_gloo()
-        skip_unless_subclass_dispatch(self, next(self._train_to_last_backward()[0].parameters()))
         served, deferred = [], []
 
         def landed_norms(*args, **kwargs):
@@ -154,7 +153,7 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
         self.assertTrue(all(served), msg=served)
         self.assertGreaterEqual(len(deferred), 2 * STEPS)
         self.assertTrue(all(deferred), msg=deferred)
-        # However the norm op spells its defaults (torch releases differ), it is served.
+        # However the norm op is spelt (function or aten overload, defaults given or not), it is served.
         model, optim = self._train_to_last_backward()
         served.clear()
         with mock.patch.object(dtensor_grads, "_landed_norms", landed_norms):
@@ -162,6 +161,7 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
                 if param.grad is not None:
                     torch.ops.aten.linalg_vector_norm.default(param.grad, 2.0, None, False, dtype=None)
                     torch.ops.aten.linalg_vector_norm.default(param.grad)
+                    torch.linalg.vector_norm(param.grad, ord=2, dim=None, keepdim=False, dtype=None)
         self.assertTrue(served and all(served), msg=served)
         optim.step()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -19,10 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.testing._internal.common_utils import run_tests, TestCase
 
-from common_offload import GlooMultiProcessTestCase, SingleRankGlooTestCase, skip_unless_subclass_dispatch
+from common_offload import GlooMultiProcessTestCase, SingleRankGlooTestCase
 from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
-from torch_fsdp_offload._integration import dtensor_grads
 from torch_fsdp_offload.optimizer import groups
 
 NOTHING_OFFLOADED = "none of its parameters was sharded with CoherentOffload"
@@ -168,26 +166,6 @@ class PlainOptimizerOnOffloadedModelTest(SingleRankGlooTestCase):
         self.assertIn("OffloadOptimizer(model, AdamW, ...)", messages[0])
 
 
-class SubclassDispatchTest(SingleRankGlooTestCase):
-    def test_a_torch_that_skips_subclass_dispatch_is_named_and_steps_nothing_early(self):
-        # Releases whose native DTensor dispatch skips a subclass's __torch_dispatch__ cannot see
-        # writes to gradients or reads of parameters being stepped: OffloadOptimizer says so once,
-        # with what to do, and steps nothing before step() even when asked to.
-        torch.manual_seed(0)
-        mesh = init_device_mesh("cpu", (1,))
-        model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), mesh, MixedPrecisionPolicy())
-        with mock.patch.object(dtensor_grads, "_dispatch_works", False):
-            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, step_during_backward=True)
-            with self.assertWarnsRegex(UserWarning, r"skips their __torch_dispatch__.*optim.synchronize\(\)"):
-                for step in range(3):
-                    _loss(model, _batch(step, 0)).backward()
-                    self.assertEqual(optim._pending, {})
-                    optim.step()
-                    optim.zero_grad()
-        self.assertFalse(optim.step_during_backward)
-        optim.synchronize()
-
-
 class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
     WORLD_SIZE = 2
 
@@ -253,7 +231,6 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
         def rebind(model):
             last_block(model).grad = last_block(model).grad * 0.5
 
-        skip_unless_subclass_dispatch(self, next(self._models()[1].parameters()))
         for change in (clip, clip_value, foreach_mul, mul, local_mul, rebind):
             with self.subTest(change=change.__name__):
                 _, model, _, optim = self._models(step_during_backward=True)
@@ -285,7 +262,6 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
         # written, which must not read as the user changing them.
         self.init_gloo()
         reference, model, reference_optim, optim = self._models(step_during_backward=True)
-        skip_unless_subclass_dispatch(self, next(model.parameters()))
         for step in range(4):
             if step == 2:
                 for o, m in ((optim, model), (reference_optim, reference)):

@@ -399,7 +399,7 @@ class TestRealModel(TestCase):
         self.assertEqual([f for f, _ in result.scenario.microbatch_scaling], [1.0, 2.0])
 
     def test_host_bandwidth_from_the_step_with_the_link_busy(self):
-        from torch_fsdp_offload.planner.host_step_probe import (
+        from torch_fsdp_offload.host_step import (
             HOST_BYTES_PER_LINK_BUSY_PARAM, host_GBps_from_link_busy, measure_host_step,
         )
 
@@ -414,7 +414,7 @@ class TestRealModel(TestCase):
                 measure_host_step(1 << 16, link_busy=True)
 
     def test_host_step_rates_into_the_profile(self):
-        from torch_fsdp_offload.planner.host_step_probe import HostStepRates, measure_host_step
+        from torch_fsdp_offload.host_step import HostStepRates, measure_host_step
 
         rates = measure_host_step(1 << 16, threads=1, repeats=1, link_busy=False)
         self.assertGreater(rates.alone_s_per_param, 0)
@@ -434,7 +434,7 @@ class TestRealModel(TestCase):
 
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_host_bandwidth_measured_with_the_link_busy_on_gpu(self):
-        from torch_fsdp_offload.planner.host_step_probe import host_GBps_from_link_busy, LinkBusy, measure_host_step
+        from torch_fsdp_offload.host_step import host_GBps_from_link_busy, LinkBusy, measure_host_step
 
         with LinkBusy(64 << 20) as link:
             time.sleep(0.2)
@@ -589,7 +589,7 @@ class TestStepModel(TestCase):
         self.assertEqual(host_step_seconds_per_param(plain_bf16, "device"), (alone, busy))
 
     def test_profile_carries_the_cast_share(self):
-        from torch_fsdp_offload.planner.host_step_probe import HostStepRates
+        from torch_fsdp_offload.host_step import HostStepRates
 
         breakdown = model_breakdown("anchor-1.6b", batch_size=4, seq_len=2048)
         # Measured: measure_host_step's cast figures fill the profile.

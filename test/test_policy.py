@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from unittest import mock
 
@@ -19,7 +20,9 @@ from torch.testing._internal.common_utils import (
 
 import torch_fsdp_offload._integration as fsdp2_integration
 from common_offload import SingleRankGlooTestCase
+import torch_fsdp_offload.policy as policy_module
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy
+from torch_fsdp_offload.placement import LinkRates
 from torch_fsdp_offload.memory import HostMemoryError, memory_stats
 
 
@@ -35,7 +38,7 @@ class CoherentOffloadKnobsTest(TestCase):
             ({"optimizer": "gpu"}, "is not a placement"),
             ({"optimizer": -0.1}, "is not a placement"),
             ({"optimizer": True}, "is not a placement"),
-            ({"cast_on": "gpu"}, "is not a cast placement; use 'host'"),
+            ({"cast_on": "gpu"}, "is not a cast placement; use 'auto', 'host'"),
             ({"offload_grads": False}, "needs offload_grads=True"),
             ({"offload_params": False}, "set offload_grads=False"),
             ({"pin_memory": True}, "allocates exact-size pinned memory itself"),
@@ -68,7 +71,26 @@ class CoherentOffloadKnobsTest(TestCase):
         self.assertEqual((plan.memory, plan.copies, plan.optimizer, plan.optimizer_gpu_fraction), expected)
         self.assertIn(platform, plan.describe())
 
+    def test_auto_placements_come_from_the_machines_rates(self):
+        # On a GPU machine "auto" places the cast and the streamed share from the host-step and
+        # link rates measured there: two machines, two placements.
+        gpu = dataclasses.replace(CoherentOffload(platform="discrete").detect(), device=torch.device("cuda", 0))
+        for rates, cast_on, fraction in (
+            (LinkRates(0.46e-9, 0.17e-9, 55.0, 55.0, 100.0), "device", 0.6),  # a PCIe Gen5 host
+            (LinkRates(0.10e-9, 0.03e-9, 25.0, 25.0, 40.0), "host", 0.15),  # a slower link, a faster host
+        ):
+            with mock.patch.object(policy_module, "measured_rates", return_value=rates) as measured:
+                plan = CoherentOffload(platform="discrete").resolve(gpu)
+            measured.assert_called_once_with(gpu.device)
+            self.assertEqual((plan.cast_on, plan.optimizer_gpu_fraction), (cast_on, fraction))
+            self.assertIn(rates.describe(), plan.describe())
+            # Explicit knobs are kept; the other one still follows the rates.
+            with mock.patch.object(policy_module, "measured_rates", return_value=rates):
+                self.assertEqual(CoherentOffload(platform="discrete", cast_on="host", optimizer="host").resolve(gpu).cast_on, "host")
+                self.assertEqual(CoherentOffload(platform="discrete", optimizer="host").resolve(gpu).cast_on, cast_on)
+
     def test_cast_placement_is_in_the_plan(self):
+        # Without a GPU there are no rates: a forced copy path casts on the host.
         self.assertEqual(CoherentOffload(platform="discrete").resolve().cast_on, "host")
         plan = CoherentOffload(platform="discrete", cast_on="device").resolve()
         self.assertEqual(plan.cast_on, "device")

@@ -18,21 +18,16 @@ import torch.utils.checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from torch_fsdp_offload._integration.installation import require_installed
+from torch_fsdp_offload.placement import cast_placement, measured_rates, streamed_fraction
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 
 logger = logging.getLogger(__name__)
 
-CastPlacement = Literal["host", "device"]
+CastPlacement = Literal["auto", "host", "device"]
 OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
 CAST_PLACEMENTS = ("host", "device")
-# GPU share of the optimizer step on a PCIe machine under optimizer="auto". A streamed step moves
-# its group's fp32 parameters, gradients and Adam moments up and back over the link, while a host
-# step spends host time per parameter; streamed steps run beside the host steps, so the step is
-# shortest when the two take about as long. The share where they do was measured on an H200 over
-# PCIe (docs/benchmarks.md).
-_DISCRETE_GPU_FRACTION = 0.5
 _MIN_CHUNK_BYTES = 1 << 20
 
 
@@ -139,15 +134,18 @@ class CoherentOffload(CPUOffloadPolicy):
             offloaded groups is streamed (those that run first in forward, whose gradients
             land last and so cannot overlap backward on the host) while the host steps the
             rest, both at once. ``"auto"`` (default): 1.0 on COHERENT machines (the link is
-            cheap), 0.5 on DISCRETE ones (the share at which streamed and host steps take about
-            as long, measured on an H200 over PCIe, docs/benchmarks.md) and host steps
-            without an accelerator; on UNIFIED memory the shards are device
+            cheap); on DISCRETE ones the share at which streamed and host steps take as long,
+            from this machine's host-step and link rates measured at the first resolve
+            (:mod:`torch_fsdp_offload.placement`; 0.5 where a copy path is forced without a
+            GPU); host steps without an accelerator; on UNIFIED memory the shards are device
             memory and the step runs on the GPU in place. Any placement other than ``"auto"``
             where nothing is offloaded (``offload_params=False``, ``module_fraction=0``, or a
             UNIFIED or HOST_ONLY platform) is refused: there is no offloaded step to place.
         cast_on (str): where the fp32 master parameters are cast to the compute dtype
-            (``MixedPrecisionPolicy.param_dtype``) for the copy-in. ``"host"`` (default): after
-            each optimizer step, into a pinned compute-dtype mirror, so only compute-dtype bytes
+            (``MixedPrecisionPolicy.param_dtype``) for the copy-in. ``"auto"`` (default): where
+            it costs less, from the same measured rates (the host cast's time per parameter
+            against the extra link time of copying the master in; ``"host"`` without a GPU to
+            measure). ``"host"``: after each optimizer step, into a pinned compute-dtype mirror, so only compute-dtype bytes
             cross the link (2 per parameter in bf16). ``"device"``: no mirror; the copy-in moves
             the master's bytes (4 per parameter) and casts them on the GPU as they land, on the
             copy stream. It takes the cast off the host and its mirror out of host memory, for
@@ -231,7 +229,7 @@ class CoherentOffload(CPUOffloadPolicy):
     offload_grads: bool = True
     offload_optimizer_state: bool = True
     optimizer: OptimizerPlacement = "auto"
-    cast_on: CastPlacement = "host"
+    cast_on: CastPlacement = "auto"
     prefetch_depth: int = 1
     chunk_bytes: int = 64 << 20
     module_fraction: float = 1.0
@@ -291,9 +289,9 @@ class CoherentOffload(CPUOffloadPolicy):
                 "'host', 'stream', or a float in [0, 1]: the fraction of offloaded groups whose "
                 "step is streamed through the GPU."
             )
-        if self.cast_on not in CAST_PLACEMENTS:
+        if self.cast_on != "auto" and self.cast_on not in CAST_PLACEMENTS:
             raise ValueError(
-                f"CoherentOffload(cast_on={self.cast_on!r}) is not a cast placement; use 'host' "
+                f"CoherentOffload(cast_on={self.cast_on!r}) is not a cast placement; use 'auto', 'host' "
                 "(compute-dtype bytes cross the link) or 'device' (the fp32 master crosses and is "
                 "cast on the GPU)."
             )
@@ -345,7 +343,7 @@ class CoherentOffload(CPUOffloadPolicy):
                 f"but {why}: there is no such step. Drop optimizer= (or pass 'auto', which is "
                 "correct on every platform), " + otherwise
             )
-        if self.cast_on != "host":
+        if self.cast_on not in ("auto", "host"):
             raise ValueError(
                 f"CoherentOffload(cast_on={self.cast_on!r}) places the cast of copied parameters, "
                 f"but {why}: nothing is copied or cast. Drop cast_on= (the default is correct on "
@@ -386,9 +384,21 @@ class CoherentOffload(CPUOffloadPolicy):
             # HOST_ONLY: everything is on the host already.
             optimizer = "host" if kind == PlatformKind.HOST_ONLY or platform.device.type == "cpu" else "device"
             gpu_fraction = 0.0
+            cast_on = "host"
         else:
+            # The auto placements come from this machine's measured rates; a copy path forced
+            # without a GPU has none, and runs both step paths and the host cast.
+            auto = self.cast_on == "auto" or (self.optimizer == "auto" and kind == PlatformKind.DISCRETE)
+            rates = measured_rates(platform.device) if auto and platform.device.type == "cuda" else None
+            cast_on = self.cast_on
+            if cast_on == "auto":
+                cast_on = cast_placement(rates) if rates is not None else "host"
+                reasons.append(f"cast on the {cast_on}" + (f" ({rates.describe()})" if rates is not None else ""))
             if self.optimizer == "auto":
-                gpu_fraction = 1.0 if kind == PlatformKind.COHERENT else _DISCRETE_GPU_FRACTION
+                if kind == PlatformKind.COHERENT:
+                    gpu_fraction = 1.0
+                else:
+                    gpu_fraction = streamed_fraction(rates, cast_on) if rates is not None else 0.5
                 reasons.append(f"{gpu_fraction:.2f} of the optimizer streamed through the GPU")
             elif self.optimizer == "host":
                 gpu_fraction = 0.0
@@ -410,7 +420,7 @@ class CoherentOffload(CPUOffloadPolicy):
             offload_optimizer_state=self.offload_optimizer_state,
             optimizer=optimizer,
             optimizer_gpu_fraction=gpu_fraction,
-            cast_on=self.cast_on,
+            cast_on=cast_on,
             prefetch_depth=self.prefetch_depth,
             chunk_bytes=self.chunk_bytes,
             module_fraction=float(self.module_fraction),

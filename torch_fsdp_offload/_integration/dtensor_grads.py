@@ -4,9 +4,9 @@ as the gradient landed: the DTensor internals it takes, behind a few functions.
 In-place foreach ops on a tensor subclass (``clip_grad_norm_``, ``clip_grad_value_`` and a gradient
 scaler's ``unscale_`` use them) bump neither the DTensor's version counter nor its local tensor's,
 so a version read alone misses them. :func:`watch_grad` re-classes a gradient to a DTensor subclass
-whose dispatch bumps the version counter on every write to it; :func:`unwatch_grad` makes it a plain
-DTensor again. Re-classing keeps the tensor itself (``param.grad is grad`` still holds) and reads
-each op's schema (``OpOverload._schema``) to find the arguments it writes.
+whose ``__torch_function__`` bumps the version counter on every write to it (an in-place op's first
+argument, or its ``out=``); :func:`unwatch_grad` makes it a plain DTensor again. Re-classing keeps
+the tensor itself (``param.grad is grad`` still holds).
 
 A watched gradient also takes the two ops of ``clip_grad_norm_`` off the caller's thread (see
 Note: [Exact clipping at full overlap] in docs/design.md): ``_foreach_norm`` returns the norms
@@ -18,6 +18,8 @@ any other op reads the gradient.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_fsdp_offload._integration.pending_updates import in_step
@@ -34,7 +37,6 @@ __all__ = [
     "compute_norms",
     "expect_norms",
     "NORM_READS",
-    "subclass_dispatch_works",
     "unwatch_grad",
     "watch_grad",
 ]
@@ -48,21 +50,26 @@ _lock = threading.Lock()
 #: itself (the gradient changed since it landed, or its norm is not an entire 2-norm).
 NORM_READS = {"served": 0, "computed": 0}
 
-_aten = torch.ops.aten
-
-
 class _WatchedGrad(DTensor):
-    """A gradient DTensor whose in-place changes bump its version counter."""
+    """A gradient DTensor whose in-place changes bump its version counter.
+
+    It works at the torch-function level, before DTensor's dispatch: some releases route every
+    DTensor, subclasses included, through a native dispatch fast path that skips a subclass's
+    ``__torch_dispatch__`` (pytorch issue 177716), while ``__torch_function__`` runs on all.
+    """
 
     __slots__ = ()
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # clip_grad_norm_ runs the foreach ops on DTensors, and the per-tensor ones on this
-        # subclass (torch's foreach support lists DTensor by type).
-        if func is _aten._foreach_norm.Scalar or func is _aten.linalg_vector_norm.default:
-            single = func is _aten.linalg_vector_norm.default
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # metadata (the version, the device): nothing to wait for
+            return _plain_call(func, types, args, kwargs)
+        # clip_grad_norm_ takes the norms with the foreach op where the device has one, else one
+        # tensor at a time, and scales the same way.
+        if func in _FOREACH_NORM or func in _VECTOR_NORM:
+            single = func in _VECTOR_NORM
             if single:
                 norms = _landed_norms([args[0]]) if _whole_two_norm(*args, **kwargs) else None
             else:
@@ -70,29 +77,55 @@ class _WatchedGrad(DTensor):
             NORM_READS["served" if norms is not None else "computed"] += 1
             if norms is not None:
                 return norms[0] if single else norms
-        elif func is _aten._foreach_mul_.Tensor and _defer_scale(*args, **kwargs):
+        elif func in _FOREACH_MUL and not kwargs and _defer_scale(*args):
             return None
-        elif func is _aten.mul_.Tensor and not kwargs and _defer_scale([args[0]], args[1]):
+        elif func in _MUL and not kwargs and _defer_scale([args[0]], args[1]):
             return args[0]
-        for value in args:
-            for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(tensor, DTensor):
-                    # Its norm may be computing in another thread: no op of this one beside it.
-                    with _lock:
-                        entry = _norms.get(tensor)
-                    if entry is not None:
-                        entry.ready.wait()
-                    apply_scales(tensor)
-        result = super().__torch_dispatch__(func, types, args, kwargs)
-        # An optimizer step's fused kernel declares the gradients it reads as written: no change.
-        if func._schema.is_mutable and not in_step():
-            for position, argument in enumerate(func._schema.arguments):
-                if argument.is_write:
-                    value = args[position] if position < len(args) else kwargs.get(argument.name)
-                    for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                        if isinstance(tensor, _WatchedGrad):
-                            torch.autograd.graph.increment_version(tensor)
+        for tensor in tree_leaves((args, kwargs)):
+            if type(tensor) is _WatchedGrad:
+                # Its norm may be computing in another thread: no op of this one beside it.
+                with _lock:
+                    entry = _norms.get(tensor)
+                if entry is not None:
+                    entry.ready.wait()
+                apply_scales(tensor)
+        result = _plain_call(func, types, args, kwargs)
+        # An optimizer step's fused kernel writes in place beside the gradients it reads: no change.
+        if not in_step():
+            written = list(_tensors(args[0])) if args and _writes_first_argument(name) else []
+            written += list(_tensors(kwargs.get("out")))
+            for tensor in written:
+                if type(tensor) is _WatchedGrad:
+                    torch.autograd.graph.increment_version(tensor)
         return result
+
+
+# Each op as a torch function and as its aten overload (both reach a subclass's torch function).
+_FOREACH_NORM = (torch._foreach_norm, torch.ops.aten._foreach_norm.Scalar)
+_VECTOR_NORM = (torch.linalg.vector_norm, torch.ops.aten.linalg_vector_norm.default)
+_FOREACH_MUL = (torch._foreach_mul_, torch.ops.aten._foreach_mul_.Tensor)
+_MUL = (torch.Tensor.mul_, torch.ops.aten.mul_.Tensor)
+
+
+def _plain_call(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` as a plain DTensor runs it (no subclass's torch function inside)."""
+    return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+
+def _tensors(value: Any) -> Iterable[Any]:
+    return value if isinstance(value, (list, tuple)) else (value,)
+
+
+# In-place dunders; every other in-place op is named with a trailing underscore.
+_INPLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift")
+) | {"__setitem__", "__set__"}
+
+
+def _writes_first_argument(name: str) -> bool:
+    """Whether a torch function so named writes its first argument (a tensor or, for a foreach
+    op, a list): in-place ops and setters do; ``out=`` is read apart."""
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
 class _LandedNorm:
@@ -173,51 +206,37 @@ def expect_norms(grads: Iterable[torch.Tensor | None]) -> None:
                 _norms[grad] = _LandedNorm()
 
 
-class _DispatchProbe(DTensor):
-    """Records that its ``__torch_dispatch__`` ran."""
-
-    __slots__ = ()
-    seen = False
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        _DispatchProbe.seen = True
-        return super().__torch_dispatch__(func, types, args, kwargs)
+# The 2-norm of a CPU tensor runs on one core whatever the thread count: the norms of a
+# group's gradients run side by side in these threads (each kernel releases the GIL).
+_norm_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-_dispatch_works: bool | None = None
-
-
-def subclass_dispatch_works(like: DTensor) -> bool:
-    """Whether this torch runs a DTensor subclass's ``__torch_dispatch__`` (checked once, on a tiny
-    DTensor on ``like``'s mesh). Some releases route every DTensor, subclasses included, through a
-    native fast path that skips it; then no op on a watched gradient or a guarded parameter is
-    seen (their ``to_local``, ``full_tensor`` and ``redistribute`` still are)."""
-    global _dispatch_works
-    if _dispatch_works is None:
-        mesh = like.device_mesh
-        probe = DTensor.from_local(
-            torch.zeros(1, device=like._local_tensor.device), mesh, [Replicate()] * mesh.ndim, run_check=False
-        )
-        probe.__class__ = _DispatchProbe
-        _DispatchProbe.seen = False
-        probe.add_(0)
-        _dispatch_works = _DispatchProbe.seen
-    return _dispatch_works
+def _local_norm(entry: _LandedNorm, local: torch.Tensor) -> None:
+    try:
+        with torch.profiler.record_function("torch_fsdp_offload::grad_norm"):
+            entry.local = torch.linalg.vector_norm(local, 2)
+    finally:
+        entry.ready.set()
 
 
 def compute_norms(grads: Iterable[torch.Tensor | None]) -> None:
-    """Compute the 2-norm of each gradient's local shard that :func:`expect_norms` named, now (in
-    the caller's thread, with the GIL released inside the kernel), once its bytes are final."""
+    """Start the 2-norm of each gradient's local shard that :func:`expect_norms` named, now that
+    its bytes are final: each in a thread of its own pool (the same kernel on the same bytes as
+    the caller's norm op, so the same bits); ``_foreach_norm`` over them waits for each."""
+    global _norm_pool
     for grad in grads:
         with _lock:
             entry = _norms.get(grad) if grad is not None else None
         if entry is None:
             continue
+        entry.versions = _versions(grad)
+        if _norm_pool is None:
+            _norm_pool = concurrent.futures.ThreadPoolExecutor(
+                max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="torch_fsdp_offload-grad-norms"
+            )
         try:
-            entry.versions = _versions(grad)
-            entry.local = torch.linalg.vector_norm(grad._local_tensor, 2)
-        finally:
+            _norm_pool.submit(_local_norm, entry, grad._local_tensor)
+        except RuntimeError:  # the interpreter is shutting down: no norm, the op computes it
             entry.ready.set()
 
 

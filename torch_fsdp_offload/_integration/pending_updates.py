@@ -3,8 +3,8 @@
 ``OffloadOptimizer.step()`` may return while host steps still run (they finish under the next
 forward, each group's copy-in waiting for its own step). Code that reads a parameter or its
 optimizer state in between must see the stepped values, as after any ``torch.optim`` step.
-:class:`PendingUpdate` re-classes those DTensors to a subclass whose every op (dispatch), and
-``to_local`` / ``full_tensor`` / ``redistribute`` (which read the local tensor without dispatch),
+:class:`PendingUpdate` re-classes those DTensors to a subclass whose every op (torch function),
+and ``to_local`` / ``full_tensor`` / ``redistribute`` (which read the local tensor without one),
 first waits for the step; the step's end makes them plain DTensors again. FSDP's own copy-in reads
 the local shards directly and waits for the group's step itself. See Note: [Next-forward overlap]
 in docs/design.md.
@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -32,16 +33,23 @@ _stepping = threading.local()
 
 
 class _ReadWaits(DTensor):
-    """A DTensor whose optimizer step may still run: every read waits for it first."""
+    """A DTensor whose optimizer step may still run: every read waits for it first.
+
+    It works at the torch-function level, which every release runs (some skip a DTensor
+    subclass's ``__torch_dispatch__``). Metadata reads and setting the gradient (``zero_grad``)
+    do not wait: they touch no bytes the step writes.
+    """
 
     __slots__ = ()
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        for value in tree_leaves((args, kwargs or {})):
-            if type(value) is _ReadWaits:
-                _wait_for(value)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _touches_no_values(func):
+            for value in tree_leaves((args, kwargs)):
+                if type(value) is _ReadWaits:
+                    _wait_for(value)
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     def to_local(self, *args: Any, **kwargs: Any):
         _wait_for(self)
@@ -58,6 +66,21 @@ class _ReadWaits(DTensor):
     def __repr__(self, **kwargs: Any) -> str:
         _wait_for(self)
         return DTensor.__repr__(self, **kwargs)
+
+
+# Tensor methods that read only metadata.
+_METADATA_METHODS = frozenset(
+    ("size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "element_size", "is_floating_point", "is_complex", "get_device", "__len__")
+)
+
+
+def _touches_no_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+        # ``.data`` is the parameter's bytes, read or replaced; ``.grad`` and the rest are not.
+        return attribute != "data"
+    return name in _METADATA_METHODS
 
 
 def in_step() -> bool:

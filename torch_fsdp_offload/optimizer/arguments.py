@@ -3,6 +3,7 @@ and optimizer state of another class or another model at ``load_state_dict``."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
@@ -129,3 +130,16 @@ def check_loadable(optimizer: Any, state_dict: dict[str, Any], param_names: list
                     f"this parameter has shape {tuple(params[index].shape)}. The state is of another "
                     f"model: load one saved from this model, built with the same model configuration."
                 )
+
+
+def fused_by_default(optimizer_class: type, optimizer_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer_kwargs`` with ``fused=True`` added where ``optimizer_class`` takes ``fused`` and
+    the caller chose no implementation (``fused``, ``foreach``) and no ``differentiable`` step,
+    which the fused kernels refuse."""
+    if any(key in optimizer_kwargs for key in ("fused", "foreach")) or optimizer_kwargs.get("differentiable"):
+        return optimizer_kwargs
+    try:
+        takes_fused = "fused" in inspect.signature(optimizer_class.__init__).parameters
+    except (TypeError, ValueError):  # no signature to read: leave the arguments as given
+        return optimizer_kwargs
+    return {**optimizer_kwargs, "fused": True} if takes_fused else optimizer_kwargs

@@ -32,11 +32,10 @@ from torch_fsdp_offload._integration.dtensor_grads import (
     compute_norms,
     expect_norms,
     NORM_READS,
-    subclass_dispatch_works,
 )
 from torch_fsdp_offload._integration.pending_updates import in_step, PendingUpdate
 from torch_fsdp_offload._integration.tensors import local_tensor
-from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr
+from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr, fused_by_default
 from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, mark_internal, OffloadedGroup, offloaded_group
 from torch_fsdp_offload.optimizer.host_steps import HostSteps
 from torch_fsdp_offload.optimizer.hyperparameters import hyperparameters_changed
@@ -51,17 +50,6 @@ from torch_fsdp_offload.optimizer.step_worker import StepWorker
 from torch_fsdp_offload.optimizer.streamed_steps import StreamedSteps
 
 __all__ = ["OffloadOptimizer"]
-
-DISPATCH_SKIPPED = (
-    "OffloadOptimizer: torch {version} runs DTensor subclasses through its native DTensor dispatch "
-    "and skips their __torch_dispatch__, which OffloadOptimizer uses to see writes to the gradients "
-    "and reads of parameters still being stepped. On this torch: step_during_backward=True is "
-    "ignored (no group steps before step()); clip_grad_norm_ stays exact but computes its norms "
-    "itself; and an op that reads a parameter or its state between step() and the next forward "
-    "(other than state_dict, to_local, full_tensor or redistribute) may see it before its step: call "
-    "optim.synchronize() first, or pass overlap_next_forward=False. Releases with the fix of pytorch "
-    "issue 177716 run the subclass's dispatch."
-)
 
 # Optimizers whose steps may outlive step(): the interpreter waits for them before it exits, as a
 # step killed half-way inside a kernel or a copy aborts the process.
@@ -107,9 +95,11 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
     Args:
         params (nn.Module or iterable): the FSDP-sharded model, or its parameters / parameter
             groups as for any ``torch.optim`` optimizer.
-        optimizer_class (type): the optimizer to run, e.g. ``torch.optim.AdamW``. For host
-            steps pass ``fused=True`` where the class supports it (AdamW, Adam, SGD): the fused
-            CPU kernel is much faster than the default per-tensor loop.
+        optimizer_class (type): the optimizer to run, e.g. ``torch.optim.AdamW``. Where the
+            class takes ``fused`` (AdamW, Adam, SGD, Adagrad) and neither ``fused``, ``foreach``
+            nor ``differentiable`` is given, it runs with ``fused=True``: the fused CPU kernel
+            steps several times faster than the per-tensor loop (pass ``fused=False`` for that
+            loop's rounding).
         step_during_backward (bool): step groups during backward once it is known to be safe;
             breaks the contract above (parameters change before ``step()``). Default False.
         max_grad_norm (float or None): clip the global gradient norm to this value before
@@ -185,6 +175,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         )
         if "lr" in optimizer_kwargs:
             check_lr(optimizer_kwargs["lr"], "lr")
+        optimizer_kwargs = fused_by_default(optimizer_class, optimizer_kwargs)
         model = params if isinstance(params, nn.Module) else None
         if model is not None:
             params = model.parameters()
@@ -337,10 +328,6 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             self._inner[owner] = (inner, pairs)
             if owner is not None:
                 attach_optimizer(owner, self)
-        dtensors = [p for group in self.param_groups for p in group["params"] if isinstance(p, DTensor)]
-        if dtensors and not subclass_dispatch_works(dtensors[0]):
-            warnings.warn(DISPATCH_SKIPPED.format(version=torch.__version__), stacklevel=3)
-            self.step_during_backward = False
         offloaded = sorted((o for o in self._inner if o is not None), key=lambda o: o.forward_index())
         if offloaded:
             # Stream the groups that run first in forward: their gradients land last, so a host

@@ -35,7 +35,7 @@ class PlatformProfile:
             (38 per fp32 AdamW parameter with a bf16 mirror) plus the bytes the link copies to and
             from host memory in the same window, over its time. The step model uses it where the
             host step was not timed on the machine; ``plan`` times it there
-            (:func:`~torch_fsdp_offload.planner.host_step_probe.measure_host_step`), alone and beside a busy
+            (:func:`~torch_fsdp_offload.host_step.measure_host_step`), alone and beside a busy
             link, and models the sharing from those two rates instead.
         gpu_interconnect_GBps (float): per-GPU bandwidth of FSDP's all-gather and reduce-scatter
             between the GPUs of one host (``world_size > 1``).
@@ -46,7 +46,7 @@ class PlatformProfile:
             the fp32 master into the compute-dtype mirror takes with nothing beside it
             (``CoherentOffload(cast_on="host")``'s share of the host step; ``cast_on="device"``
             does not pay it). The step model takes it where the host step was not measured on
-            the machine (:func:`~torch_fsdp_offload.planner.host_step_probe.measure_host_step` times the
+            the machine (:func:`~torch_fsdp_offload.host_step.measure_host_step` times the
             cast itself). None: unknown (the model then splits the step by bytes).
         host_link_busy_cast_s_per_param (float | None): the same while the link copies both ways.
     """

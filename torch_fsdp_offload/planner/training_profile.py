@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_fsdp_offload.planner.block_timing import BlockTiming
-from torch_fsdp_offload.planner.host_step_probe import HostStepRates
+from torch_fsdp_offload.host_step import HostStepRates
 from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 
@@ -68,7 +68,7 @@ class TrainingProfile:
             ``host_step_s_per_param`` was measured. With these two and ``host_step_s_per_param``
             the host step follows the shared-DRAM model of
             :func:`~torch_fsdp_offload.planner.step_time.predict_step`
-            (:func:`~torch_fsdp_offload.planner.host_step_probe.measure_host_step` measures all three).
+            (:func:`~torch_fsdp_offload.host_step.measure_host_step` measures all three).
         host_alone_cast_s_per_param (float | None): the compute-dtype cast's part of
             ``host_alone_s_per_param``: what ``TrainingConfig(cast_on="device")`` takes off each
             host-stepped parameter
@@ -126,7 +126,7 @@ def training_profile(
     when the forward includes the head). The GPU optimizer is bandwidth bound (28 bytes per
     parameter at a fixed share of ``platform.gpu_dram_GBps``). ``host_GBps`` (default: the
     platform's) sets the host optimizer's speed; ``host_rates`` measured with the link busy
-    (:func:`~torch_fsdp_offload.planner.host_step_probe.measure_host_step`) replace it with the
+    (:func:`~torch_fsdp_offload.host_step.measure_host_step`) replace it with the
     shared-DRAM model of :func:`~torch_fsdp_offload.planner.step_time.predict_step`. The cast's
     part of the host step
     (what ``cast_on="device"`` takes off it) comes with those rates when they time it on its own,
