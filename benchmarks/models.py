@@ -1,39 +1,34 @@
 """The defaults, the one-call plan and hand-tuned placements, on three kinds of model, one GPU.
 
 Models (fp32 master, bf16 compute through ``MixedPrecisionPolicy(bf16, fp32)``, AdamW lr 1e-4):
+``anchor-1.6b``, the built-in benchmark transformer; ``llama-1b-hf``, a transformers
+``LlamaForCausalLM`` from a config (hidden 2048, 16 layers, 16 heads, MLP 5632, vocab 32000, SDPA:
+0.95B parameters, random weights, no download); ``plain-1.5b``, :class:`PlainBlocks`: 30 residual
+attention + GELU MLP blocks of width 2048 at ``model.stack``, hidden states ``(batch, seq, 2048)``
+in, the output's mean square the loss (1.51B parameters).
 
-- ``anchor-1.6b``: the built-in benchmark transformer (``torch_fsdp_offload.models``), token ids in;
-- ``llama-1b-hf``: a transformers ``LlamaForCausalLM`` from a config (hidden 2048, 16 layers, 16
-  heads, MLP 5632, vocab 32000, SDPA attention: 0.95B parameters), random weights, no download;
-- ``plain-1.5b``: :class:`PlainBlocks`, 30 pre-norm residual attention + GELU MLP blocks of width
-  2048 in an ``nn.ModuleList`` named ``stack``, hidden states ``(batch, seq, 2048)`` in, loss the
-  mean square of the output (1.51B parameters).
+Settings: ``--batch-sizes`` (4, 16) x ``--seq-len`` (2048) on the whole GPU, and
+``--capped-batch-sizes`` (4) under a ``--cap-GiB`` (16) cap (``set_per_process_memory_fraction``
+before anything is allocated). Rows of a setting, each on a model built afresh:
 
-Settings: micro-batches ``--batch-sizes`` (4 and 16) x ``--seq-len`` tokens on the whole GPU, and
-``--capped-batch-sizes`` (4) under a ``--cap-GiB`` (16) GPU cap
-(``torch.cuda.set_per_process_memory_fraction`` before anything is allocated). Rows of a setting:
-
-- ``default``: README's usage: ``fully_shard(block, mp_policy=mp, offload_policy=CoherentOffload())``
-  for each block, then the root, and ``OffloadOptimizer(model, torch.optim.AdamW, lr, fused=True)``;
+- ``default``: README's usage, ``fully_shard(block, mp_policy=mp, offload_policy=CoherentOffload())``
+  per block and the root, ``OffloadOptimizer(model, torch.optim.AdamW, lr, fused=True)``;
 - ``planned``: the one call, ``plan_and_shard(model, example_input=batch, gpu_memory_GiB=cap)``
-  (``blocks=model.stack`` for the plain model; the budget uncapped is the planner's default, 90% of
-  the GPU), then ``result.recommended.optimizer(model, lr, fused=True)``; planned for this
-  micro-batch (``--microbatch-factors 1``). It records what the plan chose (``plan_label``,
-  ``recommendation``), whether it ``measured`` or ``estimated`` (``plan_timing``), its predicted step
-  and peak, the plan's own seconds, and the planner's prediction of every row of the setting
-  (``predictions``: the same step model, ``predict_step``, on each row's placement);
+  (``blocks=model.stack`` for the plain model; uncapped, the planner's default budget), planned for
+  this micro-batch (``--microbatch-factors 1``), then ``result.recommended.optimizer(model, ...)``.
+  It records the plan's choice (``plan_label``, ``recommendation``), ``plan_timing`` (measured or
+  estimated), its predicted step and peak, ``plan_s``, and ``predictions``: the same step model
+  (``predict_step``) on every row of the setting;
 - ``resident`` (uncapped only): FSDP2 without offload, fused AdamW on the GPU;
-- a sweep of ``coherent(...)`` rows in ``benchmarks/fsdp_offload.py``'s grammar (``units=`` and
-  ``user-clip`` excepted), run in the order of their predicted step, those predicted to fit first.
+- the sweep: ``coherent(...)`` rows of ``benchmarks/fsdp_offload.py``'s grammar (but ``units=`` and
+  ``user-clip``), those predicted to fit first, each group fastest predicted first.
 
-Each (model, setting) runs in a child process of its own (``--one-setting``), its rows in turn,
-each row's model built afresh; a CUDA OOM is a row with an ``error``, and a child that dies is
-started again for the rows it had left. Columns: median step, tokens/s, peak allocated GPU memory
-over the steps, the planner's prediction and its error, and ``over_best``: the fastest row's
-tokens/s over this row's (1.0 is the best row, named in the setting's summary with the default's
-and the plan's ratios). ``--max-seconds`` stops starting rows: each child gets an equal share of
-what is left for its optional rows (``default`` and ``planned`` always start); the JSON is
-rewritten after every child.
+Each (model, setting) runs in a child process (``--one-setting``): a CUDA OOM is a row with an
+``error``, and a child that dies is followed by one for the rows it had left. Columns: median step,
+tokens/s, peak allocated GPU memory over the steps, the prediction and its error, ``over_best``
+(the setting's fastest tokens/s over the row's; each setting's summary names that row and gives the
+default's and the plan's). ``--max-seconds`` stops starting rows: each child gets an equal share of
+the time left for its rows after ``default`` and ``planned``; the JSON is rewritten after each child.
 
 Usage (GPU machine, from the repository root):
     PYTHONPATH=$PWD python benchmarks/models.py --max-seconds 500 --out benchmarks/results/models.json
@@ -61,17 +56,9 @@ from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fsdp_offload import (  # noqa: E402
-    checkpointed,
-    coherent_row_config,
-    kept_unsharded_blocks,
-    last_blocks_fraction,
-    optimizer_kwargs,
-    row_items,
-    units_per_block,
-    user_clips,
-)
-from peers import error_line, Runner, timed_steps  # noqa: E402
+from fsdp_offload import checkpointed, coherent_row_config, kept_unsharded_blocks, last_blocks_fraction  # noqa: E402
+from fsdp_offload import optimizer_kwargs, row_items, units_per_block, user_clips  # noqa: E402
+from peers import error_line, exit_skipping_teardown, Runner, timed_steps  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer, plan_and_shard  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_hf_causal_lm, build_model, causal_lm_loss  # noqa: E402
@@ -539,8 +526,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown (NCCL and the host-step threads can abort it once everything is written).
-    os._exit(exit_code)
+    exit_skipping_teardown(main())

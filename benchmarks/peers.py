@@ -632,9 +632,13 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    exit_code = main()
+def exit_skipping_teardown(exit_code: int) -> None:
+    """Flush and exit without the interpreter's teardown, which NCCL, DeepSpeed and host-step
+    threads can abort once everything is written."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown (NCCL and DeepSpeed threads can abort it once everything is written).
     os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    exit_skipping_teardown(main())
