@@ -23,12 +23,11 @@ before anything is allocated). Rows of a setting, each on a model built afresh:
 - the sweep: ``coherent(...)`` rows of ``benchmarks/fsdp_offload.py``'s grammar (but ``units=`` and
   ``user-clip``), those predicted to fit first, each group fastest predicted first.
 
-Each (model, setting) runs in a child process (``--one-setting``): a CUDA OOM is a row with an
-``error``, and a child that dies is followed by one for the rows it had left. Columns: median step,
-tokens/s, peak allocated GPU memory over the steps, the prediction and its error, ``over_best``
-(the setting's fastest tokens/s over the row's; each setting's summary names that row and gives the
-default's and the plan's). ``--max-seconds`` stops starting rows: each child gets an equal share of
-the time left for its rows after ``default`` and ``planned``; the JSON is rewritten after each child.
+Each (model, setting) runs in a child process (``--one-setting``); a CUDA OOM is a row with an
+``error``, a child that dies is followed by one for the rows it had left. ``over_best``: the
+setting's fastest tokens/s (its summary names the row) over the row's. ``--max-seconds`` stops
+starting rows: each child gets an equal share of the time left for its rows after ``default`` and
+``planned``; the JSON is rewritten after each child.
 
 Usage (GPU machine, from the repository root):
     PYTHONPATH=$PWD python benchmarks/models.py --max-seconds 500 --out benchmarks/results/models.json
@@ -66,11 +65,9 @@ from torch_fsdp_offload.planner import predict_step, TrainingConfig  # noqa: E40
 
 GiB = 1 << 30
 LR = 1e-4
-MODELS = {
-    "anchor-1.6b": "built-in transformer, token ids in (torch_fsdp_offload.models, 'tiny' with --tiny)",
-    "llama-1b-hf": "transformers LlamaForCausalLM from a config, SDPA, token ids in",
-    "plain-1.5b": "PlainBlocks: residual attention + MLP blocks in model.stack, hidden states in, mean-square loss",
-}
+MODELS = {"anchor-1.6b": "built-in transformer, token ids in ('tiny' with --tiny)",
+          "llama-1b-hf": "transformers LlamaForCausalLM from a config, SDPA, token ids in",
+          "plain-1.5b": "PlainBlocks: residual attention + MLP blocks at model.stack, hidden states in, mean-square loss"}
 LLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
          "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
          "max_position_embeddings": 2048, "attn_implementation": "sdpa"}
@@ -80,20 +77,20 @@ PLAIN = {"dim": 2048, "heads": 16, "n_blocks": 30}
 PLAIN_TINY = {"dim": 32, "heads": 4, "n_blocks": 4}
 # The rows every setting starts with, whatever the budget; "resident" joins them uncapped.
 MUST_ROWS = ("default", "planned")
-# Hand-tuned placements: half the blocks offloaded (the last half, host steps, cast on the GPU,
-# checkpointing), everything offloaded with the optimizer split or on the host, and, on the whole
-# GPU, half offloaded without checkpointing; under the cap a quarter kept resident instead.
+# Hand-tuned placements. On the whole GPU: the last half of the blocks offloaded with host steps,
+# with checkpointing and the cast on the GPU, then without either; everything offloaded with host
+# steps and the cast on the GPU (the default splits the optimizer and casts on the host). Under the
+# cap: the last three quarters offloaded, with checkpointing; everything offloaded with host steps
+# and checkpointing; the default's placement with checkpointing.
 SWEEP = (
     "coherent(host;next-fwd;last=0.5;keep=1;ac;depth=1;cast=device)",
-    "coherent(split=0.5;next-fwd)",
-    "coherent(host;next-fwd;cast=device)",
     "coherent(host;next-fwd;last=0.5;keep=1;depth=1)",
+    "coherent(host;next-fwd;cast=device)",
 )
 CAPPED_SWEEP = (
     "coherent(host;next-fwd;last=0.75;keep=1;ac;depth=1;cast=device)",
-    "coherent(split=0.5;next-fwd;ac)",
     "coherent(host;next-fwd;keep=1;ac;cast=device)",
-    "coherent(host;next-fwd;ac)",
+    "coherent(split=0.5;next-fwd;depth=1;ac)",
 )
 
 
@@ -244,6 +241,8 @@ def shard_and_optimizer(name: str, model: nn.Module, blocks: nn.ModuleList, mp: 
 def run_row(name: str, args, names: list[str], held: dict) -> dict:
     """One row in this process; ``held`` keeps the model and optimizer for the caller to release."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # the setup's peak is this row's own
     model, blocks = build(args.one_setting, args.tiny, device)
     held.update(model=model)
     batch = example_batch(args.one_setting, model, args.batch_size, args.seq_len, device)
@@ -300,9 +299,11 @@ def ranked(sweep: list[str], predicted: dict[str, dict]) -> list[str]:
     return sorted(sweep, key=key)
 
 
-def release(held: dict) -> float:
-    """Drop a row's model and optimizer (its last host steps finished first), the pinned pool and the
-    cached GPU blocks; the GiB still allocated after."""
+def release(held: dict, failed: bool) -> float:
+    """Drop a row's model and optimizer (its last host steps finished first) and the cached GPU
+    blocks; the GiB still allocated after. The pinned pool keeps its blocks for the next row (the same
+    model's buffers, and the pool gives blocks back itself where a new size does not fit), but for
+    a failed row's."""
     optimizer = held.get("optimizer")
     if isinstance(optimizer, OffloadOptimizer):
         try:
@@ -311,7 +312,8 @@ def release(held: dict) -> float:
             traceback.print_exc()
     held.clear()
     gc.collect()
-    empty_pinned_cache()
+    if failed:
+        empty_pinned_cache()
     if not torch.cuda.is_available():
         return 0.0
     torch.cuda.synchronize()
@@ -353,7 +355,7 @@ def run_setting(args) -> int:
         except Exception as error:  # noqa: BLE001 (the row records what failed; the rest go on)
             traceback.print_exc()
             row["error"] = error_line(error)
-        row["allocated_after_teardown_GiB"] = round(release(held), 2)
+        row["allocated_after_teardown_GiB"] = round(release(held, "error" in row), 2)
         longest = max(longest, time.monotonic() - row_started)
         rows.append(row)
         if name == "planned" and "predictions" in row:
@@ -420,13 +422,18 @@ def print_table(rows: list[dict], summaries: list[dict]) -> None:
               + (f"; failed: {', '.join(s['failed'])}" if s["failed"] else ""))
 
 
+def row_list(text: str) -> list[str]:
+    """The rows of a comma-separated list (``coherent(...)`` items are separated by ``;``)."""
+    return [name for name in text.split(",") if name]
+
+
 def run_settings(runner: Runner, args, settings: list[tuple[str, int, float | None]], rows: list[dict], write) -> None:
     """Each setting's rows in child processes (a child that dies is followed by one for its rows left),
     each child with an equal share of the time left for its optional rows."""
     for index, (model_name, batch_size, cap) in enumerate(settings):
         base = {"model": model_name, "batch_size": batch_size, "gpu_cap_GiB": cap}
-        sweep = args.capped_sweep if cap is not None else args.sweep
-        pending = [*MUST_ROWS, *([] if cap is not None else ["resident"]), *sweep.split(",")]
+        pending = [*MUST_ROWS, *row_list(args.capped_sweep)] if cap is not None else [
+            *MUST_ROWS, "resident", *row_list(args.sweep)]
         missing = missing_package(model_name)
         if missing is not None:
             rows.extend({**base, "name": name, "error": missing} for name in pending)
@@ -467,8 +474,7 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatch-factors", default="1", help="plan()'s microbatch_factors for the planned rows")
     parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (a CPU smoke run)")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop starting rows after this long")
-    parser.add_argument("--row-timeout", type=float, default=240.0,
-                        help="seconds one row may take: a setting's process is stopped after this times its rows")
+    parser.add_argument("--row-timeout", type=float, default=240.0, help="seconds a row may take (a setting's process: times its rows)")
     parser.add_argument("--out", default="benchmarks/results/models.json")
     parser.add_argument("--one-setting", choices=sorted(MODELS), help=argparse.SUPPRESS)  # a setting's child
     parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
@@ -480,18 +486,16 @@ def main(argv=None) -> int:
     args.seq_len = args.seq_len or (32 if args.tiny else 2048)
     if args.one_setting:
         return run_setting(args)
-    models = [m for m in args.models.split(",") if m]
+    models = row_list(args.models)
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
-    for name in (*args.sweep.split(","), *args.capped_sweep.split(",")):
-        try:
-            check_row(name)
-        except ValueError as error:
-            parser.error(str(error))
-    sizes = {key: [] if value == "none" else [int(b) for b in value.split(",")]
-             for key, value in (("whole", args.batch_sizes), ("capped", args.capped_batch_sizes))}
-    settings = [(m, b, None) for b in sizes["whole"] for m in models] + [(m, b, args.cap_GiB) for b in sizes["capped"] for m in models]
+    try:
+        [check_row(name) for name in (*row_list(args.sweep), *row_list(args.capped_sweep))]
+    except ValueError as error:
+        parser.error(str(error))
+    settings = [(m, int(b), cap) for text, cap in ((args.batch_sizes, None), (args.capped_batch_sizes, args.cap_GiB))
+                for b in row_list("" if text == "none" else text) for m in models]
     if args.tiny and not torch.cuda.is_available():
         # No link here: the copy path runs on the CPU anyway, as the tests run it (a host_only
         # platform copies nothing and refuses an explicit optimizer placement).
