@@ -323,14 +323,7 @@ def run_one_row(system: str, batch_sizes: list[int], seq_len: int, steps: int, w
                                    generator=torch.Generator(device="cuda").manual_seed(0))
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            times, losses = [], []
-            for index in range(warmup + steps):
-                t0 = time.perf_counter()
-                loss = step(tokens)
-                losses.append(loss.item())  # waits for the step's GPU work
-                torch.cuda.synchronize()
-                if index >= warmup:
-                    times.append(time.perf_counter() - t0)
+            times, losses = timed_steps(step, tokens, steps, warmup)
         except torch.OutOfMemoryError as error:
             rows.append({**row, "error": f"OOM: {error}"[:300]})
             break  # a larger batch would not fit either
@@ -351,16 +344,37 @@ def run_one_row(system: str, batch_sizes: list[int], seq_len: int, steps: int, w
     return rows
 
 
+def timed_steps(step, batch, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Seconds of each of ``steps`` calls of ``step(batch) -> loss`` after ``warmup`` untimed ones,
+    and the loss of every call (``loss.item()`` waits for the step's GPU work)."""
+    import torch
+
+    times, losses = [], []
+    for index in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = step(batch)
+        losses.append(loss.item())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if index >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times, losses
+
+
+def error_line(error: BaseException, limit: int = 300) -> str:
+    """A row's ``error``: ``OOM: ...`` for running out of GPU or host memory, else the exception's type and message."""
+    memory = isinstance(error, MemoryError) or "OutOfMemory" in type(error).__name__ or "out of memory" in str(error)
+    return f"{'OOM' if memory else type(error).__name__}: {error}"[:limit]
+
+
 def _child_main(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     try:
         rows = run_one_row(args.one_row, batch_sizes, args.seq_len, args.steps, args.warmup, args.n_blocks, args.gpu_cap_GiB)
     except Exception as error:  # noqa: BLE001 (the rows record what failed; the parent goes on)
         traceback.print_exc()
-        memory = isinstance(error, MemoryError) or "OutOfMemory" in type(error).__name__ or "out of memory" in str(error)
-        kind = "OOM" if memory else type(error).__name__
         rows = [{"system": args.one_row, "batch_size": batch_size, "n_blocks": args.n_blocks,
-                 "gpu_cap_GiB": args.gpu_cap_GiB, "error": f"{kind}: {error}"[:300]} for batch_size in batch_sizes]
+                 "gpu_cap_GiB": args.gpu_cap_GiB, "error": error_line(error)} for batch_size in batch_sizes]
     with open(args.row_out, "w", encoding="utf-8") as handle:
         json.dump(rows, handle)
     return 0
@@ -391,30 +405,33 @@ def _free_port() -> int:
 
 
 class Runner:
-    """Runs rows in child processes of this script, within a deadline."""
+    """Runs rows in child processes of a script (default this one), within a deadline."""
 
-    def __init__(self, args, deadline: float):
-        self.args, self.deadline = args, deadline
+    def __init__(self, args, deadline: float, script: str = os.path.abspath(__file__)):
+        self.args, self.deadline, self.script = args, deadline, script
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
     def child(self, flags: list[str], timeout: float) -> tuple[dict | None, str]:
+        """What the child wrote to ``--row-out`` (None if nothing) and why it failed ("" if it exited
+        0): a child that wrote its file and then died or ran out of time returns both."""
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "row.json")
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONUNBUFFERED="1")
-            command = [sys.executable, os.path.abspath(__file__), *flags, "--row-out", out]
+            command = [sys.executable, self.script, *flags, "--row-out", out]
             try:
                 done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+                lines = (done.stdout + done.stderr).strip().splitlines()
+                killed = " (killed: host memory?)" if done.returncode in (-9, 137) else ""
+                error = f"exit {done.returncode}{killed}: {lines[-1] if lines else ''}"[:300] if done.returncode else ""
             except subprocess.TimeoutExpired:
-                return None, f"timeout after {timeout:.0f} s"
-            if os.path.exists(out):
-                with open(out, encoding="utf-8") as handle:
-                    return json.load(handle), ""
-            lines = (done.stdout + done.stderr).strip().splitlines()
-            killed = " (killed: host memory?)" if done.returncode in (-9, 137) else ""
-            return None, f"exit {done.returncode}{killed}: {lines[-1] if lines else ''}"[:300]
+                error = f"timeout after {timeout:.0f} s"
+            if not os.path.exists(out):
+                return None, error
+            with open(out, encoding="utf-8") as handle:
+                return json.load(handle), error
 
     def rows(self, system: str, batch_sizes: list[int], n_blocks: int = 8, gpu_cap_GiB: float | None = None,
              steps: int | None = None, warmup: int | None = None) -> list[dict]:
@@ -615,9 +632,13 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    exit_code = main()
+def exit_skipping_teardown(exit_code: int) -> None:
+    """Flush and exit without the interpreter's teardown, which NCCL, DeepSpeed and host-step
+    threads can abort once everything is written."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown (NCCL and DeepSpeed threads can abort it once everything is written).
     os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    exit_skipping_teardown(main())

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import activations  # noqa: E402
 import fsdp_offload  # noqa: E402
+import models as models_benchmark  # noqa: E402
 import multi_gpu  # noqa: E402
 import peers  # noqa: E402
 import planner_validate  # noqa: E402
@@ -35,6 +36,7 @@ from common_offload import GlooMultiProcessTestCase  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig  # noqa: E402
+from torch_fsdp_offload.planner import TrainingConfig  # noqa: E402
 
 
 def _fsdp_offload_result() -> dict:
@@ -538,6 +540,87 @@ class TestFsdpOffloadBenchmark(TestCase):
         # Gparam, cast 0.1 s/Gparam) starts after the last backward, behind 3 micro-batches.
         accumulating = {**row("coherent(default;accum=4)", 1.0, 9.0), "micro_batches": 4, "host_stepped_params": 1.5e9, "params_M": 1500.0}
         self.assertAlmostEqual(fsdp_offload.lower_bound(accumulating, rows[1], bandwidth, host), 0.1 + 0.45 + 3 * 0.15)
+
+
+class TestModelsBenchmark(TestCase):
+    def test_tiny_run_on_the_cpu_writes_every_models_rows(self):
+        sweep, capped_sweep = "coherent(host;next-fwd;last=0.5;keep=1;ac;depth=1;cast=device)", "coherent(host;next-fwd;ac)"
+        with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ), \
+                contextlib.redirect_stdout(io.StringIO()) as printed:
+            out = os.path.join(tmp, "models.json")
+            self.assertEqual(models_benchmark.main([
+                "--tiny", "--out", out, "--batch-sizes", "2", "--capped-batch-sizes", "2", "--cap-GiB", "0.001",
+                "--seq-len", "16", "--steps", "1", "--warmup", "1", "--sweep", sweep, "--capped-sweep", capped_sweep,
+            ]), 0)
+            with open(out, encoding="utf-8") as handle:
+                result = json.load(handle)
+        self.assertEqual((result["benchmark"], result["torch"]), ("models", torch.__version__))
+        expected = {None: {"default", "planned", "resident", sweep}, 0.001: {"default", "planned", capped_sweep}}
+        for model in models_benchmark.MODELS:
+            for cap, names in expected.items():
+                rows = [r for r in result["rows"] if r["model"] == model and r["gpu_cap_GiB"] == cap]
+                self.assertEqual({r["name"] for r in rows}, names)
+                if model == "llama-1b-hf" and result["transformers"] is None:
+                    self.assertTrue(all("transformers is not installed" in r["error"] for r in rows))
+                    continue
+                self.assertEqual([r for r in rows if "error" in r], [])
+                planned = next(r for r in rows if r["name"] == "planned")
+                self.assertEqual(planned["plan_timing"], "measured")
+                self.assertEqual(set(planned["predictions"]), names)
+                self.assertEqual(planned["plan_budget_GiB"] == 0.0, cap is not None)  # the cap is the plan's budget
+                self.assertTrue(all(r["tokens_per_s"] > 0 and "prediction_error" in r for r in rows))
+        self.assertEqual(len(result["settings"]), 2 * len(models_benchmark.MODELS))
+        self.assertIn("planned x", printed.getvalue())
+
+    def test_a_row_predicted_as_the_placement_it_runs(self):
+        with mock.patch.dict(os.environ, {"TORCH_FSDP_OFFLOAD_PLATFORM": "discrete"}):
+            half = models_benchmark.row_training_config("coherent(host;next-fwd;last=0.5;keep=1;ac;depth=1;cast=device)", 8)
+            spread = models_benchmark.row_training_config("coherent(split=0.25;modules=0.5;early)", 8)
+        self.assertEqual(half, TrainingConfig(module_fraction=0.5, optimizer="host", checkpointing=True, prefetch_depth=1,
+                                              keep_unsharded=1, cast_on="device"))
+        self.assertEqual(spread, TrainingConfig(module_fraction=0.5, optimizer=0.25, prefetch_depth=2,
+                                                block_placement="spread", step_during_backward=True))
+        self.assertEqual(models_benchmark.row_training_config("resident", 8), TrainingConfig())
+        with self.assertRaisesRegex(ValueError, "units= and user-clip"):
+            models_benchmark.check_row("coherent(host;units=2)")
+        predicted = {"a": {"fits": False, "step_s": 0.1}, "b": {"fits": True, "step_s": 0.5}, "c": {"fits": True, "step_s": 0.2}}
+        self.assertEqual(models_benchmark.ranked(["a", "b", "x", "c"], predicted), ["c", "b", "a", "x"])
+
+    def test_summary_names_the_best_row_and_the_ratios(self):
+        def row(name, tokens_per_s, step_s, **extra):
+            return {"model": "m", "batch_size": 4, "gpu_cap_GiB": None, "name": name, "tokens_per_s": tokens_per_s,
+                    "step_s": step_s, **extra}
+
+        rows = [row("default", 1000, 0.8), row("planned", 1500, 0.5, plan_label="modules=0.50", plan_timing="measured",
+                                                 predicted_step_s=0.4, predictions={"default": {"step_s": 1.0}}),
+                row("coherent(host)", 2000, 0.4), {**row("resident", 0, 0), "error": "OOM: CUDA out of memory"}]
+        summary, = models_benchmark.summarize(rows)
+        self.assertEqual((summary["best_row"], summary["default_over_best"], summary["planned_over_best"]),
+                         ("coherent(host)", 2.0, 1.33))
+        self.assertEqual((rows[0]["prediction_error"], summary["planned_prediction_error"]), (0.25, -0.2))
+        self.assertEqual(summary["failed"], {"resident": "OOM: CUDA out of memory"})
+        self.assertNotIn("prediction_error", rows[2])
+
+    def test_a_child_that_dies_is_followed_by_one_for_the_rows_left(self):
+        args = argparse.Namespace(sweep="coherent(host)", capped_sweep="", seq_len=16, steps=1, warmup=0,
+                                  microbatch_factors="1", tiny=True, row_timeout=10.0)
+        runner = peers.Runner(args, deadline=float("inf"))
+        done = {"model": "anchor-1.6b", "batch_size": 4, "gpu_cap_GiB": None, "tokens_per_s": 1, "step_s": 1.0}
+        answers = [({"rows": [{**done, "name": "default"}], "running": "planned", "order": ["resident", "coherent(host)"]},
+                    "exit -9 (killed: host memory?): "),
+                   ({"rows": [{**done, "name": "coherent(host)"}, {**done, "name": "resident"}], "running": None, "order": []}, "")]
+        rows = []
+        with mock.patch.object(runner, "child", side_effect=answers) as child, contextlib.redirect_stdout(io.StringIO()):
+            models_benchmark.run_settings(runner, args, [("anchor-1.6b", 4, None)], rows, write=lambda: None)
+        self.assertEqual([r["name"] for r in rows], ["default", "planned", "coherent(host)", "resident"])
+        self.assertEqual(rows[1]["error"], "exit -9 (killed: host memory?): ")
+        second = child.call_args_list[1].args[0]
+        self.assertEqual(second[second.index("--rows") + 1], "resident,coherent(host)")
+        with mock.patch.object(models_benchmark.importlib.util, "find_spec", return_value=None), \
+                mock.patch.object(runner, "child", side_effect=AssertionError("no process for a missing package")):
+            rows = []
+            models_benchmark.run_settings(runner, args, [("llama-1b-hf", 4, None)], rows, write=lambda: None)
+        self.assertTrue(rows and all("transformers is not installed" in r["error"] for r in rows))
 
 
 class TestMultiGpuBenchmark(TestCase):
