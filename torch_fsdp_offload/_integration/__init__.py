@@ -77,10 +77,11 @@ def check_torch_version() -> None:
         )
 
 
-def _patch_points(fsdp2_hooks: bool) -> list[tuple[str, Any, str, Any, Any]]:
+def _patch_points(fsdp2_hooks: bool | None = None) -> list[tuple[str, Any, str, Any, Any]]:
+    """Every patch point of the path ``fsdp2_hooks`` chooses (default: the path in use)."""
     from torch_fsdp_offload._integration import fsdp1_handles
 
-    if fsdp2_hooks:
+    if fsdp2_hooks if fsdp2_hooks is not None else _fsdp2_hooks:
         return fsdp1_handles.patches()
     from torch_fsdp_offload._integration import fsdp2_param_group, fsdp2_sharding
 
