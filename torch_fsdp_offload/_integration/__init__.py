@@ -5,8 +5,11 @@ functions exported here and in its ``tensors``, ``dtensor_grads`` and ``installa
 
 Modules, named by what they patch or read:
 
-* ``fsdp2_param_group``: ``CoherentFSDPParamGroup``, the ``FSDPParamGroup`` subclass installed at
-  the sites FSDP2 constructs it, and the ``FSDPParam`` subclass its parameters are re-classed to;
+* ``fsdp2_hooks``: CoherentOffload as FSDP2's offload-policy hooks, on a torch that has them
+  (docs/upstream/fsdp2_offload_hooks.patch): then nothing of FSDP2 is patched;
+* ``fsdp2_param_group``: otherwise ``CoherentFSDPParamGroup``, the ``FSDPParamGroup`` subclass
+  installed at the sites FSDP2 constructs it, and the ``FSDPParam`` subclass its parameters are
+  re-classed to (the data path both share is its ``GroupOffload``);
 * ``fsdp2_group_state``: the states of an offloaded group, with asserted transitions;
 * ``fsdp2_sharding``: the ``FSDPState.init`` wrap that sees every ``fully_shard`` call, and the
   undoing of a call the policy refused;
@@ -39,6 +42,7 @@ __all__ = [
     "SUPPORTED_TORCH",
     "torch_version",
     "uninstall",
+    "uses_fsdp2_hooks",
 ]
 
 # The torch releases whose FSDP2 and FSDP1 internals the patch points were read against
@@ -47,6 +51,8 @@ SUPPORTED_TORCH = ((2, 11), (2, 14))
 
 # (site, owner, name, torch's original, replacement) of every patch point, while installed.
 _applied: list[tuple[str, Any, str, Any, Any]] = []
+# Whether install() took FSDP2's offload-policy hooks instead of patching FSDP2.
+_fsdp2_hooks = False
 
 
 def torch_version() -> tuple[int, int]:
@@ -71,8 +77,13 @@ def check_torch_version() -> None:
         )
 
 
-def _patch_points() -> list[tuple[str, Any, str, Any, Any]]:
-    from torch_fsdp_offload._integration import fsdp1_handles, fsdp2_param_group, fsdp2_sharding
+def _patch_points(fsdp2_hooks: bool | None = None) -> list[tuple[str, Any, str, Any, Any]]:
+    """Every patch point of the path ``fsdp2_hooks`` chooses (default: the path in use)."""
+    from torch_fsdp_offload._integration import fsdp1_handles
+
+    if fsdp2_hooks if fsdp2_hooks is not None else _fsdp2_hooks:
+        return fsdp1_handles.patches()
+    from torch_fsdp_offload._integration import fsdp2_param_group, fsdp2_sharding
 
     return [*fsdp2_param_group.patches(), *fsdp2_sharding.patches(), *fsdp1_handles.patches()]
 
@@ -91,7 +102,9 @@ def _is_torch_own(value: Any) -> bool:
 
 
 def install() -> None:
-    """Apply every patch point (FSDP2 and FSDP1), each verified, once per process.
+    """Apply every patch point (FSDP2 and FSDP1), each verified, once per process. On a torch whose
+    ``OffloadPolicy`` has the offload hooks (docs/upstream/fsdp2_offload_hooks.patch), FSDP2 is
+    not patched: ``CoherentOffload`` implements the hooks (:func:`uses_fsdp2_hooks`).
 
     Before patching, each site must hold torch's own object, the one the replacement subclasses or
     delegates to; after patching, each site is read back. Nothing stays patched when a check fails.
@@ -107,10 +120,14 @@ def install() -> None:
         >>> torch_fsdp_offload.uninstall()
         >>> torch_fsdp_offload.install()
     """
+    global _fsdp2_hooks
     if installation.installed:
         return
     check_torch_version()
-    points = _patch_points()
+    from torch_fsdp_offload._integration import fsdp2_hooks
+
+    hooks = fsdp2_hooks.available()
+    points = _patch_points(hooks)
     for site, owner, name, original, _ in points:
         current = getattr(owner, name, None)
         if current is not original or not _is_torch_own(original):
@@ -125,6 +142,9 @@ def install() -> None:
     except BaseException:
         _restore()
         raise
+    if hooks:
+        fsdp2_hooks.attach()
+    _fsdp2_hooks = hooks
     installation.installed = True
 
 
@@ -168,6 +188,12 @@ def uninstall() -> None:
             raise _site_error(site, getattr(owner, name, None), f"torch's own {original!r} after restoring")
     installation.installed = False
     installation.reason = "torch_fsdp_offload.uninstall() was called"
+
+
+def uses_fsdp2_hooks() -> bool:
+    """Whether :func:`install` took FSDP2's offload-policy hooks (no FSDP2 patch point applied)
+    rather than the ``FSDPParamGroup`` class swap."""
+    return _fsdp2_hooks
 
 
 def is_installed() -> bool:

@@ -129,14 +129,14 @@ class GroupOffload:
     def layout(self) -> None:
         offset = 0
         for fsdp_param in self.group.fsdp_params:
-            numel = fsdp_param._sharded_param_data.numel()
+            numel = fsdp_param.padded_sharded_param_size.numel()
             self.offsets[fsdp_param] = (offset, numel)
             offset += numel
         self.numel = offset
 
     def host_bytes(self) -> int:
         """Host bytes this group will pin (see :func:`~torch_fsdp_offload._integration.fsdp2_group_plan.host_bytes`)."""
-        master_dtype = self.group.fsdp_params[0]._sharded_param_data.dtype
+        master_dtype = self.group.fsdp_params[0].sharded_param.dtype
         # Read from the policy: FSDPParam.param_dtype is set only at lazy init.
         return host_bytes(self.numel, master_dtype, self.group.mp_policy.param_dtype, self.plan.cast_on)
 
@@ -163,7 +163,7 @@ class GroupOffload:
         if self.placement is not GroupPlacement.ON_HOST:
             return
         self.layout()
-        first = self.group.fsdp_params[0]._sharded_param_data
+        first = self.group.fsdp_params[0].sharded_param
         self.master = pinned_empty((self.numel,), first.dtype)
         for fsdp_param in self.group.fsdp_params:
             self.rehome_param(fsdp_param)
@@ -245,7 +245,7 @@ class GroupOffload:
                 source,
                 # cast_on="device": the master crosses and is cast to the compute dtype on arrival.
                 dtype=self._param_dtype_to_cast() if self.mirror is None else None,
-                label=f"params_h2d:{self.group._module_fqn or 'root'}",
+                label=f"params_h2d:{self.label()}",
                 chunk_bytes=self.plan.chunk_bytes,
             )
             self._inputs_left = set(self.group.fsdp_params)
@@ -301,9 +301,9 @@ class GroupOffload:
         return self._padded_view(self.grads, fsdp_param)
 
     @torch.no_grad()
-    def offload_grads(self, post_reduce_event: Any) -> bool:
-        """Copy the captured reduced gradient shards into the persistent host buffer, as one
-        coalesced D2H on the D2H stream once the reduction finished.
+    def offload_grads(self, post_reduce_event: Any, into: torch.Tensor | None = None) -> bool:
+        """Copy the captured reduced gradient shards into the persistent host buffer (or ``into``,
+        laid out alike), as one coalesced D2H on the D2H stream once the reduction finished.
 
         Returns whether any gradient was copied."""
         captured, self.captured_grads = self.captured_grads, {}
@@ -314,7 +314,7 @@ class GroupOffload:
         # copy, and they are free as soon as dropped (below). Marked used on the copy stream
         # instead, they would stay allocated until an allocation found the copy finished, while
         # the CPU has run ahead into the next group's backward (a group's bytes over FSDP2's peak).
-        producer = self.group.reduce_output_stream() if copy_stream is not None else None
+        producer = self.reduce_output_stream() if copy_stream is not None else None
         with torch.profiler.record_function("torch_fsdp_offload::grads_coalesce"):
             if copy_stream is not None:
                 if post_reduce_event is not None:
@@ -331,8 +331,8 @@ class GroupOffload:
                     torch._foreach_copy_([self._padded_view(flat, p) for p in captured], list(captured.values()))
                 self.grad_transfer = self.engine.d2h(
                     flat,
-                    self.grads,
-                    label=f"grads_d2h:{self.group._module_fqn or 'root'}",
+                    self.grads if into is None else into,
+                    label=f"grads_d2h:{self.label()}",
                     chunk_bytes=self.plan.chunk_bytes,
                     mark_src_used=producer is None,
                 )
@@ -401,9 +401,22 @@ class GroupOffload:
         """``local`` as a DTensor sharded like parameter ``index`` (for optimizer state)."""
         return self.group.fsdp_params[index].to_sharded_dtensor(local)
 
+    # -- what the group's FSDP path tells (the hooks path, fsdp2_hooks, answers these itself) ---
+    def label(self) -> str:
+        return self.group._module_fqn or "root"
+
+    def schedule(self) -> "RootSchedule | None":
+        return getattr(self.group.comm_ctx, "coherent_schedule", None)
+
+    def needs_copy_in(self, backward: bool) -> bool:
+        return self.group.needs_copy_in(backward)
+
+    def reduce_output_stream(self) -> torch.cuda.Stream | None:
+        return self.group.reduce_output_stream()
+
     def forward_index(self) -> int:
         """Position of this group in the learned forward order (unseen groups last)."""
-        schedule = getattr(self.group.comm_ctx, "coherent_schedule", None)
+        schedule = self.schedule()
         if schedule is None or self not in schedule.order:
             return len(_live_groups)
         return schedule.order.index(self)
@@ -432,7 +445,7 @@ class GroupOffload:
 
     def prefetch_next_forward(self) -> None:
         """Start the copies the next forward needs first (after the optimizer stepped)."""
-        schedule = getattr(self.group.comm_ctx, "coherent_schedule", None)
+        schedule = self.schedule()
         if schedule is not None:
             schedule.prefetch_first(self.plan.prefetch_depth)
 
@@ -470,7 +483,7 @@ class RootSchedule:
             else self.order[index + 1 : index + 1 + depth]
         )
         for neighbour in ahead:
-            if neighbour.active and neighbour.group.needs_copy_in(backward):
+            if neighbour.active and neighbour.needs_copy_in(backward):
                 neighbour.issue_h2d(block=False)
 
     def prefetch_first(self, depth: int) -> None:

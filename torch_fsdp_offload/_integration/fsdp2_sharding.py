@@ -133,7 +133,8 @@ def shards_on_host(module: nn.Module) -> bool:
     ``module_fraction < 1``, with a plain ``OffloadPolicy``)."""
     state = _get_module_fsdp_state(module)
     groups = _groups_of(state) if state is not None else []
-    return bool(groups) and isinstance(groups[0].offload_policy, CPUOffloadPolicy)
+    # FSDP with the offload hooks says so itself (OffloadPolicy.offloads_group).
+    return bool(groups) and getattr(groups[0], "offloaded", isinstance(groups[0].offload_policy, CPUOffloadPolicy))
 
 
 def take_back_refused_call(modules: Sequence[nn.Module], error: BaseException) -> None:

@@ -1,0 +1,86 @@
+"""Checks run only on a torch with FSDP2's offload hooks (test_fsdp2_offload_hooks.py runs them on a
+patched copy of torch, with the parity tests): CoherentOffload runs through the hooks, in every rank,
+with no FSDP2 patch point applied, and its data path is the real one (shards and gradients in the
+group's host buffers, copy-ins and gradient copies of its own)."""
+
+from __future__ import annotations
+
+import collections
+from unittest import mock
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
+from torch.testing._internal.common_utils import run_tests
+
+from common_offload import GlooMultiProcessTestCase
+from test_fsdp2_offload import _batch, _loss, _shard, TiedBlocksModel
+from torch_fsdp_offload import _integration, CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload._integration import fsdp2_hooks
+from torch_fsdp_offload.transfer import get_transfer_engine
+
+
+def _in(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+    start = flat.data_ptr()
+    return start <= tensor.data_ptr() < start + flat.numel() * flat.element_size()
+
+
+class HooksPathTest(GlooMultiProcessTestCase):
+    WORLD_SIZE = 2
+
+    def test_offload_runs_through_the_hooks(self):
+        self.init_gloo()
+        self.assertTrue(_integration.uses_fsdp2_hooks())
+        # No FSDP2 patch point applied: torch's own classes and methods everywhere.
+        self.assertEqual(_fsdp_param_group.FSDPParamGroup.__module__, _fsdp_param_group.__name__)
+        self.assertEqual(_fsdp_state.FSDPState.init.__module__, _fsdp_state.__name__)
+        calls = collections.Counter()
+
+        def counting(name):
+            hook = getattr(CoherentOffload, name)
+
+            def call(*args, **kwargs):
+                calls[name] += 1
+                return hook(*args, **kwargs)
+
+            return call
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        engine = get_transfer_engine("cpu")
+        engine.stats.reset()
+        with mock.patch.multiple(CoherentOffload, **{name: counting(name) for name in fsdp2_hooks.HOOKS}):
+            model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete"), init_device_mesh("cpu", (self.world_size,)), mp)
+            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+            for step in range(2):
+                optim.zero_grad()
+                _loss(model, _batch(step, self.rank)).backward()
+                optim.step()
+            optim.synchronize()
+        groups = [module._get_fsdp_state()._fsdp_param_groups[0] for module in (*model.blocks, model)]
+        self.assertEqual({type(group) for group in groups}, {_fsdp_param_group.FSDPParamGroup})
+        for group in groups:
+            offload = group.offload_state
+            self.assertIsInstance(offload, fsdp2_hooks.HookedGroupOffload)
+            self.assertTrue(group.offloaded and offload.active)
+            for fsdp_param in group.fsdp_params:
+                self.assertIs(type(fsdp_param), _fsdp_param.FSDPParam)
+                # The shard lives in the policy's one host buffer, and so does its gradient.
+                self.assertTrue(_in(fsdp_param.sharded_param._local_tensor, offload.master))
+                self.assertTrue(_in(fsdp_param.host_shard, offload.master))
+                if fsdp_param.sharded_param.requires_grad:
+                    self.assertTrue(_in(fsdp_param.sharded_param.grad._local_tensor, offload.grads))
+        # Each hook ran; the copies were the policy's, one per group and pass.
+        self.assertEqual(set(calls), set(fsdp2_hooks.HOOKS) - {"on_shard_reset"})
+        self.assertGreater(calls["copy_in"], 0)
+        self.assertGreater(engine.stats.h2d_copies, 0)
+        self.assertGreater(engine.stats.d2h_copies, 0)
+        self.assertEqual(calls["on_grads_ready"], 2 * len(groups))
+
+
+class HooksPathWorldSize1Test(HooksPathTest):
+    WORLD_SIZE = 1
+
+
+if __name__ == "__main__":
+    run_tests()

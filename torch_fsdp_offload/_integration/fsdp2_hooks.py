@@ -1,0 +1,230 @@
+"""``CoherentOffload`` through FSDP2's offload-policy hooks, where torch has them.
+
+``docs/upstream/fsdp2_offload_hooks.patch`` gives ``OffloadPolicy`` the hooks of the RFC
+(docs/upstream.md). On a torch with them, :func:`attach` makes them methods of ``CoherentOffload``
+and the integration patches nothing of FSDP2: FSDP calls the policy, and the policy runs the same
+data path as ``CoherentFSDPParamGroup`` (its :class:`GroupOffload` and :class:`RootSchedule`):
+shards in one exact-size pinned buffer per group, one coalesced copy-in on the transfer engine's
+stream, prefetched ``prefetch_depth`` groups ahead, reduced gradients going down coalesced into
+persistent host buffers, and the optimizer told per group when they land.
+
+What the hooks do not reach stays as it is: undoing a ``fully_shard`` call the policy refused
+(``fsdp2_sharding.take_back_refused_call``) and reading a module's group for
+``fsdp2_shards_on_host``.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import OffloadPolicy
+
+from torch_fsdp_offload import optim
+from torch_fsdp_offload._integration import fsdp2_sharding as sharding
+from torch_fsdp_offload._integration import installation
+from torch_fsdp_offload._integration.fsdp2_group_plan import plan_group
+from torch_fsdp_offload._integration.fsdp2_group_state import GroupPlacement
+from torch_fsdp_offload._integration.fsdp2_param_group import _is_host_grad, GroupOffload, RootSchedule
+from torch_fsdp_offload._integration.tensors import in_backward, local_tensor
+from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
+from torch_fsdp_offload.memory import pinned_empty
+from torch_fsdp_offload.policy import CoherentOffload
+
+logger = logging.getLogger(__name__)
+
+# The hooks the patch adds to OffloadPolicy, all of which CoherentOffload implements.
+HOOKS = (
+    "offloads_group", "init_group", "place_shards", "on_shard_reset", "copy_in", "on_copy_in_read",
+    "before_compute", "copy_out_grads", "on_grads_ready",
+)
+
+
+def available() -> bool:
+    """Whether this torch's ``OffloadPolicy`` has every hook (a torch with the patch applied)."""
+    return all(callable(getattr(OffloadPolicy, name, None)) for name in HOOKS)
+
+
+class HookedGroupOffload(GroupOffload):
+    """A :class:`GroupOffload` whose group is FSDP's own: what ``CoherentFSDPParamGroup`` would
+    tell, it answers from public group state and the hooks it saw."""
+
+    def __init__(self, group: Any, plan: Any, offloaded: bool) -> None:
+        super().__init__(group, plan, offloaded)
+        # An all-gather read this group's copy-in and the group is not unsharded yet.
+        self.copy_in_read = False
+        self.model_sharding: Any = None  # set by init_group
+        self.root_schedule: RootSchedule | None = None  # set at lazy init (place_shards)
+
+    def label(self) -> str:
+        return type(self.group.modules[0]).__name__
+
+    def schedule(self) -> RootSchedule | None:
+        return self.root_schedule
+
+    def needs_copy_in(self, backward: bool) -> bool:
+        group = self.group
+        if group.is_unsharded or not group.is_sharded or (backward and not group.unshard_in_backward):
+            return False
+        return not self.copy_in_read
+
+    def reduce_output_stream(self) -> None:
+        return None  # FSDP does not say which stream allocated the reduce output: mark it used
+
+    def forward_index(self) -> int:
+        schedule = self.schedule()
+        if schedule is None or self not in schedule.order:
+            return len(schedule.order) if schedule is not None else 0
+        return schedule.order.index(self)
+
+    @torch.no_grad()
+    def host_shards(self) -> list[torch.Tensor] | None:
+        """The ``ON_HOST`` to ``HOMED`` transition: one exact-size pinned buffer, and each
+        parameter's slot in it for FSDP to move the shard into."""
+        if self.placement is not GroupPlacement.ON_HOST:
+            return None
+        self.layout()
+        self.master = pinned_empty((self.numel,), self.group.fsdp_params[0].sharded_param.dtype)
+        self.placement = GroupPlacement.HOMED
+        return [self.master[offset : offset + numel] for offset, numel in self.param_ranges()]
+
+
+# Every live group's offload state (FSDP keeps it as the group's ``offload_state``), to count the
+# host memory of groups not homed yet.
+_offloads: "weakref.WeakSet[HookedGroupOffload]" = weakref.WeakSet()
+# The prefetch schedule of each root, by its communication context (one per root); its groups'
+# offload states hold it.
+_schedules: "weakref.WeakKeyDictionary[Any, weakref.ref[RootSchedule]]" = weakref.WeakKeyDictionary()
+# What offloads_group decided for the group FSDP is building, for its init_group.
+_building: list[tuple[Any, Any, Any, bool]] = []
+
+
+def _active(offload: HookedGroupOffload | None) -> bool:
+    return offload is not None and offload.active
+
+
+def offloads_group(policy: CoherentOffload, params, modules, mesh_info, mp_policy, shard_placement_fn) -> bool:
+    if not installation.installed:
+        return True  # as CPUOffloadPolicy, the way FSDP2 runs it without the integration
+    sharding.note_fully_shard(modules)
+    model = sharding.model_sharding(policy, modules)
+    call = {"params": params, "modules": modules, "mesh_info": mesh_info, "mp_policy": mp_policy,
+            "shard_placement_fn": shard_placement_fn}
+    try:
+        activation_hooks.check_activation_offload(policy, modules)
+        pending = sum(o.host_bytes() for o in list(_offloads) if o.placement is GroupPlacement.ON_HOST)
+        plan, offloaded = plan_group(policy, model, call, pending_host_bytes=pending)
+    except Exception as error:
+        sharding.take_back_refused_call(modules, error)
+        raise
+    _building[:] = [(modules, model, plan, offloaded)]
+    return offloaded
+
+
+def init_group(policy: CoherentOffload, group: Any) -> HookedGroupOffload | None:
+    if not _building or _building[0][0] is not group.modules:
+        return None  # built without the integration
+    (_, model, plan, offloaded), = _building
+    _building.clear()
+    sharding.record_group(policy, model, group.modules)
+    if not model.plan_logged:
+        model.plan_logged = True
+        logger.info(plan.describe())
+    offload = HookedGroupOffload(group, plan, offloaded)
+    _offloads.add(offload)
+    if offloaded:
+        offload.layout()
+    optim.register_offloaded_group(offload)
+    activation_hooks.attach_activation_offload(types.SimpleNamespace(
+        modules=group.modules, device=group.device, coherent_policy=policy, _offload=offload, _model_sharding=model,
+    ))
+    offload.model_sharding = model
+    return offload
+
+
+def place_shards(policy: CoherentOffload, group: Any) -> list[torch.Tensor] | None:
+    offload = group.offload_state
+    if offload is None:
+        return None
+    offload.model_sharding.ran = True  # the model is complete: the policy's next call starts another
+    schedule = _schedules[group.comm_ctx]() if group.comm_ctx in _schedules else None
+    if schedule is None:
+        schedule = RootSchedule()
+        _schedules[group.comm_ctx] = weakref.ref(schedule)
+    offload.root_schedule = schedule
+    return offload.host_shards()
+
+
+def on_shard_reset(policy: CoherentOffload, fsdp_param: Any) -> None:
+    offload = fsdp_param.offload_state
+    if offload is not None and offload.placement is GroupPlacement.HOMED:
+        offload.mark_stale()
+
+
+def copy_in(policy: CoherentOffload, fsdp_param: Any, stream: Any) -> tuple[torch.Tensor, None] | None:
+    offload = fsdp_param.offload_state
+    if offload is None:
+        return None
+    if not offload.active:
+        offload.wait_update()  # FSDP reads the host shard itself
+        return None
+    return offload.take_input(fsdp_param), None  # take_input made the current stream wait
+
+
+def on_copy_in_read(policy: CoherentOffload, group: Any) -> None:
+    offload = group.offload_state
+    if _active(offload):
+        offload.copy_in_read = not group.is_unsharded
+        offload.release_staging()
+
+
+def before_compute(policy: CoherentOffload, group: Any, backward: bool) -> None:
+    offload = group.offload_state
+    if not _active(offload):
+        return
+    offload.copy_in_read = False
+    schedule = offload.schedule()
+    if schedule is not None:
+        # A checkpointed block's forward recomputed in backward computes in backward order.
+        schedule.on_compute(offload, backward=backward or in_backward(), depth=offload.plan.prefetch_depth)
+
+
+def copy_out_grads(policy: CoherentOffload, fsdp_params: list[Any], grads: list[torch.Tensor], stream: Any):
+    offload = fsdp_params[0].offload_state
+    if not _active(offload):
+        return None
+    offload.host_grad_view(fsdp_params[0])  # the persistent buffer, allocated on first use
+    # FSDP adds what lands to gradients already there (accumulation), which live in the persistent
+    # buffer: land in a fresh one then.
+    accumulating = any(p.sharded_param.grad is not None for p in fsdp_params)
+    into = pinned_empty((offload.numel,), offload.master.dtype) if accumulating else offload.grads
+    offload.captured_grads = dict(zip(fsdp_params, grads))
+    offload.offload_grads(None, into=into)
+    offload.mark_stale()
+    return [offload._padded_view(into, p) for p in fsdp_params], offload.grad_transfer
+
+
+@torch.no_grad()
+def on_grads_ready(policy: CoherentOffload, group: Any, is_last_backward: bool) -> None:
+    offload = group.offload_state
+    if not _active(offload):
+        return
+    for fsdp_param in group.fsdp_params:
+        grad = fsdp_param.sharded_param.grad
+        if grad is not None and not _is_host_grad(offload, fsdp_param):
+            # Landed outside the persistent buffer (a parameter first given a gradient in a later
+            # micro-batch): FSDP waited for it; the optimizer reads the buffer.
+            slot = offload.host_grad_view(fsdp_param)
+            slot.copy_(local_tensor(grad))
+            fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(slot)
+    optim.notify_grads_ready(offload, is_last_backward=is_last_backward)
+
+
+def attach() -> None:
+    """Make the hooks methods of ``CoherentOffload`` (FSDP calls them on the policy object)."""
+    for name in HOOKS:
+        setattr(CoherentOffload, name, globals()[name])
+
