@@ -379,9 +379,10 @@ def run_row(
         _shard(model, CPUOffloadPolicy(pin_memory=True), ac)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif name.startswith("coherent("):
+        policy = CoherentOffload(**coherent_row_config(name))
         _shard(
             model,
-            CoherentOffload(**coherent_row_config(name)),
+            policy,
             ac,
             last_blocks_fraction(name),
             kept_unsharded_blocks(name),
@@ -492,6 +493,7 @@ def run_row(
         ),
     }
     if isinstance(optimizer, OffloadOptimizer):
+        row["plan"] = policy.resolve().describe()  # the auto placements as resolved here
         row["host_stepped_params"] = optimizer.stepped_numel["host"]
         # How clip_grad_norm_ read the offloaded gradients' norms in this row.
         row["norm_reads"] = {key: count - norm_reads[key] for key, count in optimizer.norm_reads.items()}
