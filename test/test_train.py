@@ -28,6 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch_fsdp_offload.models import build_model
 from torch_fsdp_offload.policy import CoherentOffload
 from torch_fsdp_offload import materialize_sharded
+from torch_fsdp_offload.optimizer.groups import offloaded_group
 from torch_fsdp_offload.train import parse_args
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,6 +186,11 @@ class TestTrain(TestCase):
                 prefix = next((group for group in ("blocks.0", "blocks.1") if name.startswith(group)), "root")
                 self.assertEqual(param.to_local().device.type, "cpu" if prefix in offloaded else "meta", msg=name)
             self.assertTrue(all(buffer.is_meta for buffer in model.buffers()))
+            # The materialised parameters are new objects: still known as their groups', so an
+            # optimizer built now steps the offloaded ones off the training loop's thread.
+            for name, param in model.named_parameters():
+                prefix = next((group for group in ("blocks.0", "blocks.1") if name.startswith(group)), "root")
+                self.assertIs(offloaded_group(param), groups[prefix]._offload if prefix in offloaded else None, msg=name)
             with self.assertRaisesRegex(ValueError, "call fully_shard"):
                 materialize_sharded(build_model("tiny", device="meta"), "meta")
         finally:

@@ -160,6 +160,9 @@ def place_shards(policy: CoherentOffload, group: Any) -> list[torch.Tensor] | No
 
 def on_shard_reset(policy: CoherentOffload, fsdp_param: Any) -> None:
     offload = fsdp_param.offload_state
+    if offload is not None:
+        # Module._apply (to_empty, .to) makes new parameter objects: still the group's.
+        optim.register_offloaded_group(offload)
     if offload is not None and offload.placement is GroupPlacement.HOMED:
         offload.mark_stale()
 

@@ -79,6 +79,9 @@ class CoherentFSDPParam(FSDPParam):
 
     def reset_sharded_param(self) -> None:
         super().reset_sharded_param()
+        # Module._apply (to_empty, .to) makes new parameter objects: the optimizer must still
+        # know them as the group's.
+        optim.register_offloaded_group(self._offload)
         # load_state_dict(assign=True) or Module._apply can swap the local tensor out of our
         # host buffer; bring the data home so copies and the optimizer see one layout.
         if self._offload.placement is GroupPlacement.HOMED:
