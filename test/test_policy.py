@@ -22,7 +22,7 @@ import torch_fsdp_offload._integration as fsdp2_integration
 from common_offload import SingleRankGlooTestCase
 import torch_fsdp_offload.policy as policy_module
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy
-from torch_fsdp_offload.placement import LinkRates
+from torch_fsdp_offload.placement import choose_placements, LinkRates
 from torch_fsdp_offload.memory import HostMemoryError, memory_stats
 
 
@@ -75,9 +75,9 @@ class CoherentOffloadKnobsTest(TestCase):
         # On a GPU machine "auto" places the cast and the streamed share from the host-step and
         # link rates measured there: two machines, two placements.
         gpu = dataclasses.replace(CoherentOffload(platform="discrete").detect(), device=torch.device("cuda", 0))
-        for rates, cast_on, fraction in (
-            (LinkRates(0.46e-9, 0.17e-9, 55.0, 55.0, 100.0), "device", 0.6),  # a PCIe Gen5 host
-            (LinkRates(0.10e-9, 0.03e-9, 25.0, 25.0, 40.0), "host", 0.15),  # a slower link, a faster host
+        for rates, cast_on, fraction, host_only_cast in (
+            (LinkRates(0.52e-9, 0.28e-9, 54.0, 54.0, 97.0), "device", 0.45, "device"),  # a PCIe Gen5 host
+            (LinkRates(0.10e-9, 0.03e-9, 25.0, 25.0, 40.0), "host", 0.0, "host"),  # a slower link, a faster host
         ):
             with mock.patch.object(policy_module, "measured_rates", return_value=rates) as measured:
                 plan = CoherentOffload(platform="discrete").resolve(gpu)
@@ -87,7 +87,9 @@ class CoherentOffloadKnobsTest(TestCase):
             # Explicit knobs are kept; the other one still follows the rates.
             with mock.patch.object(policy_module, "measured_rates", return_value=rates):
                 self.assertEqual(CoherentOffload(platform="discrete", cast_on="host", optimizer="host").resolve(gpu).cast_on, "host")
-                self.assertEqual(CoherentOffload(platform="discrete", optimizer="host").resolve(gpu).cast_on, cast_on)
+                self.assertEqual(CoherentOffload(platform="discrete", optimizer="host").resolve(gpu).cast_on, host_only_cast)
+                self.assertEqual(CoherentOffload(platform="discrete", cast_on="host").resolve(gpu).optimizer_gpu_fraction,
+                                 choose_placements(rates, "host")[1])
 
     def test_cast_placement_is_in_the_plan(self):
         # Without a GPU there are no rates: a forced copy path casts on the host.

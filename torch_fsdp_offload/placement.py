@@ -2,13 +2,11 @@
 parameters cross a link: derived from this machine's host-step and link rates, measured once per
 process (see Note: [Placement from measured rates] in docs/design.md).
 
-- **Optimizer.** Host steps and streamed steps run at once, so a step of P parameters takes about
-  ``max((1 - f) * P * host, f * P * stream)`` with ``f`` the streamed share: shortest where the two
-  are equal, ``f = host / (host + stream)``. ``host`` is the fused host AdamW (plus the cast when
-  the host casts) per parameter; ``stream`` the link time of a streamed parameter's bytes.
-- **Cast.** Casting on the host costs host time per parameter after every step (and a pinned
-  compute-dtype mirror); casting on the device costs the difference between the master's and the
-  compute dtype's bytes on every copy-in. The cheaper per parameter wins.
+Host steps and streamed steps run at once, each beside the link's copies, so per parameter a step
+takes about the longer of the host's work, ``(1 - f) * (AdamW + cast if the host casts)``, and the
+link's: the copy-ins (the compute dtype's bytes, or the master's when the device casts, twice a
+step), the gradients down, and a streamed parameter's state up and back for the streamed share
+``f``. The placements are those that make it shortest.
 """
 
 from __future__ import annotations
@@ -20,15 +18,16 @@ import torch
 from torch_fsdp_offload.host_step import measure_host_step
 from torch_fsdp_offload.platform_bandwidth import measure_bandwidth
 
-__all__ = ["LinkRates", "cast_placement", "measured_rates", "streamed_fraction"]
+__all__ = ["LinkRates", "choose_placements", "measured_rates", "step_seconds_per_param"]
 
 # A streamed step moves its fp32 master, gradient and two Adam moments up, and the master and
 # moments back (OffloadOptimizer's streamed steps); with the cast on the host, the compute-dtype
 # mirror comes back too.
 STREAMED_UP_BYTES = 16
 STREAMED_DOWN_BYTES = 12
-# fp32 master and a 16-bit compute dtype.
+# fp32 master and a 16-bit compute dtype; gradients come down reduced in fp32.
 MASTER_BYTES = 4
+GRADIENT_BYTES = 4
 COMPUTE_BYTES = 2
 # Copy-ins of a group per step: forward, and the re-gather for backward.
 COPY_INS_PER_STEP = 2
@@ -97,43 +96,52 @@ def measured_rates(device: torch.device) -> LinkRates:
     return _measured[key]
 
 
-def streamed_fraction(rates: LinkRates, cast_on: str) -> float:
-    """The share of the offloaded groups to stream through the GPU: where host and streamed steps
-    take as long (the module docstring), to 0.05.
+def step_seconds_per_param(rates: LinkRates, cast_on: str, fraction: float) -> float:
+    """The longer of the host's and the link's work per parameter of a step that streams
+    ``fraction`` of the offloaded parameters and casts on ``cast_on`` (the module docstring).
 
     Args:
         rates (LinkRates): the machine's rates.
-        cast_on (str): ``"host"`` or ``"device"``: where the cast runs, which the host step and a
-            streamed step's bytes down include or not.
+        cast_on (str): ``"host"`` or ``"device"``.
+        fraction (float): the streamed share, in [0, 1].
 
     Returns:
-        float: in [0, 1].
+        float: seconds per parameter.
 
     Example::
 
-        >>> streamed_fraction(LinkRates(0.46e-9, 0.17e-9, 55.0, 55.0, 100.0), "device")
-        0.6
+        >>> step_seconds_per_param(LinkRates(0.46e-9, 0.17e-9, 55.0, 55.0, 100.0), "host", 0.5)
+        3.15e-10
     """
-    host = rates.adamw_s_per_param + (rates.cast_s_per_param if cast_on == "host" else 0.0)
-    down = STREAMED_DOWN_BYTES + (COMPUTE_BYTES if cast_on == "host" else 0)
-    stream = max(STREAMED_UP_BYTES / rates.h2d_GBps, down / rates.d2h_GBps, (STREAMED_UP_BYTES + down) / rates.both_GBps) / 1e9
-    return round(round(host / (host + stream) / 0.05) * 0.05, 2)
+    host_cast = cast_on == "host"
+    host = (1 - fraction) * (rates.adamw_s_per_param + (rates.cast_s_per_param if host_cast else 0.0))
+    h2d = COPY_INS_PER_STEP * (COMPUTE_BYTES if host_cast else MASTER_BYTES) + fraction * STREAMED_UP_BYTES
+    d2h = GRADIENT_BYTES + fraction * (STREAMED_DOWN_BYTES + (COMPUTE_BYTES if host_cast else 0))
+    link = max(h2d / rates.h2d_GBps, d2h / rates.d2h_GBps, (h2d + d2h) / rates.both_GBps) / 1e9
+    return max(host, link)
 
 
-def cast_placement(rates: LinkRates) -> str:
-    """Where to cast the master to the compute dtype: ``"device"`` where the extra bytes of
-    copying the master in cost less link time than the host cast costs host time, else ``"host"``.
+def choose_placements(rates: LinkRates, cast_on: str = "auto", fraction: float | None = None) -> tuple[str, float]:
+    """The cast placement and streamed share (to 0.05) whose step takes the least host and link
+    time per parameter (:func:`step_seconds_per_param`); a given one is kept, the other chosen for
+    it. Within 3% the device cast wins: it keeps no compute-dtype mirror in host memory.
 
     Args:
         rates (LinkRates): the machine's rates.
+        cast_on (str): ``"auto"``, or the ``"host"`` / ``"device"`` to keep.
+        fraction (float | None): None to choose, or the streamed share to keep.
 
     Returns:
-        str: ``"host"`` or ``"device"``.
+        tuple[str, float]: the cast placement and the streamed share.
 
     Example::
 
-        >>> cast_placement(LinkRates(0.46e-9, 0.17e-9, 55.0, 55.0, 100.0))
-        'device'
+        >>> choose_placements(LinkRates(0.52e-9, 0.28e-9, 54.0, 54.0, 97.0))
+        ('device', 0.45)
     """
-    extra_link_s = COPY_INS_PER_STEP * (MASTER_BYTES - COMPUTE_BYTES) / rates.h2d_GBps / 1e9
-    return "device" if extra_link_s < rates.cast_s_per_param else "host"
+    casts = ("device", "host") if cast_on == "auto" else (cast_on,)
+    fractions = [step / 20 for step in range(21)] if fraction is None else [fraction]
+    best = {cast: min(fractions, key=lambda f: (round(step_seconds_per_param(rates, cast, f), 15), f)) for cast in casts}
+    seconds = {cast: step_seconds_per_param(rates, cast, f) for cast, f in best.items()}
+    cast = "device" if "device" in seconds and seconds["device"] <= 1.03 * min(seconds.values()) else min(seconds, key=seconds.get)
+    return cast, best[cast]

@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from torch_fsdp_offload._integration.installation import require_installed
-from torch_fsdp_offload.placement import cast_placement, measured_rates, streamed_fraction
+from torch_fsdp_offload.placement import choose_placements, measured_rates
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 
 logger = logging.getLogger(__name__)
@@ -390,22 +390,19 @@ class CoherentOffload(CPUOffloadPolicy):
             # without a GPU has none, and runs both step paths and the host cast.
             auto = self.cast_on == "auto" or (self.optimizer == "auto" and kind == PlatformKind.DISCRETE)
             rates = measured_rates(platform.device) if auto and platform.device.type == "cuda" else None
-            cast_on = self.cast_on
-            if cast_on == "auto":
-                cast_on = cast_placement(rates) if rates is not None else "host"
-                reasons.append(f"cast on the {cast_on}" + (f" ({rates.describe()})" if rates is not None else ""))
-            if self.optimizer == "auto":
-                if kind == PlatformKind.COHERENT:
-                    gpu_fraction = 1.0
-                else:
-                    gpu_fraction = streamed_fraction(rates, cast_on) if rates is not None else 0.5
-                reasons.append(f"{gpu_fraction:.2f} of the optimizer streamed through the GPU")
-            elif self.optimizer == "host":
-                gpu_fraction = 0.0
-            elif self.optimizer == "stream":
-                gpu_fraction = 1.0
+            fixed = {"host": 0.0, "stream": 1.0}.get(self.optimizer, self.optimizer)
+            if self.optimizer == "auto" and kind == PlatformKind.COHERENT:
+                fixed = 1.0
+            if rates is not None:
+                cast_on, gpu_fraction = choose_placements(rates, self.cast_on, None if fixed == "auto" else float(fixed))
+                reasons.append(f"measured {rates.describe()}")
             else:
-                gpu_fraction = float(self.optimizer)
+                cast_on = "host" if self.cast_on == "auto" else self.cast_on
+                gpu_fraction = 0.5 if fixed == "auto" else float(fixed)
+            if self.cast_on == "auto":
+                reasons.append(f"cast on the {cast_on}")
+            if self.optimizer == "auto":
+                reasons.append(f"{gpu_fraction:.2f} of the optimizer streamed through the GPU")
             optimizer = {0.0: "host", 1.0: "stream"}.get(gpu_fraction, "split")
         activations = float(self.activations)
         if activations and kind in (PlatformKind.UNIFIED, PlatformKind.HOST_ONLY):
