@@ -366,6 +366,10 @@ def validate_file(path: str, args) -> dict | None:
                 results.append(entry)
                 continue
             config = row_config(row, default_optimizer, default_depth)
+            if row.get("micro_batches", 1) > 1:
+                entry["skipped"] = "accumulates several micro-batches a step: the step model prices one"
+                results.append(entry)
+                continue
             if config is None:
                 entry["skipped"] = "not a configuration the step model describes"
                 results.append(entry)

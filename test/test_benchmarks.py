@@ -244,18 +244,17 @@ class TestPlannerValidate(TestCase):
             with open(out, encoding="utf-8") as handle:
                 validated = json.load(handle)
         bs4, bs16 = sorted(validated["files"], key=lambda f: "bs16" in f["file"])
-        # bs 16 measured one clipped setting (clip and user-clip): no clipped pick to check.
-        self.assertEqual([a["scope"] for a in bs16["agreements"]], ["all rows"])
-        validated = {"files": [bs4]}
-        rows = {r["name"]: r for r in validated["files"][0]["rows"]}
-        self.assertEqual(rows["coherent(default;clip)"]["config"], "modules=1.00 opt=split0.50 clip")
-        self.assertTrue(rows["coherent(default;user-clip)"]["clipping"])
-        self.assertFalse(rows["coherent(default)"]["clipping"])
-        self.assertIn("skipped", rows["stock_cpu_offload+fused_cpu_adamw;user-clip"])
-        for entry in validated["files"][0]["agreements"]:
+        self.assertEqual([a["scope"] for a in bs16["agreements"]], ["all rows", "without resident", "all rows, clipped"])
+        rows = {r["name"]: r for r in bs4["rows"]}
+        split = "coherent(split=0.55;next-fwd;depth=1;cast=device"
+        self.assertEqual(rows[f"{split};clip)"]["config"], "modules=1.00 opt=split0.55 cast=device clip")
+        self.assertTrue(rows[f"{split};user-clip)"]["clipping"])
+        self.assertFalse(rows[f"{split})"]["clipping"])
+        self.assertIn("skipped", rows[f"{split};accum=4)"])  # four micro-batches a step
+        for entry in bs4["agreements"]:
             picked = entry["planner_pick"].split(" (bs")[0]
             self.assertEqual(rows[picked]["clipping"], "clipped" in entry["scope"])
-        self.assertIn("all rows, clipped", [a["scope"] for a in validated["files"][0]["agreements"]])
+        self.assertIn("all rows, clipped", [a["scope"] for a in bs4["agreements"]])
 
     def test_a_file_that_is_not_a_result_object_is_skipped(self):
         # The default run reads every JSON under benchmarks/results; one that is not an object
