@@ -9,15 +9,19 @@ import collections
 from unittest import mock
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_utils import run_tests
 
-from common_offload import GlooMultiProcessTestCase
+from common_offload import GlooMultiProcessTestCase, SingleRankGlooTestCase
 from test_fsdp2_offload import _batch, _loss, _shard, TiedBlocksModel
-from torch_fsdp_offload import _integration, CoherentOffload, OffloadOptimizer
-from torch_fsdp_offload._integration import fsdp2_hooks
+from torch_fsdp_offload import _integration, CoherentOffload, materialize_sharded, OffloadOptimizer
+from torch_fsdp_offload._integration import fsdp2_hooks, fsdp2_sharding
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 
@@ -80,6 +84,60 @@ class HooksPathTest(GlooMultiProcessTestCase):
 
 class HooksPathWorldSize1Test(HooksPathTest):
     WORLD_SIZE = 1
+
+
+def _raises(name):
+    return mock.Mock(side_effect=AssertionError(f"the hooks path called {name}"))
+
+
+class HooksPathPublicStateTest(SingleRankGlooTestCase):
+    """What the hooks path needs of FSDP2 beyond the hooks, it asks through public state."""
+
+    @mock.patch.object(fsdp2_sharding, "take_back_refused_call", _raises("take_back_refused_call"))
+    def test_a_refused_call_leaves_the_modules_as_they_were(self):
+        # A group mixing dtypes is refused; the other group of the same call (its own process
+        # group, by shard_placement_fn) was already built, its parameters sharded: all undone.
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8))
+        params = list(model.parameters())
+        first = set(model[0].parameters())
+        other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0]), "cpu"), shard_mesh_dim=0)
+
+        def placement(param):
+            return None if param in first else ShardPlacementResult(Shard(0), other)
+
+        policy = CoherentOffload(platform="discrete")
+        with self.assertRaisesRegex(ValueError, r"mix torch.bfloat16, torch.float32"):
+            fully_shard(model, mesh=init_device_mesh("cpu", (1,)), offload_policy=policy, shard_placement_fn=placement)
+        self.assertNotIsInstance(model, FSDPModule)
+        self.assertTrue(all(a is b for a, b in zip(model.parameters(), params, strict=True)))
+        self.assertFalse(any(isinstance(param, DTensor) for param in model.parameters()))
+        self.assertFalse(model._forward_pre_hooks or model._forward_hooks)
+        # Usable as it is, and free to be sharded again: each dtype in its own group.
+        model[1].float()
+        self.assertEqual(model(torch.ones(2, 8)).shape, (2, 8))
+        fully_shard(model[1], offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+        self.assertTrue(all(isinstance(param, DTensor) for param in model.parameters()))
+        model(torch.ones(2, 8)).sum().backward()
+
+    @mock.patch.object(fsdp2_sharding, "shards_on_host", _raises("fsdp2_sharding.shards_on_host"))
+    @mock.patch.object(fsdp2_sharding, "_get_module_fsdp_state", _raises("_get_module_fsdp_state"))
+    def test_materialize_sharded_asks_fsdp_module_where_shards_live(self):
+        # "meta" stands in for the compute device: offloaded groups land on the host.
+        with torch.device("meta"):
+            model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+        policy = CoherentOffload(platform="discrete", module_fraction=0.5)
+        for layer in model:
+            fully_shard(layer, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+        materialize_sharded(model, "meta")
+        offloaded = [layer._get_fsdp_state()._fsdp_param_groups[0].offloaded for layer in model]
+        self.assertIn(True, offloaded)
+        self.assertIn(False, offloaded)
+        for layer, on_host in zip(model, offloaded):
+            self.assertEqual(layer.is_offloaded(), on_host)
+            for param in layer.parameters():
+                self.assertEqual(param.to_local().device.type, "cpu" if on_host else "meta")
 
 
 if __name__ == "__main__":

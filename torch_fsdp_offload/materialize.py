@@ -7,13 +7,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from torch_fsdp_offload._integration.fsdp2_sharding import shards_on_host
+from torch_fsdp_offload._integration import fsdp2_shards_on_host
 
 __all__ = ["materialize_sharded"]
 
 
 def _shard_home(module: nn.Module, device: torch.device) -> torch.device:
-    return torch.device("cpu") if shards_on_host(module) else device
+    return torch.device("cpu") if fsdp2_shards_on_host(module) else device
 
 
 @torch.no_grad()

@@ -224,8 +224,10 @@ def attach_fsdp1_offload(
 def fsdp2_shards_on_host(module: Any) -> bool:
     """Whether FSDP2 keeps the shards of ``module``'s parameter group (``fully_shard``-ed) on the
     host, where a model built on ``meta`` must allocate them."""
-    from torch_fsdp_offload._integration import fsdp2_sharding
+    from torch_fsdp_offload._integration import fsdp2_hooks, fsdp2_sharding
 
+    if fsdp2_hooks.available():
+        return module.is_offloaded()  # FSDPModule's, on a torch with the hooks
     return fsdp2_sharding.shards_on_host(module)
 
 

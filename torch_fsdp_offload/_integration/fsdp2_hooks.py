@@ -8,9 +8,8 @@ shards in one exact-size pinned buffer per group, one coalesced copy-in on the t
 stream, prefetched ``prefetch_depth`` groups ahead, reduced gradients going down coalesced into
 persistent host buffers, and the optimizer told per group when they land.
 
-What the hooks do not reach stays as it is: undoing a ``fully_shard`` call the policy refused
-(``fsdp2_sharding.take_back_refused_call``) and reading a module's group for
-``fsdp2_shards_on_host``.
+Nothing private of FSDP2 is read either: a refused ``fully_shard`` call (a hook raising) is undone
+by ``fully_shard`` itself, and ``FSDPModule.is_offloaded()`` answers ``fsdp2_shards_on_host``.
 """
 
 from __future__ import annotations
@@ -54,6 +53,8 @@ class HookedGroupOffload(GroupOffload):
 
     def __init__(self, group: Any, plan: Any, offloaded: bool) -> None:
         super().__init__(group, plan, offloaded)
+        # Gone with its group where fully_shard undid a refused call after building it.
+        self.group_ref = weakref.ref(group)
         # An all-gather read this group's copy-in and the group is not unsharded yet.
         self.copy_in_read = False
         self.model_sharding: Any = None  # set by init_group
@@ -113,13 +114,12 @@ def offloads_group(policy: CoherentOffload, params, modules, mesh_info, mp_polic
     model = sharding.model_sharding(policy, modules)
     call = {"params": params, "modules": modules, "mesh_info": mesh_info, "mp_policy": mp_policy,
             "shard_placement_fn": shard_placement_fn}
-    try:
-        activation_hooks.check_activation_offload(policy, modules)
-        pending = sum(o.host_bytes() for o in list(_offloads) if o.placement is GroupPlacement.ON_HOST)
-        plan, offloaded = plan_group(policy, model, call, pending_host_bytes=pending)
-    except Exception as error:
-        sharding.take_back_refused_call(modules, error)
-        raise
+    # A refusal raises: fully_shard then leaves the modules as they were.
+    activation_hooks.check_activation_offload(policy, modules)
+    pending = sum(
+        o.host_bytes() for o in list(_offloads) if o.placement is GroupPlacement.ON_HOST and o.group_ref() is not None
+    )
+    plan, offloaded = plan_group(policy, model, call, pending_host_bytes=pending)
     _building[:] = [(modules, model, plan, offloaded)]
     return offloaded
 
