@@ -365,11 +365,11 @@ def validate_file(path: str, args) -> dict | None:
                 entry["skipped"] = f"benchmark error: {row['error']}"
                 results.append(entry)
                 continue
-            config = row_config(row, default_optimizer, default_depth)
             if row.get("micro_batches", 1) > 1:
                 entry["skipped"] = "accumulates several micro-batches a step: the step model prices one"
                 results.append(entry)
                 continue
+            config = row_config(row, default_optimizer, default_depth)
             if config is None:
                 entry["skipped"] = "not a configuration the step model describes"
                 results.append(entry)

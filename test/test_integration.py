@@ -164,9 +164,7 @@ class ShardAfterReinstallTest(_ProcessGroupTestCase):
         torch_fsdp_offload.uninstall()
         torch_fsdp_offload.install()
         model, after = train(CoherentOffload(platform="discrete", optimizer="host"))
-        states = [module._get_fsdp_state() for module in (*model.blocks, model)]
-        # FSDP2 keeps a list of groups from 2.13 on, one group before.
-        groups = [(getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group])[0] for state in states]
+        groups = [module._get_fsdp_state()._fsdp_param_group for module in (*model.blocks, model)]
         self.assertTrue(all(isinstance(group, CoherentFSDPParamGroup) for group in groups))
         self.assertTrue(all(group._offload.active for group in groups))
         self.assertEqual(after, before, atol=0, rtol=0)

@@ -86,6 +86,17 @@ class OffloadOptimizerArgumentTest(TestCase):
             with self.subTest(kwargs=kwargs):
                 _plain_optimizer(model, torch.optim.AdamW, **kwargs)
 
+    def test_fused_by_default_where_the_class_takes_it(self):
+        # The fused CPU kernel steps host groups several times faster: it is the default unless
+        # the caller chose an implementation, or a step the fused kernels refuse.
+        model = nn.Linear(4, 3)
+        self.assertIs(_plain_optimizer(model, torch.optim.AdamW, lr=1e-3).defaults["fused"], True)
+        self.assertIs(_plain_optimizer(model, torch.optim.SGD, lr=1e-3).defaults["fused"], True)
+        self.assertIs(_plain_optimizer(model, torch.optim.AdamW, lr=1e-3, fused=False).defaults["fused"], False)
+        self.assertIn(_plain_optimizer(model, torch.optim.AdamW, lr=1e-3, foreach=True).defaults["fused"], (None, False))
+        self.assertIn(_plain_optimizer(model, torch.optim.AdamW, lr=1e-3, differentiable=True).defaults["fused"], (None, False))
+        self.assertNotIn("fused", _plain_optimizer(model, torch.optim.Adadelta, lr=1e-3).defaults)
+
     def test_no_offloaded_group_warns_once(self):
         model = nn.Linear(4, 3)
         with self.assertWarnsRegex(UserWarning, rf"{NOTHING_OFFLOADED}.*steps them as AdamW alone would"):

@@ -229,10 +229,7 @@ class SharedPolicyTest(SingleRankGlooTestCase):
 
     @staticmethod
     def _offloaded(modules: list[nn.Module]) -> list[bool]:
-        # FSDP2 keeps a list of groups from 2.13 on, one group before.
-        states = [module._get_fsdp_state() for module in modules]
-        groups = [getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group] for state in states]
-        return [group[0]._offload.offloaded for group in groups]
+        return [module._get_fsdp_state()._fsdp_param_group._offload.offloaded for module in modules]
 
     def _shard(self, model: nn.Module, policy: CoherentOffload) -> list[bool]:
         """Shard each block, then the root (no parameters of its own, so no group); which of the

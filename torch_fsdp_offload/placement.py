@@ -72,7 +72,7 @@ def measured_rates(device: torch.device) -> LinkRates:
         device (torch.device): a CUDA device.
 
     Returns:
-        LinkRates: what :func:`streamed_fraction` and :func:`cast_placement` decide from.
+        LinkRates: what :func:`choose_placements` decides from.
 
     Raises:
         ValueError: ``device`` is not a CUDA device.
@@ -141,7 +141,8 @@ def choose_placements(rates: LinkRates, cast_on: str = "auto", fraction: float |
     """
     casts = ("device", "host") if cast_on == "auto" else (cast_on,)
     fractions = [step / 20 for step in range(21)] if fraction is None else [fraction]
-    best = {cast: min(fractions, key=lambda f: (round(step_seconds_per_param(rates, cast, f), 15), f)) for cast in casts}
-    seconds = {cast: step_seconds_per_param(rates, cast, f) for cast, f in best.items()}
-    cast = "device" if "device" in seconds and seconds["device"] <= 1.03 * min(seconds.values()) else min(seconds, key=seconds.get)
-    return cast, best[cast]
+    # (seconds, fraction) of each cast's best share; the lowest share among equals.
+    best = {cast: min((step_seconds_per_param(rates, cast, f), f) for f in fractions) for cast in casts}
+    fastest = min(seconds for seconds, _ in best.values())
+    cast = "device" if "device" in best and best["device"][0] <= 1.03 * fastest else min(best, key=best.get)
+    return cast, best[cast][1]

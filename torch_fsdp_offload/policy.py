@@ -145,8 +145,8 @@ class CoherentOffload(CPUOffloadPolicy):
             (``MixedPrecisionPolicy.param_dtype``) for the copy-in. ``"auto"`` (default): where
             it costs less, from the same measured rates (the host cast's time per parameter
             against the extra link time of copying the master in; ``"host"`` without a GPU to
-            measure). ``"host"``: after each optimizer step, into a pinned compute-dtype mirror, so only compute-dtype bytes
-            cross the link (2 per parameter in bf16). ``"device"``: no mirror; the copy-in moves
+            measure). ``"host"``: after each optimizer step, into a pinned compute-dtype
+            mirror, so only compute-dtype bytes cross the link (2 per parameter in bf16). ``"device"``: no mirror; the copy-in moves
             the master's bytes (4 per parameter) and casts them on the GPU as they land, on the
             copy stream. It takes the cast off the host and its mirror out of host memory, for
             twice the copy-in bytes: choose it where host steps, not the link, bound the step
