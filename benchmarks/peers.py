@@ -10,14 +10,19 @@ bf16 compute and AdamW (lr 1e-4, weight decay 0.01) through:
 - ``torchao_cpu_offload``: torchao's ``CPUOffloadOptimizer(offload_gradients=True)`` (fused CPU AdamW
   inside) on a plain one-GPU model under ``torch.autocast(bf16)``;
 - ``torch_fsdp_offload``: this library's defaults, ``CoherentOffload()`` and
-  ``OffloadOptimizer(model, torch.optim.AdamW, lr, fused=True)`` (README's usage).
+  ``OffloadOptimizer(model, torch.optim.AdamW, lr, fused=True)`` (README's usage);
+- ``torch_fsdp_offload_planned``: the one call, ``plan_and_shard(model, example_input=batch,
+  gpu_memory_GiB=budget)`` for each batch size, then ``result.recommended.optimizer(...)``. The
+  budget is ``--plan-budget-fraction`` (default 0.5) of the resident row's peak at that batch size
+  in this run (the cap, under a cap), so the planned row trains within that share of resident memory.
 
 Each system runs in a process of its own (this script with ``--one-row``), its model built once and
 trained at each batch size in turn, so that DeepSpeed's global state and process group never meet
 another system, and the process's RSS and pinned bytes are the system's own. Each row reports tokens/s and the median step time over ``--steps`` after
 ``--warmup``, the peak allocated GPU memory over those steps, the host memory (pinned bytes as the
 system reports them: torch's pinned allocator and this library's pool; the process's RSS, now and
-at its peak) and the loss after all its steps. DeepSpeed and torchao are an optional extra
+at its peak) and the loss after all its steps (``steps_in_process``: the model's steps so far,
+smaller batch sizes' included; the planned rows, each in a process of its own, count only theirs). DeepSpeed and torchao are an optional extra
 (``pip install -e ".[peers]"``); a system whose package is missing is a row with an ``error``.
 
 ``--capacity``: under GPU caps (``--caps``, GiB, ``torch.cuda.set_per_process_memory_fraction`` in
@@ -59,7 +64,9 @@ SYSTEMS = {
     "deepspeed_zero3": "DeepSpeed ZeRO-3, offload_param + offload_optimizer cpu (DeepSpeedCPUAdam)",
     "torchao_cpu_offload": "torchao CPUOffloadOptimizer(offload_gradients=True), fused CPU AdamW",
     "torch_fsdp_offload": "CoherentOffload() + OffloadOptimizer(model, AdamW, lr, fused=True)",
+    "torch_fsdp_offload_planned": "plan_and_shard(model, example_input=batch, gpu_memory_GiB=budget)",
 }
+PLANNED = "torch_fsdp_offload_planned"
 # The optional package each peer needs (the benchmark's "peers" extra).
 REQUIRES = {"deepspeed_zero2": "deepspeed", "deepspeed_zero3": "deepspeed", "torchao_cpu_offload": "torchao"}
 # Host bytes per parameter each system keeps, estimated from what it stores there (fp32 master 4,
@@ -72,6 +79,7 @@ HOST_BYTES_PER_PARAM = {
     "deepspeed_zero3": 20.0,
     "torchao_cpu_offload": 16.0,
     "torch_fsdp_offload": 18.0,
+    "torch_fsdp_offload_planned": 18.0,
 }
 # GPU bytes per parameter each system needs at least, whatever the batch: resident keeps params,
 # grads and AdamW state (16), torchao the fp32 params (4), ZeRO-2 the bf16 params and gradients (4).
@@ -165,13 +173,15 @@ def does_not_fit(error: str) -> bool:
     return error.startswith(("OOM", "timeout")) or "killed" in error or "out of memory" in error.lower()
 
 
-def largest_fitting(probe, upper: int, known: int = 0, start: int | None = None) -> tuple[int, bool]:
+def largest_fitting(probe, upper: int, known: int = 0, start: int | None = None,
+                    tolerance: float = 0.0) -> tuple[int, bool]:
     """The largest ``n`` in ``1..upper`` for which ``probe(n)`` is True, by doubling then bisection.
 
     ``probe(n)`` returns True (trains), False (does not) or None (out of time: the search stops).
     ``known`` is a size known to fit (a smaller cap's answer), ``start`` the first size to try
-    (default ``2 * known``, or 1). Returns the largest size found to fit (``known`` or 0 if none)
-    and whether the search completed."""
+    (default ``2 * known``, or 1). The bisection stops once the smallest size found not to fit is
+    within ``tolerance`` of the answer (0: exact). Returns the largest size found to fit (``known``
+    or 0 if none) and whether the search completed."""
     best, fail = known, upper + 1
     if best >= upper:
         return best, True
@@ -187,7 +197,7 @@ def largest_fitting(probe, upper: int, known: int = 0, start: int | None = None)
         if n >= upper:
             return best, True
         n = min(2 * n, upper)
-    while fail - best > 1:
+    while fail - best > max(1, int(tolerance * best)):
         mid = (best + fail) // 2
         fits = probe(mid)
         if fits is None:
@@ -228,10 +238,35 @@ def _pinned_bytes() -> int:
     return total
 
 
-def _build(system: str, config, batch_size: int, capped: bool):
-    """The system's model and one training step ``step(tokens) -> loss``."""
+def _build(system: str, config, batch_size: int, capped: bool, plan_budget_GiB: float | None = None):
+    """The system's model, one training step ``step(tokens) -> loss`` and what a plan chose (None
+    but for the planned system, which plans for ``batch_size`` within ``plan_budget_GiB``)."""
     import torch
     from torch_fsdp_offload.models import build_model, causal_lm_loss
+
+    if system == PLANNED:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch_fsdp_offload import plan_and_shard
+
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+        model = build_model(config, device="cuda")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        example = torch.randint(0, config.vocab_size, (batch_size, config.max_seq_len), device="cuda")
+        result = plan_and_shard(model, example_input=example, fully_shard_kwargs={"mp_policy": mp},
+                                gpu_memory_GiB=plan_budget_GiB, microbatch_factors=[1])
+        optimizer = result.recommended.optimizer(model, lr=LR, fused=True)
+        plan = {"plan": result.recommended.code(), "plan_budget_GiB": plan_budget_GiB, "plan_timing": result.timing,
+                "predicted_step_s": result.recommended.predicted_step_s}
+
+        def planned_step(tokens):
+            loss = causal_lm_loss(model(tokens), tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        return model, planned_step, plan
 
     if system in ("resident", "stock_cpu_offload", "torch_fsdp_offload"):
         import torch.distributed as dist
@@ -261,7 +296,7 @@ def _build(system: str, config, batch_size: int, capped: bool):
             optimizer.zero_grad()
             return loss
 
-        return model, step
+        return model, step, None
     if system.startswith("deepspeed"):
         import deepspeed
 
@@ -275,7 +310,7 @@ def _build(system: str, config, batch_size: int, capped: bool):
             engine.step()
             return loss
 
-        return engine, step
+        return engine, step, None
     if system == "torchao_cpu_offload":
         from torchao.optim import CPUOffloadOptimizer
 
@@ -292,12 +327,12 @@ def _build(system: str, config, batch_size: int, capped: bool):
             optimizer.zero_grad()
             return loss
 
-        return model, step
+        return model, step, None
     raise ValueError(f"unknown system {system!r}; choose from {sorted(SYSTEMS)}")
 
 
 def run_one_row(system: str, batch_sizes: list[int], seq_len: int, steps: int, warmup: int, n_blocks: int,
-                gpu_cap_GiB: float | None = None) -> list[dict]:
+                gpu_cap_GiB: float | None = None, plan_budget_GiB: float | None = None) -> list[dict]:
     """The rows of one system, in this process (the ``--one-row`` child): build once, then train and
     measure at each batch size in turn (peak GPU memory per batch size; the RSS peak is the
     process's so far)."""
@@ -310,11 +345,12 @@ def run_one_row(system: str, batch_sizes: list[int], seq_len: int, steps: int, w
     rss_before = _status_bytes("VmRSS")
     started = time.perf_counter()
     config = model_config(n_blocks, seq_len)
-    model, step = _build(system, config, max(batch_sizes), capped=gpu_cap_GiB is not None)
+    model, step, plan = _build(system, config, max(batch_sizes), capped=gpu_cap_GiB is not None,
+                               plan_budget_GiB=gpu_cap_GiB if gpu_cap_GiB is not None else plan_budget_GiB)
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     setup = {"params": params, "setup_s": round(time.perf_counter() - started, 2),
-             "peak_gpu_setup_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2)}
-    rows = []
+             "peak_gpu_setup_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2), **(plan or {})}
+    rows, steps_before = [], 0
     for batch_size in batch_sizes:
         row = {"system": system, "batch_size": batch_size, "seq_len": seq_len, "n_blocks": n_blocks,
                "gpu_cap_GiB": gpu_cap_GiB, **setup}
@@ -339,8 +375,10 @@ def run_one_row(system: str, batch_sizes: list[int], seq_len: int, steps: int, w
             host_bytes_per_param=round((rss_peak - rss_before) / params, 2),
             loss_after_steps=losses[-1],
             steps_taken=len(losses),
+            steps_in_process=steps_before + len(losses),
         )
         rows.append(row)
+        steps_before += len(losses)
     return rows
 
 
@@ -370,7 +408,8 @@ def error_line(error: BaseException, limit: int = 300) -> str:
 def _child_main(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     try:
-        rows = run_one_row(args.one_row, batch_sizes, args.seq_len, args.steps, args.warmup, args.n_blocks, args.gpu_cap_GiB)
+        rows = run_one_row(args.one_row, batch_sizes, args.seq_len, args.steps, args.warmup, args.n_blocks,
+                           args.gpu_cap_GiB, args.plan_budget_GiB)
     except Exception as error:  # noqa: BLE001 (the rows record what failed; the parent goes on)
         traceback.print_exc()
         rows = [{"system": args.one_row, "batch_size": batch_size, "n_blocks": args.n_blocks,
@@ -434,8 +473,9 @@ class Runner:
                 return json.load(handle), error
 
     def rows(self, system: str, batch_sizes: list[int], n_blocks: int = 8, gpu_cap_GiB: float | None = None,
-             steps: int | None = None, warmup: int | None = None) -> list[dict]:
-        """One system's rows at ``batch_sizes``, in one child process."""
+             steps: int | None = None, warmup: int | None = None, plan_budget_GiB: float | None = None) -> list[dict]:
+        """One system's rows at ``batch_sizes``, in one child process (``plan_budget_GiB``: the
+        planned system's budget)."""
         base = [{"system": system, "batch_size": b, "n_blocks": n_blocks, "gpu_cap_GiB": gpu_cap_GiB} for b in batch_sizes]
         missing = missing_package(system)
         if missing is not None:
@@ -448,6 +488,8 @@ class Runner:
                  "--warmup", str(self.args.warmup if warmup is None else warmup), "--n-blocks", str(n_blocks)]
         if gpu_cap_GiB is not None:
             flags += ["--gpu-cap-GiB", str(gpu_cap_GiB)]
+        if plan_budget_GiB is not None:
+            flags += ["--plan-budget-GiB", str(plan_budget_GiB)]
         rows, error = self.child(flags, timeout)
         return rows if rows is not None else [{**row, "error": error} for row in base]
 
@@ -457,9 +499,13 @@ class Runner:
 
 
 def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: int, available: int,
-             measured: dict[str, dict], log=print) -> dict:
-    """The capacity search of every system under every cap (module docstring); ``measured`` holds
-    the 8-block rows at ``batch_size`` measured in this run, which seed each search's first size."""
+             measured: dict[str, dict], log=print, tolerance: float = 0.0) -> dict:
+    """The capacity search of every system under every cap (module docstring), each cap in turn and
+    the systems in the order given (what ``--max-seconds`` leaves out comes last); ``measured``
+    holds the 8-block rows at ``batch_size`` measured in this run, which seed each search's first
+    size; ``tolerance`` as :func:`largest_fitting`'s. Resident FSDP2 is then run uncapped at this
+    library's largest sizes first, then at the others' while time is left; where it was not run,
+    ``resident_uncapped_tokens_per_s_estimated`` scales the 8-block resident row by parameters."""
     results, probes = [], []
     known = {system: 0 for system in systems}
     for cap in caps:
@@ -489,10 +535,13 @@ def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: 
                 return "error" not in row
 
             failed: list[str] = []
-            best, complete = largest_fitting(probe, upper, known[system], start)
+            best, complete = largest_fitting(probe, upper, known[system], start, tolerance)
             known[system] = best
             entry = {"system": system, "gpu_cap_GiB": cap, "batch_size": batch_size, "largest_n_blocks": best,
                      "size_bound_n_blocks": upper, "search_complete": complete}
+            too_large = [n for n, row in rows.items() if "error" in row]
+            if too_large:
+                entry["smallest_not_fitting_n_blocks"] = min(too_large)
             if failed:
                 entry["error"] = failed[0]
             if best and best in rows:
@@ -503,18 +552,29 @@ def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: 
             elif best:
                 entry["note"] = "fits as the answer of a smaller cap; not probed again"
             results.append(entry)
+    ours = [e.get("largest_n_blocks", 0) for e in results if e["system"] == "torch_fsdp_offload"]
+    others = [e.get("largest_n_blocks", 0) for e in results if e["system"] != "torch_fsdp_offload"]
     resident = {}
-    for n in sorted({entry.get("largest_n_blocks", 0) for entry in results} - {0}):
+    for n in dict.fromkeys(n for n in ours + others if n):
         if param_count(n) * GPU_BYTES_PER_PARAM["resident"] > runner.args.gpu_memory_GiB * GiB:
             resident[n] = {"error": "not measurable: its parameters, gradients and AdamW state exceed the GPU"}
+            continue
+        if runner.remaining() < 90:
             continue
         row = runner.row("resident", batch_size, n, None, steps=CAPACITY_STEPS - 1, warmup=1)
         resident[n] = ({"tokens_per_s": row["tokens_per_s"], "peak_gpu_GiB": row["peak_gpu_GiB"]} if "error" not in row
                        else {"error": ("not measurable: " + row["error"]) if row["error"].startswith("OOM") else row["error"]})
+    reference = measured.get("resident", {})
     for entry in results:
-        if entry.get("largest_n_blocks"):
-            found = resident[entry["largest_n_blocks"]]
+        n = entry.get("largest_n_blocks")
+        if not n:
+            continue
+        if n in resident:
+            found = resident[n]
             entry["resident_uncapped_tokens_per_s"] = found.get("tokens_per_s", found.get("error"))
+        elif reference.get("tokens_per_s"):
+            entry["resident_uncapped_tokens_per_s_estimated"] = round(
+                reference["tokens_per_s"] * param_count(8) / param_count(n))
     return {"results": results, "probes": probes, "resident_uncapped": {str(n): r for n, r in resident.items()}}
 
 
@@ -565,6 +625,10 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", action="store_true", help="after the rows, the capacity search under --caps")
     parser.add_argument("--caps", default="16,24,40", help="GPU caps of the capacity search, GiB")
     parser.add_argument("--capacity-batch-size", type=int, default=4)
+    parser.add_argument("--capacity-systems", default=None,
+                        help="the systems of the capacity search, in order (default: --systems but the planned one)")
+    parser.add_argument("--capacity-tolerance", type=float, default=0.0,
+                        help="stop each search once the smallest size not fitting is within this share of the answer")
     parser.add_argument("--seed-from", default=None, metavar="FILE",
                         help="a peers.json whose 8-block rows seed the capacity search's first sizes (else this run's rows)")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop starting rows and probes after this long")
@@ -574,6 +638,9 @@ def main(argv=None) -> int:
     parser.add_argument("--n-blocks", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--gpu-cap-GiB", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--plan-budget-GiB", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--plan-budget-fraction", type=float, default=0.5,
+                        help="the planned rows' GPU budget: this share of the resident row's peak at the batch size")
     args = parser.parse_args(argv)
     if args.one_row:
         return _child_main(args)
@@ -611,7 +678,16 @@ def main(argv=None) -> int:
             json.dump(result, handle, indent=1)
 
     for system in systems if batch_sizes else ():
-        for row in runner.rows(system, batch_sizes):
+        if system == PLANNED:  # planned per batch size, within a share of that size's resident peak
+            found = []
+            for batch_size in batch_sizes:
+                peak = next((r["peak_gpu_GiB"] for r in rows if r["system"] == "resident"
+                             and r["batch_size"] == batch_size and "peak_gpu_GiB" in r), None)
+                budget = None if peak is None else round(args.plan_budget_fraction * peak, 2)
+                found += runner.rows(system, [batch_size], plan_budget_GiB=budget)
+        else:
+            found = runner.rows(system, batch_sizes)
+        for row in found:
             print(json.dumps(row), flush=True)
             rows.append(row)
         write()
@@ -624,8 +700,14 @@ def main(argv=None) -> int:
                 seeds = json.load(handle)["rows"] + rows
         measured = {r["system"]: r for r in seeds if r["batch_size"] == args.capacity_batch_size and "error" not in r
                     and r.get("n_blocks", 8) == 8}
-        result["capacity"] = capacity(runner, systems, caps, args.capacity_batch_size, available, measured,
-                                      log=lambda line: print(line, flush=True))
+        # The planned system builds its model on the GPU to time its blocks, which a model larger
+        # than the cap cannot be: the capacity search is of the other systems.
+        searched = ([s for s in args.capacity_systems.split(",") if s] if args.capacity_systems
+                    else [s for s in systems if s != PLANNED])
+        if PLANNED in searched or set(searched) - set(SYSTEMS):
+            parser.error(f"--capacity-systems: of {', '.join(s for s in SYSTEMS if s != PLANNED)}")
+        result["capacity"] = capacity(runner, searched, caps, args.capacity_batch_size, available, measured,
+                                      log=lambda line: print(line, flush=True), tolerance=args.capacity_tolerance)
         write()
         print_capacity(result["capacity"])
     write()

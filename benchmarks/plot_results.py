@@ -83,6 +83,33 @@ def plot_contract(results: str, out: str) -> str:
     return path
 
 
+_PEER_LABELS = {
+    "resident": "resident FSDP2", "stock_cpu_offload": "stock CPUOffloadPolicy", "deepspeed_zero2": "DeepSpeed ZeRO-2",
+    "deepspeed_zero3": "DeepSpeed ZeRO-3", "torchao_cpu_offload": "torchao CPUOffloadOptimizer",
+    "torch_fsdp_offload": "CoherentOffload() defaults", "torch_fsdp_offload_planned": "plan_and_shard (half resident memory)",
+}
+
+
+def plot_peers(results: str, out: str) -> str:
+    """Tokens/s against peak GPU memory of every system of ``peers.json``, at each batch size."""
+    rows = _rows(os.path.join(results, "peers.json"))
+    batch_sizes = sorted({row["batch_size"] for row in rows})
+    fig, axes = plt.subplots(1, len(batch_sizes), figsize=(6 * len(batch_sizes), 4.5), squeeze=False)
+    for ax, batch_size in zip(axes[0], batch_sizes):
+        for index, row in enumerate(r for r in rows if r["batch_size"] == batch_size):
+            ours = row["system"].startswith("torch_fsdp_offload")
+            ax.scatter(row["peak_gpu_GiB"], row["tokens_per_s"] / 1e3, s=60 if ours else 40, color=f"C{index}",
+                       marker="*" if ours else "o", label=_PEER_LABELS.get(row["system"], row["system"]))
+        ax.set_xlabel("peak GPU memory (GiB)")
+        ax.set_ylabel("thousand tokens/s")
+        ax.set_title(f"anchor-1.6b bs {batch_size} x 2048, one H200 (PCIe Gen5)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "peers.png")
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def plot_activations(results: str, out: str) -> str:
     configs = []
     with open(os.path.join(results, "activations_default_rows.json")) as f:
@@ -108,7 +135,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/img")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for plot in (plot_fsdp_bs4, plot_contract, plot_activations):
+    for plot in (plot_fsdp_bs4, plot_contract, plot_peers, plot_activations):
         print(plot(args.results, args.out))
 
 

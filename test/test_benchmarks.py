@@ -692,6 +692,27 @@ class TestPeersBenchmark(TestCase):
         self.assertEqual(peers.largest_fitting(lambda n: False, 40), (0, True))
         self.assertEqual(peers.largest_fitting(probe, 40, known=40), (40, True))
 
+    def test_a_tolerance_stops_the_bisection_near_the_answer(self):
+        tried = []
+
+        def probe(n):
+            tried.append(n)
+            return n <= 13
+
+        # Doubling to 16 (fails), then bisection until the failing size is within 25% of the answer.
+        self.assertEqual(peers.largest_fitting(probe, 40, tolerance=0.25), (12, True))
+        self.assertEqual(tried, [1, 2, 4, 8, 16, 12, 14])
+
+    def test_planned_rows_plan_within_a_share_of_the_resident_peak(self):
+        runner = peers.Runner(argparse.Namespace(row_timeout=100.0, seq_len=16, steps=1, warmup=0), deadline=float("inf"))
+        with mock.patch.object(runner, "child", return_value=([{"system": peers.PLANNED}], "")) as child:
+            runner.rows(peers.PLANNED, [4], plan_budget_GiB=13.7)
+        flags = child.call_args[0][0]
+        self.assertEqual(flags[flags.index("--plan-budget-GiB") + 1], "13.7")
+        with mock.patch.object(runner, "child", return_value=([{"system": "resident"}], "")) as child:
+            runner.rows("resident", [4])
+        self.assertNotIn("--plan-budget-GiB", child.call_args[0][0])
+
     def test_out_of_time_stops_the_search_with_what_it_found(self):
         answers = iter([True, True, None])
         self.assertEqual(peers.largest_fitting(lambda n: next(answers), 40), (2, False))
