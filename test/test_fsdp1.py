@@ -406,8 +406,9 @@ class TestFSDP1GPU(TestCase):
         ref_losses, _, _ = _train(reference, 3, 0, device=self.device)
         engine = get_transfer_engine(self.device)
         engine.stats.reset()
+        # cast_on="host" (the default "auto" picks by this machine's measured rates).
         model = _wrap(FullyShardedDataParallel, self.device, mixed_precision=mixed_precision,
-                      offload_policy=CoherentOffload(platform="discrete"))
+                      offload_policy=CoherentOffload(platform="discrete", cast_on="host"))
         losses, _, _ = _train(model, 3, 0, device=self.device)
         self.assertEqual(losses, ref_losses, atol=0, rtol=0)
         states = StockFSDP.fsdp_modules(model)

@@ -1,6 +1,5 @@
 """Host steps: an offloaded group's optimizer step on the CPU, in the caller's thread or in the
-host-step worker, over plain aliases of the group's local shards; a clipped step of an elementwise
-optimizer runs chunk by chunk (Note: [Exact clipping at full overlap] in docs/design.md)."""
+host-step worker, over plain aliases of the group's local shards."""
 
 from __future__ import annotations
 
@@ -13,29 +12,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload._integration.dtensor_grads import take_scales
+from torch_fsdp_offload._integration.dtensor_grads import apply_scales
 from torch_fsdp_offload._integration.pending_updates import stepping
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.optimizer.groups import mark_internal, OffloadedGroup
 from torch_fsdp_offload.optimizer import hyperparameters
 from torch_fsdp_offload.optimizer.step_worker import start_worker, StepWorker
 
-__all__ = ["HostSteps", "SCALED_CHUNKS"]
-
-# Optimizer classes whose update of an element reads only that element of the parameter, its
-# gradient and its state (plus per-tensor scalars such as the step count): stepping a slice of
-# them is stepping those elements.
-_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-# Elements per chunk of a clipped host step: 16 MiB of fp32 gradient, about 1 MiB per core of a
-# 16-core host, so the step reads the scaled gradient from cache rather than from DRAM. A multiple
-# of 64: the CPU kernels split a tensor into vectors from its start (and threads at cache lines),
-# so every element of a chunk takes the vector or scalar path it takes in the whole tensor, and
-# gets the same bits.
-_CHUNK_ELEMENTS = 1 << 22
-_CHUNK_MULTIPLE = 64
-#: Chunks of clipped host steps so far: scaled in place (the gradient may still be read after
-#: ``step()``), or into a scratch buffer (``zero_grad()`` already came, so nobody will).
-SCALED_CHUNKS = {"in_place": 0, "scratch": 0}
+__all__ = ["HostSteps"]
 
 
 class HostSteps:
@@ -60,15 +44,10 @@ class HostSteps:
         started = time.perf_counter()
         owner.wait_grads()
         landed = time.perf_counter()
-        # A clip recorded before step() (dtensor_grads): scaled chunk by chunk beside the step
-        # where the class allows, else over every gradient first.
-        scales = {id(param): take_scales(param.grad) for param in owner.params}
+        for param in owner.params:
+            apply_scales(param.grad)  # a clip recorded before step() (dtensor_grads)
         with torch.profiler.record_function("torch_fsdp_offload::host_optimizer_step"):
-            if not any(scales.values()) or not self._host_step_in_chunks(owner, inner, scales):
-                for param in owner.params:
-                    for scale in scales[id(param)]:
-                        torch._foreach_mul_([local_tensor(param.grad)], scale)
-                self._host_step(owner, inner)
+            self._host_step(owner, inner)
         owner.refresh_mirror()
         with self._seconds_lock:
             self._host_seconds += time.perf_counter() - started
@@ -121,97 +100,6 @@ class HostSteps:
                 state[key] = value
         for group, twin_group in zip(inner.param_groups, twin.param_groups):
             group.update((key, value) for key, value in twin_group.items() if key != "params")
-
-    def _host_step_in_chunks(
-        self, owner: OffloadedGroup, inner: torch.optim.Optimizer, scales: dict[int, list[torch.Tensor]]
-    ) -> bool:
-        """Step ``owner`` as :meth:`_host_step` would after multiplying each gradient by its
-        ``scales`` (keyed by ``id`` of the parameter), one chunk of elements at a time: each
-        chunk's gradient is scaled and then stepped while it is still in cache, so the clip costs
-        no pass of its own over host DRAM. Once ``zero_grad()`` was called for the group (it waits
-        for this step), nobody can read the scaled gradient: the chunk is scaled into a scratch
-        buffer instead, and the gradient's bytes are not written at all. Each element is computed
-        by the same kernels from the same bytes, so the result is bitwise the unchunked one.
-
-        Returns False, having done nothing, where the class is not elementwise, a state is not
-        made yet (the first step makes it on the whole parameter) or not shaped like its
-        parameter, or a shard is not contiguous.
-        """
-        if self.optimizer_class not in _ELEMENTWISE or _CHUNK_ELEMENTS % _CHUNK_MULTIPLE:
-            return False
-        stepped = [param for group in inner.param_groups for param in group["params"] if param.grad is not None]
-        if not stepped:
-            return False
-        for param in stepped:
-            local, state = local_tensor(param), self.state.get(param)
-            if not state or not local.is_contiguous() or not local_tensor(param.grad).is_contiguous():
-                return False
-            for value in state.values():
-                value = local_tensor(value) if isinstance(value, torch.Tensor) else None
-                if value is not None and value.dim() != 0 and (value.shape != local.shape or not value.is_contiguous()):
-                    return False
-        if any(group.get("differentiable") or group.get("capturable") for group in inner.param_groups):
-            return False
-        scratch = getattr(self, "_scale_scratch", None)
-        if scratch is None or scratch.dtype != local_tensor(stepped[0].grad).dtype or scratch.numel() < _CHUNK_ELEMENTS:
-            scratch = self._scale_scratch = torch.empty(_CHUNK_ELEMENTS, dtype=local_tensor(stepped[0].grad).dtype)
-        # Per-tensor scalars (the step count) each chunk advances from the same value: written
-        # back once the whole group has stepped.
-        scalars_after: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for group in inner.param_groups:
-            hyper = {key: value for key, value in group.items() if key != "params"}
-            pieces = [
-                (param, start, min(start + _CHUNK_ELEMENTS, local_tensor(param).numel()))
-                for param in group["params"] if param.grad is not None
-                for start in range(0, local_tensor(param).numel(), _CHUNK_ELEMENTS)
-            ]
-            batch: list[tuple[nn.Parameter, int, int]] = []
-            for piece in [*pieces, None]:
-                if batch and (piece is None or sum(e - s for _, s, e in batch) + piece[2] - piece[1] > _CHUNK_ELEMENTS):
-                    self._step_chunk(owner, hyper, batch, scales, scratch, scalars_after)
-                    batch = []
-                if piece is not None:
-                    batch.append(piece)
-        for value, stepped_value in scalars_after.values():
-            value.copy_(stepped_value)
-        return True
-
-    def _step_chunk(self, owner, hyper, batch, scales, scratch, scalars_after) -> None:
-        """One chunk of :meth:`_host_step_in_chunks`: ``batch`` holds ``(parameter, start, end)``
-        slices of one parameter group, ``_CHUNK_ELEMENTS`` in all at most."""
-        with self._finish_lock:
-            unread = owner in self._zero_after  # zero_grad() came: the gradient is never read again
-        aliases, state, offset = [], {}, 0
-        for param, start, end in batch:
-            alias = nn.Parameter(local_tensor(param).view(-1)[start:end], requires_grad=False)
-            grad = local_tensor(param.grad).view(-1)[start:end]
-            factors = scales[id(param)]
-            if factors and unread:
-                into = scratch[offset: offset + end - start]
-                offset += end - start
-                torch.mul(grad, factors[0], out=into)
-                grad = into
-                factors = factors[1:]
-            for factor in factors:
-                grad.mul_(factor)
-            if scales[id(param)]:
-                SCALED_CHUNKS["scratch" if unread else "in_place"] += 1
-            alias.grad = grad
-            chunk_state: dict[str, Any] = {}
-            for key, value in self.state[param].items():
-                if isinstance(value, torch.Tensor) and local_tensor(value).dim() == 0:
-                    chunk_state[key] = local_tensor(value).clone()
-                    scalars_after[id(local_tensor(value))] = (local_tensor(value), chunk_state[key])
-                elif isinstance(value, torch.Tensor):
-                    chunk_state[key] = local_tensor(value).view(-1)[start:end]
-                else:
-                    chunk_state[key] = value
-            state[alias] = chunk_state
-            aliases.append(alias)
-        twin = self.optimizer_class([{**hyper, "params": aliases}], **self.optimizer_kwargs)
-        mark_internal(twin)
-        twin.state = defaultdict(dict, state)
-        twin.step()
 
     def _plain_twin(
         self, owner: OffloadedGroup, inner: torch.optim.Optimizer, params: list[nn.Parameter]
