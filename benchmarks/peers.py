@@ -14,7 +14,8 @@ bf16 compute and AdamW (lr 1e-4, weight decay 0.01) through:
 - ``torch_fsdp_offload_planned``: the one call, ``plan_and_shard(model, example_input=batch,
   gpu_memory_GiB=budget)`` for each batch size, then ``result.recommended.optimizer(...)``. The
   budget is ``--plan-budget-fraction`` (default 0.5) of the resident row's peak at that batch size
-  in this run (the cap, under a cap), so the planned row trains within that share of resident memory.
+  in this run (the cap, under a cap, where the model is built on ``meta`` and materialised as planned),
+  so the planned row trains within that share of resident memory.
 
 Each system runs in a process of its own (this script with ``--one-row``), its model built once and
 trained at each batch size in turn, so that DeepSpeed's global state and process group never meet
@@ -250,11 +251,18 @@ def _build(system: str, config, batch_size: int, capped: bool, plan_budget_GiB: 
         from torch_fsdp_offload import plan_and_shard
 
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-        model = build_model(config, device="cuda")
+        # Under a cap, built on meta: the planner materialises only what it times (one block and
+        # the layers before it), and each shard is allocated where the plan keeps it.
+        model = build_model(config, device="meta" if capped else "cuda")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         example = torch.randint(0, config.vocab_size, (batch_size, config.max_seq_len), device="cuda")
         result = plan_and_shard(model, example_input=example, fully_shard_kwargs={"mp_policy": mp},
                                 gpu_memory_GiB=plan_budget_GiB, microbatch_factors=[1])
+        if capped:
+            from torch_fsdp_offload import materialize_sharded
+
+            materialize_sharded(model, "cuda")
+            model.init_weights(seed=0)
         optimizer = result.recommended.optimizer(model, lr=LR, fused=True)
         plan = {"plan": result.recommended.code(), "plan_budget_GiB": plan_budget_GiB, "plan_timing": result.timing,
                 "predicted_step_s": result.recommended.predicted_step_s}
@@ -626,7 +634,7 @@ def main(argv=None) -> int:
     parser.add_argument("--caps", default="16,24,40", help="GPU caps of the capacity search, GiB")
     parser.add_argument("--capacity-batch-size", type=int, default=4)
     parser.add_argument("--capacity-systems", default=None,
-                        help="the systems of the capacity search, in order (default: --systems but the planned one)")
+                        help="the systems of the capacity search, in order (default: --systems)")
     parser.add_argument("--capacity-tolerance", type=float, default=0.0,
                         help="stop each search once the smallest size not fitting is within this share of the answer")
     parser.add_argument("--seed-from", default=None, metavar="FILE",
@@ -700,12 +708,9 @@ def main(argv=None) -> int:
                 seeds = json.load(handle)["rows"] + rows
         measured = {r["system"]: r for r in seeds if r["batch_size"] == args.capacity_batch_size and "error" not in r
                     and r.get("n_blocks", 8) == 8}
-        # The planned system builds its model on the GPU to time its blocks, which a model larger
-        # than the cap cannot be: the capacity search is of the other systems.
-        searched = ([s for s in args.capacity_systems.split(",") if s] if args.capacity_systems
-                    else [s for s in systems if s != PLANNED])
-        if PLANNED in searched or set(searched) - set(SYSTEMS):
-            parser.error(f"--capacity-systems: of {', '.join(s for s in SYSTEMS if s != PLANNED)}")
+        searched = [s for s in args.capacity_systems.split(",") if s] if args.capacity_systems else systems
+        if set(searched) - set(SYSTEMS):
+            parser.error(f"--capacity-systems: of {', '.join(SYSTEMS)}")
         result["capacity"] = capacity(runner, searched, caps, args.capacity_batch_size, available, measured,
                                       log=lambda line: print(line, flush=True), tolerance=args.capacity_tolerance)
         write()
