@@ -245,54 +245,35 @@ def _build(system: str, config, batch_size: int, capped: bool, plan_budget_GiB: 
     import torch
     from torch_fsdp_offload.models import build_model, causal_lm_loss
 
-    if system == PLANNED:
-        import torch.distributed as dist
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        from torch_fsdp_offload import plan_and_shard
-
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-        # Under a cap, built on meta: the planner materialises only what it times (one block and
-        # the layers before it), and each shard is allocated where the plan keeps it.
-        model = build_model(config, device="meta" if capped else "cuda")
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        example = torch.randint(0, config.vocab_size, (batch_size, config.max_seq_len), device="cuda")
-        result = plan_and_shard(model, example_input=example, fully_shard_kwargs={"mp_policy": mp},
-                                gpu_memory_GiB=plan_budget_GiB, microbatch_factors=[1])
-        if capped:
-            from torch_fsdp_offload import materialize_sharded
-
-            materialize_sharded(model, "cuda")
-            model.init_weights(seed=0)
-        optimizer = result.recommended.optimizer(model, lr=LR, fused=True)
-        plan = {"plan": result.recommended.code(), "plan_budget_GiB": plan_budget_GiB, "plan_timing": result.timing,
-                "predicted_step_s": result.recommended.predicted_step_s}
-
-        def planned_step(tokens):
-            loss = causal_lm_loss(model(tokens), tokens)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss
-
-        return model, planned_step, plan
-
-    if system in ("resident", "stock_cpu_offload", "torch_fsdp_offload"):
+    if system in ("resident", "stock_cpu_offload", "torch_fsdp_offload", PLANNED):
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-        from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, materialize_sharded, OffloadOptimizer
+        from torch_fsdp_offload import (CoherentOffload, fully_shard_with_policy, materialize_sharded, OffloadOptimizer,
+                                        plan_and_shard)
 
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-        policy = {"resident": None, "stock_cpu_offload": CPUOffloadPolicy(pin_memory=True),
-                  "torch_fsdp_offload": CoherentOffload()}[system]
         # Under a cap the model cannot pass through the GPU whole: built on meta, each shard
-        # allocated where FSDP keeps it. Uncapped, as benchmarks/fsdp_offload.py builds it.
+        # allocated where FSDP keeps it (the planner materialises only the layers it times).
+        # Uncapped, as benchmarks/fsdp_offload.py builds it.
         model = build_model(config, device="meta" if capped else "cuda")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        fully_shard_with_policy(model, model.blocks, policy, mp_policy=mp)
+        plan = None
+        if system == PLANNED:
+            example = torch.randint(0, config.vocab_size, (batch_size, config.max_seq_len), device="cuda")
+            result = plan_and_shard(model, example_input=example, fully_shard_kwargs={"mp_policy": mp},
+                                    gpu_memory_GiB=plan_budget_GiB, microbatch_factors=[1])
+            plan = {"plan": result.recommended.code(), "plan_budget_GiB": plan_budget_GiB,
+                    "plan_timing": result.timing, "predicted_step_s": result.recommended.predicted_step_s}
+        else:
+            policy = {"resident": None, "stock_cpu_offload": CPUOffloadPolicy(pin_memory=True),
+                      "torch_fsdp_offload": CoherentOffload()}[system]
+            fully_shard_with_policy(model, model.blocks, policy, mp_policy=mp)
         if capped:
             materialize_sharded(model, "cuda")
             model.init_weights(seed=0)
-        if system == "torch_fsdp_offload":
+        if system == PLANNED:
+            optimizer = result.recommended.optimizer(model, lr=LR, fused=True)
+        elif system == "torch_fsdp_offload":
             optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=LR, fused=True)
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
@@ -304,7 +285,7 @@ def _build(system: str, config, batch_size: int, capped: bool, plan_budget_GiB: 
             optimizer.zero_grad()
             return loss
 
-        return model, step, None
+        return model, step, plan
     if system.startswith("deepspeed"):
         import deepspeed
 

@@ -20,6 +20,14 @@ def _rows(path: str) -> list[dict]:
         return [r for r in json.load(f)["rows"] if "error" not in r]
 
 
+def _save(fig, out: str, name: str) -> str:
+    """Lay ``fig`` out, write it to ``out/name`` and return that path."""
+    fig.tight_layout()
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def plot_fsdp_bs4(results: str, out: str) -> str:
     """Step time against peak memory of the bs 4 rows of ``fsdp_offload_bs4_default_rows.json``
     (every row in one process), with the half-memory and 1.9x-stock lines."""
@@ -37,10 +45,7 @@ def plot_fsdp_bs4(results: str, out: str) -> str:
     ax.set_xlabel("peak GPU memory (GiB)")
     ax.set_ylabel("step (s)")
     ax.set_title("FSDP2 anchor-1.6b bs 4 x 2048 on one H200 (PCIe Gen5), default rows", fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(out, "fsdp_offload_bs4.png")
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, out, "fsdp_offload_bs4.png")
 
 
 def _system_and_clip(name: str) -> tuple[str, str]:
@@ -77,10 +82,7 @@ def plot_contract(results: str, out: str) -> str:
         ax.set_ylabel("step (s)")
         ax.set_title(f"anchor-1.6b bs {batch_size} x 2048, one H200", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "fsdp_offload_contract.png")
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, out, "fsdp_offload_contract.png")
 
 
 _PEER_LABELS = {
@@ -104,10 +106,7 @@ def plot_peers(results: str, out: str) -> str:
         ax.set_ylabel("thousand tokens/s")
         ax.set_title(f"anchor-1.6b bs {batch_size} x 2048, one H200 (PCIe Gen5)", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "peers.png")
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, out, "peers.png")
 
 
 def plot_activations(results: str, out: str) -> str:
@@ -123,10 +122,7 @@ def plot_activations(results: str, out: str) -> str:
         ax.set_ylabel("step (s)")
         ax.set_title(f"anchor-1.6b {config['batch_size']} x {config['seq_len']}")
     fig.suptitle("Activation offload on one H200 (PCIe Gen5)")
-    fig.tight_layout()
-    path = os.path.join(out, "activations.png")
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, out, "activations.png")
 
 
 def main() -> None:
