@@ -397,9 +397,9 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         # zero_grad(), the scheduler and the next forward come; each group's copy-in waits.
         step_run = OffloadOptimizer._step_run
 
-        def slow_step_run(optimizer, owner, run, upload):
+        def slow_step_run(optimizer, owner, run, upload, scales):
             time.sleep(0.02)
-            return step_run(optimizer, owner, run, upload)
+            return step_run(optimizer, owner, run, upload, scales)
 
         with mock.patch.object(OffloadOptimizer, "_step_run", slow_step_run), mock.patch.object(
             OffloadOptimizer, "_submit_stream_steps", autospec=True, side_effect=OffloadOptimizer._submit_stream_steps
@@ -433,9 +433,9 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
                 self.transfer.synchronize()
                 landed.add(self.run_index)
 
-        def recording_step(optimizer, owner, run, upload):
+        def recording_step(optimizer, owner, run, upload, scales):
             stepped[0] += 1
-            return [Landing(t, stepped[0]) for t in step_run(optimizer, owner, run, upload)]
+            return [Landing(t, stepped[0]) for t in step_run(optimizer, owner, run, upload, scales)]
 
         with mock.patch.object(streamed_steps, "STREAM_RUN_BYTES", 1), mock.patch.object(
             OffloadOptimizer, "_upload_run", counting_upload

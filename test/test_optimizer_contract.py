@@ -25,6 +25,7 @@ import test_fsdp2_offload as parity
 from common_offload import GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload._integration import dtensor_grads
+from torch_fsdp_offload.optimizer import streamed_steps
 
 STEPS = 4
 
@@ -66,8 +67,11 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
         nonfinite_step: int | None = None,
         grad_accum: int = 1,
         hsdp: bool = False,
+        optimizer_class: type = SlowAdamW,
+        zero_before_reads: bool = False,
     ) -> OffloadOptimizer:
-        """Train with and without the policy; assert the contract before and right after each step."""
+        """Train with and without the policy; assert the contract before and right after each step
+        (``zero_before_reads``: right after ``step()`` and ``zero_grad()``)."""
         torch.manual_seed(0)
         reference = parity.TiedBlocksModel()
         model = copy.deepcopy(reference)
@@ -81,7 +85,7 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
         reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
         optim = OffloadOptimizer(
             model,
-            SlowAdamW,
+            optimizer_class,
             lr=1e-2,
             fused=True,
             max_grad_norm=max_grad_norm,
@@ -110,6 +114,9 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
                 reference_optim.step()
             optim.step()
             waited += len(optim._finishing)
+            if zero_before_reads:
+                for o in (reference_optim, optim):
+                    o.zero_grad()
             self._assert_as_plain(model, reference, optim, reference_optim, f"step {step}, after step()")
             for o in (reference_optim, optim):
                 o.zero_grad()
@@ -178,6 +185,29 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
                 optim.step()
                 optim.zero_grad()
         return model, optim
+
+    def test_clipped_streamed_steps_scale_on_the_device(self):
+        # A streamed group's clip multiplies its uploaded gradients on the device; its host
+        # gradients are scaled too where they are read after step(), and left once zero_grad()
+        # came before the group was back (its pipeline starts late here). One parameter per run:
+        # every group steps in several runs, as a large model's do.
+        self.init_gloo()
+        real_pipeline = streamed_steps.StreamedSteps._run_stream_pipeline
+
+        def late_pipeline(*args):
+            time.sleep(0.05)
+            return real_pipeline(*args)
+
+        before = dict(streamed_steps.SCALED_ON_DEVICE)
+        one_per_run = mock.patch.object(streamed_steps, "STREAM_RUN_BYTES", 1)
+        one_per_run.start()
+        self.addCleanup(one_per_run.stop)
+        self._train(max_grad_norm=0.05, optimizer=0.5, optimizer_class=torch.optim.AdamW)
+        self.assertGreater(streamed_steps.SCALED_ON_DEVICE["host_scaled"], before["host_scaled"])
+        self.assertEqual(streamed_steps.SCALED_ON_DEVICE["host_skipped"], before["host_skipped"])
+        with mock.patch.object(streamed_steps.StreamedSteps, "_run_stream_pipeline", late_pipeline):
+            self._train(user_clip=0.05, optimizer=0.5, optimizer_class=torch.optim.AdamW, zero_before_reads=True)
+        self.assertGreater(streamed_steps.SCALED_ON_DEVICE["host_skipped"], before["host_skipped"])
 
     def test_max_grad_norm_is_exact(self):
         self.init_gloo()

@@ -37,6 +37,7 @@ __all__ = [
     "compute_norms",
     "expect_norms",
     "NORM_READS",
+    "take_scales",
     "unwatch_grad",
     "watch_grad",
 ]
@@ -240,17 +241,22 @@ def compute_norms(grads: Iterable[torch.Tensor | None]) -> None:
             entry.ready.set()
 
 
+def take_scales(grad: torch.Tensor | None) -> list[torch.Tensor]:
+    """The scalars a deferred ``_foreach_mul_`` recorded for ``grad``, in order, each on the
+    gradient's device, now taken: the caller multiplies by them (or a copy it steps with)."""
+    if grad is None:
+        return []
+    with _lock:
+        scales = _scales.pop(grad, None)
+    device = grad._local_tensor.device
+    return [scale.to(device) for scale in scales or ()]
+
+
 def apply_scales(grad: torch.Tensor | None) -> None:
     """Multiply ``grad`` by the scalars a deferred ``_foreach_mul_`` recorded, in order (in the
     caller's thread, on the local shard)."""
-    if grad is None:
-        return
-    with _lock:
-        scales = _scales.pop(grad, None)
-    if scales:
-        local = grad._local_tensor
-        for scale in scales:
-            torch._foreach_mul_([local], scale.to(local.device))
+    for scale in take_scales(grad):
+        torch._foreach_mul_([grad._local_tensor], scale)
 
 
 def watch_grad(grad: torch.Tensor | None) -> None:

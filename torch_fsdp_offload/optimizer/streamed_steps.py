@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from torch_fsdp_offload._integration.dtensor_grads import apply_scales
+from torch_fsdp_offload._integration.dtensor_grads import apply_scales, take_scales
 from torch_fsdp_offload._integration.pending_updates import stepping
 from torch_fsdp_offload._integration.tensors import local_tensor
 from torch_fsdp_offload.memory import pinned_empty
@@ -22,13 +22,17 @@ from torch_fsdp_offload.optimizer.hyperparameters import copy_hyperparameters
 from torch_fsdp_offload.optimizer.step_worker import start_worker, StepWorker
 from torch_fsdp_offload.transfer import Transfer
 
-__all__ = ["STREAM_RUNS_IN_FLIGHT", "STREAM_RUN_BYTES", "StreamedSteps"]
+__all__ = ["SCALED_ON_DEVICE", "STREAM_RUNS_IN_FLIGHT", "STREAM_RUN_BYTES", "StreamedSteps"]
 
 # Bytes of device memory one pipelined run of a streamed step may take (its uploads); a single
 # larger parameter makes a run of its own.
 STREAM_RUN_BYTES = 1 << 30
 # Runs holding device memory at once: one downloading, one stepping, one uploading.
 STREAM_RUNS_IN_FLIGHT = 3
+
+#: Parameters of streamed groups whose clip was applied on the device: their host gradients then
+#: scaled too (they may be read after ``step()``), or left (``zero_grad()`` had come).
+SCALED_ON_DEVICE = {"host_scaled": 0, "host_skipped": 0}
 
 # A run of consecutive parameters: ``(first, last, start, stop)``, parameters ``first:last``
 # occupying elements ``start:stop`` of every flat buffer.
@@ -219,9 +223,16 @@ class StreamedSteps:
         back in host memory."""
         if not runs:
             return
-        for owner in dict.fromkeys(owner for owner, _ in runs):
-            for param in owner.params:
-                apply_scales(param.grad)  # a clip recorded before step() (dtensor_grads)
+        # A clip recorded before step() (dtensor_grads) scales each run's uploaded gradients on
+        # the device (a float multiply gives the same bits there), and the host's copy once the
+        # group is back, unless zero_grad() came meanwhile and nobody can read it.
+        # Taken once per group: a group of several runs appears in ``runs`` once per run.
+        scales = {owner: [take_scales(param.grad) for param in owner.params] for owner in dict.fromkeys(o for o, _ in runs)}
+
+        def scaled_group_done(owner: StreamedGroup) -> None:
+            self._scale_host_grads(owner, scales[owner])
+            group_done(owner)
+
         with torch.profiler.record_function("torch_fsdp_offload::streamed_optimizer_step"):
             # Downloads of each stepped run, oldest first. The host issues copies far faster than
             # the link moves them: without this window it would queue every run's upload at
@@ -230,13 +241,13 @@ class StreamedSteps:
             upload = self._upload_run(*runs[0])
             for position, (owner, run) in enumerate(runs):
                 while len(in_flight) > STREAM_RUNS_IN_FLIGHT - 2:
-                    _drain_run(*in_flight.popleft(), group_done)
+                    _drain_run(*in_flight.popleft(), scaled_group_done)
                 next_upload = self._upload_run(*runs[position + 1]) if position + 1 < len(runs) else None
                 last_of_group = position + 1 == len(runs) or runs[position + 1][0] is not owner
-                in_flight.append((owner, last_of_group, self._step_run(owner, run, upload)))
+                in_flight.append((owner, last_of_group, self._step_run(owner, run, upload, scales[owner])))
                 upload = next_upload
             while in_flight:
-                _drain_run(*in_flight.popleft(), group_done)
+                _drain_run(*in_flight.popleft(), scaled_group_done)
 
     def _submit_stream_steps(self, owners: list[StreamedGroup]) -> dict[StreamedGroup, concurrent.futures.Future]:
         """Run the streamed groups' pipeline in its own thread (``overlap_next_forward``): the
@@ -296,8 +307,20 @@ class StreamedSteps:
             for name, flat in sources.items()
         }
 
-    def _step_run(self, owner: StreamedGroup, run: _Run, upload: dict[str, Any]) -> list:
-        """Step parameters ``first:last`` of ``owner`` from their uploaded run; return downloads."""
+    def _scale_host_grads(self, owner: StreamedGroup, scales: list[list[torch.Tensor]]) -> None:
+        """Scale the host gradients of a group whose streamed step scaled their uploads, unless
+        ``zero_grad()`` already came for it (it waits for the step): nothing reads them then."""
+        with self._finish_lock:
+            unread = owner in self._zero_after
+        for param, factors in zip(owner.params, scales):
+            if factors:
+                SCALED_ON_DEVICE["host_skipped" if unread else "host_scaled"] += 1
+            for factor in () if unread else factors:
+                local_tensor(param.grad).mul_(factor)
+
+    def _step_run(self, owner: StreamedGroup, run: _Run, upload: dict[str, Any], scales: list[list[torch.Tensor]]) -> list:
+        """Step parameters ``first:last`` of ``owner`` from their uploaded run, each gradient
+        multiplied by its ``scales`` first; return downloads."""
         first, last, start, _ = run
         device_optimizer, proxies = self._device_optimizer(owner)
         on_device = {name: transfer.wait() for name, transfer in upload.items()}
@@ -319,6 +342,8 @@ class StreamedSteps:
 
             proxy.data = view(on_device["master"])
             proxy.grad = view(on_device["grads"])
+            for factor in scales[index]:
+                proxy.grad.mul_(factor.item())  # an fp32 scalar, exactly as clip_grad_norm_'s
             device_optimizer.state[proxy] = {
                 **scalars[index],
                 **{key: view(on_device[key]) for key in self._flat_state[owner]},
