@@ -549,6 +549,39 @@ def measure_host_optimizer(numel: int = 1 << 26, repeats: int = 3) -> dict:
     }
 
 
+def measure_clipped_host_step(threads: int, repeats: int = 3) -> dict:
+    """Seconds per 1e9 parameters of a fused CPU AdamW step over one block's fp32 shapes of
+    ``anchor-1.6b`` (four 4096 x 4096 and two 16384 x 4096 weights) at ``threads`` threads, alone:
+    unclipped, and after the clip's scaling pass (``clip_grad_norm_``'s multiply, which a clipped
+    host step runs over each group first). The difference is what a clip costs a host-bound step
+    on an idle host; inside a step the link's DMA shares host DRAM with both."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    params = [torch.nn.Parameter(torch.randn(rows, 4096)) for rows in (4096,) * 4 + (16384,) * 2]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    numel = sum(param.numel() for param in params)
+    optim = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    optim.step()
+    scale = torch.tensor(0.999)
+
+    def scaled_step() -> None:
+        torch._foreach_mul_([param.grad for param in params], scale)
+        optim.step()
+
+    seconds: dict[str, float] = {}
+    for name, way in {"unclipped": optim.step, "scaling_pass_then_step": scaled_step}.items():
+        way()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            way()
+            times.append(time.perf_counter() - started)
+        seconds[name] = min(times)
+    torch.set_num_threads(previous)
+    return {**{f"{name}_s_per_Gparam": round(value / numel * 1e9, 4) for name, value in seconds.items()}, "threads": threads}
+
+
 def host_work_s(host_params: float, link_GB: float, host: dict, *, cast: bool, shared_dram: bool) -> float:
     """Host optimizer work (fused CPU AdamW, plus the bf16 cast with ``cast``) of ``host_params``
     parameters at the rates of ``host`` (``measure_host_optimizer``); with ``shared_dram``, slowed by
@@ -762,6 +795,11 @@ def main(argv=None) -> int:
         f"({host['link_busy']['link_GBps_meanwhile']:.0f} GB/s both ways) {host['link_busy']['adamw_s_per_Gparam']:.3f} s "
         f"and {host['link_busy']['cast_s_per_Gparam']:.3f} s"
     )
+    clipped_host = measure_clipped_host_step(host["threads"])
+    print(
+        "clipped host step in this run, s per 1e9 params: "
+        + ", ".join(f"{key[:-len('_s_per_Gparam')]} {value:.3f}" for key, value in clipped_host.items() if key.endswith("_s_per_Gparam"))
+    )
     rows: list[dict] = []
     # The rows list is filled in place; the whole result is rewritten after every row, so that a
     # run stopped by a time limit keeps what it measured.
@@ -771,6 +809,7 @@ def main(argv=None) -> int:
         "gpu": torch.cuda.get_device_name(0),
         "link_GBps": bandwidth,
         "host_optimizer_measured": host,
+        "clipped_host_step_measured": clipped_host,
         "model": args.model,
         "seq_len": args.seq_len,
         "steps": args.steps,

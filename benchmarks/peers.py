@@ -488,17 +488,26 @@ class Runner:
 
 
 def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: int, available: int,
-             measured: dict[str, dict], log=print, tolerance: float = 0.0) -> dict:
+             measured: dict[str, dict], log=print, tolerance: float = 0.0, previous: dict | None = None) -> dict:
     """The capacity search of every system under every cap (module docstring), each cap in turn and
     the systems in the order given (what ``--max-seconds`` leaves out comes last); ``measured``
     holds the 8-block rows at ``batch_size`` measured in this run, which seed each search's first
     size; ``tolerance`` as :func:`largest_fitting`'s. Resident FSDP2 is then run uncapped at this
     library's largest sizes first, then at the others' while time is left; where it was not run,
-    ``resident_uncapped_tokens_per_s_estimated`` scales the 8-block resident row by parameters."""
-    results, probes = [], []
+    ``resident_uncapped_tokens_per_s_estimated`` scales the 8-block resident row by parameters.
+    ``previous`` (an earlier run's capacity result) keeps its complete searches, its probes and the
+    entries of systems and caps not searched now, and seeds the others with the sizes it found."""
+    previous = previous or {"results": [], "probes": [], "resident_uncapped": {}}
+    done = {(e["system"], e["gpu_cap_GiB"]): e for e in previous["results"] if e.get("search_complete")}
+    results, probes = [], list(previous["probes"])
     known = {system: 0 for system in systems}
     for cap in caps:
         for system in systems:
+            earlier = next((e for e in previous["results"] if (e["system"], e["gpu_cap_GiB"]) == (system, cap)), {})
+            known[system] = max(known[system], earlier.get("largest_n_blocks", 0))
+            if (system, cap) in done:
+                results.append(done[(system, cap)])
+                continue
             if missing_package(system) is not None:
                 results.append({"system": system, "gpu_cap_GiB": cap, "error": missing_package(system)})
                 continue
@@ -507,6 +516,10 @@ def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: 
             start = None
             if reference.get("peak_gpu_GiB") and known[system] == 0:
                 start = max(1, int(8 * cap / reference["peak_gpu_GiB"]))  # the peak taken as proportional to the blocks
+            if earlier.get("largest_n_blocks") and earlier.get("smallest_not_fitting_n_blocks"):
+                # Resumed between what fitted and what did not (the earlier run's probes stand).
+                upper = min(upper, earlier["smallest_not_fitting_n_blocks"] - 1)
+                start = (earlier["largest_n_blocks"] + earlier["smallest_not_fitting_n_blocks"]) // 2
             rows: dict[int, dict] = {}
 
             def probe(n: int) -> bool | None:
@@ -541,10 +554,14 @@ def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: 
             elif best:
                 entry["note"] = "fits as the answer of a smaller cap; not probed again"
             results.append(entry)
+    searched = {(system, cap) for cap in caps for system in systems}
+    results += [e for e in previous["results"] if (e["system"], e["gpu_cap_GiB"]) not in searched]
     ours = [e.get("largest_n_blocks", 0) for e in results if e["system"] == "torch_fsdp_offload"]
     others = [e.get("largest_n_blocks", 0) for e in results if e["system"] != "torch_fsdp_offload"]
-    resident = {}
+    resident = {int(n): r for n, r in previous["resident_uncapped"].items() if "tokens_per_s" in r}
     for n in dict.fromkeys(n for n in ours + others if n):
+        if n in resident:
+            continue
         if param_count(n) * GPU_BYTES_PER_PARAM["resident"] > runner.args.gpu_memory_GiB * GiB:
             resident[n] = {"error": "not measurable: its parameters, gradients and AdamW state exceed the GPU"}
             continue
@@ -618,6 +635,8 @@ def main(argv=None) -> int:
                         help="the systems of the capacity search, in order (default: --systems)")
     parser.add_argument("--capacity-tolerance", type=float, default=0.0,
                         help="stop each search once the smallest size not fitting is within this share of the answer")
+    parser.add_argument("--resume-from", default=None, metavar="FILE",
+                        help="keep the complete capacity searches and probes of this earlier result and continue the rest")
     parser.add_argument("--seed-from", default=None, metavar="FILE",
                         help="a peers.json whose 8-block rows seed the capacity search's first sizes (else this run's rows)")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop starting rows and probes after this long")
@@ -692,8 +711,13 @@ def main(argv=None) -> int:
         searched = [s for s in args.capacity_systems.split(",") if s] if args.capacity_systems else systems
         if set(searched) - set(SYSTEMS):
             parser.error(f"--capacity-systems: of {', '.join(SYSTEMS)}")
+        previous = None
+        if args.resume_from:
+            with open(args.resume_from, encoding="utf-8") as handle:
+                previous = json.load(handle).get("capacity")
         result["capacity"] = capacity(runner, searched, caps, args.capacity_batch_size, available, measured,
-                                      log=lambda line: print(line, flush=True), tolerance=args.capacity_tolerance)
+                                      log=lambda line: print(line, flush=True), tolerance=args.capacity_tolerance,
+                                      previous=previous)
         write()
         print_capacity(result["capacity"])
     write()

@@ -60,13 +60,14 @@ def _system_and_clip(name: str) -> tuple[str, str]:
 def plot_contract(results: str, out: str) -> str:
     """Step time of each system unclipped, with ``max_grad_norm=1.0`` and with the loop's own
     ``clip_grad_norm_``, at bs 4 and 16 (``fsdp_offload_contract_bs{4,16}.json``, with the rows of
-    ``fsdp_offload_default_bs{4,16}.json`` where that file exists: the defaults measured apart)."""
+    that batch size in ``fsdp_offload_default_clip.json`` where that file exists: the defaults
+    measured apart)."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    defaults = os.path.join(results, "fsdp_offload_default_clip.json")
     for ax, batch_size in zip(axes, (4, 16)):
         rows = {r["name"]: r for r in _rows(os.path.join(results, f"fsdp_offload_contract_bs{batch_size}.json"))}
-        defaults = os.path.join(results, f"fsdp_offload_default_bs{batch_size}.json")
         if os.path.exists(defaults):
-            rows.update({r["name"]: r for r in _rows(defaults) if r["name"] not in rows})
+            rows.update({r["name"]: r for r in _rows(defaults) if r["batch_size"] == batch_size})
         systems: dict[str, dict[str, float]] = {}
         for name, row in rows.items():
             if "accum=" in name:  # several micro-batches a step: not comparable here

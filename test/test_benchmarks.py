@@ -672,6 +672,23 @@ class TestPlotResults(TestCase):
                     self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
 
 
+def _fake_capacity_runner() -> tuple:
+    """A peers Runner whose rows are faked: a system trains up to 2 blocks per 8 GiB of cap,
+    resident uncapped 10 blocks; and the list of ``(n_blocks, cap)`` it was asked for."""
+    runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
+    calls = []
+
+    def row(system, batch_size, n_blocks=8, gpu_cap_GiB=None, steps=None, warmup=None):
+        calls.append((n_blocks, gpu_cap_GiB))
+        fits = n_blocks <= (10 if gpu_cap_GiB is None else gpu_cap_GiB // 8 * 2)
+        return ({"params": peers.param_count(n_blocks), "tokens_per_s": 1000 // n_blocks, "step_s": 1.0,
+                 "peak_gpu_GiB": 1.0, "host_bytes_per_param": 18.0, "pinned_GiB": 1.0} if fits
+                else {"error": "OOM: CUDA out of memory"})
+
+    runner.row = row
+    return runner, calls
+
+
 class TestPeersBenchmark(TestCase):
     def test_doubling_then_bisection_finds_the_largest_size(self):
         tried = []
@@ -760,20 +777,8 @@ class TestPeersBenchmark(TestCase):
         self.assertRegex(printed.getvalue(), r"resident +4 +52000 +0\.157 +27\.4")
 
     def test_capacity_search_per_cap_and_system(self):
-        # Fake probes: a system trains up to 2 blocks per 8 GiB of cap; resident uncapped fits 10 blocks.
-        runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
-
-        calls = []
-
-        def row(system, batch_size, n_blocks=8, gpu_cap_GiB=None, steps=None, warmup=None):
-            calls.append((n_blocks, gpu_cap_GiB))
-            fits = n_blocks <= (10 if gpu_cap_GiB is None else gpu_cap_GiB // 8 * 2)
-            return ({"params": peers.param_count(n_blocks), "tokens_per_s": 1000 // n_blocks, "step_s": 1.0,
-                     "peak_gpu_GiB": 1.0, "host_bytes_per_param": 18.0, "pinned_GiB": 1.0} if fits
-                    else {"error": "OOM: CUDA out of memory"})
-
-        with mock.patch.object(runner, "row", side_effect=row):
-            found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {}, log=lambda line: None)
+        runner, calls = _fake_capacity_runner()
+        found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {}, log=lambda line: None)
         by_cap = {entry["gpu_cap_GiB"]: entry for entry in found["results"]}
         self.assertEqual((by_cap[16.0]["largest_n_blocks"], by_cap[24.0]["largest_n_blocks"]), (4, 6))
         self.assertTrue(all(entry["search_complete"] for entry in found["results"]))
@@ -783,6 +788,29 @@ class TestPeersBenchmark(TestCase):
         # resident, uncapped, at each largest size.
         self.assertEqual(calls, [(1, 16.0), (2, 16.0), (4, 16.0), (8, 16.0), (6, 16.0), (5, 16.0),
                                  (8, 24.0), (6, 24.0), (7, 24.0), (4, None), (6, None)])
+
+    def test_a_resumed_search_keeps_what_was_complete(self):
+        # The 16 GiB search was complete; the 24 GiB one had found 5 blocks and 8 not fitting:
+        # only that one is searched again, between the two; resident runs only where it has not
+        # run uncapped; a system not searched now keeps its entry.
+        runner, calls = _fake_capacity_runner()
+        sixteen = {"system": "torch_fsdp_offload", "gpu_cap_GiB": 16.0, "largest_n_blocks": 4, "search_complete": True}
+        previous = {
+            "results": [sixteen, {"system": "torch_fsdp_offload", "gpu_cap_GiB": 24.0, "largest_n_blocks": 5,
+                                  "smallest_not_fitting_n_blocks": 8, "search_complete": False},
+                        {"system": "deepspeed_zero3", "gpu_cap_GiB": 16.0, "largest_n_blocks": 3}],
+            "probes": [{"n_blocks": 4}],
+            "resident_uncapped": {"4": {"tokens_per_s": 250}},
+        }
+        found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {},
+                               log=lambda line: None, previous=previous)
+        by_cap = {(entry["system"], entry["gpu_cap_GiB"]): entry for entry in found["results"]}
+        self.assertIs(by_cap[("torch_fsdp_offload", 16.0)], sixteen)
+        self.assertEqual(by_cap[("torch_fsdp_offload", 24.0)]["largest_n_blocks"], 6)
+        self.assertEqual(by_cap[("deepspeed_zero3", 16.0)]["largest_n_blocks"], 3)  # not searched now: kept
+        self.assertEqual(calls, [(6, 24.0), (7, 24.0), (6, None), (3, None)])
+        self.assertEqual(found["probes"][0], {"n_blocks": 4})
+        self.assertEqual(found["resident_uncapped"]["4"], {"tokens_per_s": 250})
 
     def test_a_failure_other_than_memory_stops_the_search(self):
         runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))

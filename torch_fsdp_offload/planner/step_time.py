@@ -19,6 +19,7 @@ from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.traffic import (
     copy_in_bytes_per_param,
     host_cast_bytes_per_param,
+    clip_scaling_seconds_per_param,
     host_step_bytes_per_param,
     host_step_seconds_per_param,
     shared_dram_host_seconds,
@@ -260,6 +261,13 @@ def predict_step(
     host_params = host_blocks * shard * world_size
     # With cast_on="device" the host work is AdamW alone (the cast runs on the GPU).
     host_alone, host_busy = host_step_seconds_per_param(profile, config.cast_on)
+    if config.clipping:
+        # Clipping adds a scaling pass over every host gradient before its group steps.
+        adamw_alone, adamw_busy = host_step_seconds_per_param(profile, "device")
+        if host_alone is not None:
+            host_alone += clip_scaling_seconds_per_param(profile, adamw_alone)
+        if host_busy is not None:
+            host_busy += clip_scaling_seconds_per_param(profile, adamw_busy)
     if not host_blocks:
         host_time = 0.0
     elif host_alone is not None and host_busy is not None and profile.host_busy_link_GBps:
@@ -278,7 +286,7 @@ def predict_step(
         streamed_grads_down = streamed_blocks * shard * profile.reduce_bytes * copies
         link_dram_bytes = (weight_bytes + backward_weight_bytes + streamed_grads_down + stream_up + stream_down
                            + act_forward + act_in_flight + reloaded)
-        host_bytes = host_blocks * shard * host_step_bytes_per_param(profile, config.cast_on) + link_dram_bytes
+        host_bytes = host_blocks * shard * host_step_bytes_per_param(profile, config.cast_on, config.clipping) + link_dram_bytes
         host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
     host_tail = 0.0
     if host_blocks:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
 __all__ = [
+    "clip_scaling_seconds_per_param",
     "copy_in_bytes_per_param",
     "host_cast_bytes_per_param",
     "host_step_bytes_per_param",
@@ -27,7 +28,7 @@ def host_cast_bytes_per_param(profile: TrainingProfile, cast_on: str) -> int:
     return profile.param_bytes + profile.compute_bytes
 
 
-def host_step_bytes_per_param(profile: TrainingProfile, cast_on: str = "host") -> int:
+def host_step_bytes_per_param(profile: TrainingProfile, cast_on: str = "host", clipping: bool = False) -> int:
     """Host DRAM bytes one host-stepped parameter moves per step.
 
     Fused AdamW reads the parameter, gradient and both moments and writes the parameter and
@@ -36,13 +37,32 @@ def host_step_bytes_per_param(profile: TrainingProfile, cast_on: str = "host") -
     host DRAM during the same window. 38 bytes for fp32 master, fp32 gradient, bf16 compute, AdamW;
     32 with ``cast_on="device"`` (the copy-in's DMA then reads the 4-byte master instead of the
     2-byte mirror: link bytes, counted with the link's, see :func:`copy_in_bytes_per_param`).
+    With ``clipping`` the clip's scaling reads and writes the gradient once more (8 bytes).
 
     Example::
 
         >>> host_step_bytes_per_param(profile), host_step_bytes_per_param(profile, cast_on="device")
         (38, 32)
+        >>> host_step_bytes_per_param(profile, clipping=True)
+        46
     """
-    return _adamw_bytes(profile) + host_cast_bytes_per_param(profile, cast_on) + profile.reduce_bytes
+    scaling = 2 * profile.reduce_bytes if clipping else 0
+    return _adamw_bytes(profile) + host_cast_bytes_per_param(profile, cast_on) + profile.reduce_bytes + scaling
+
+
+def clip_scaling_seconds_per_param(profile: TrainingProfile, host_seconds_per_param: float | None) -> float | None:
+    """The clip's scaling pass over one host gradient (it reads and writes it once before the
+    group's step: Note: [Exact clipping at full overlap] in docs/design.md), priced at the rate of
+    the host step ``host_seconds_per_param`` moves its bytes: both are bound by host DRAM.
+
+    Example::
+
+        >>> round(clip_scaling_seconds_per_param(profile, 0.28e-9) * 1e9, 3)  # 8 of AdamW's 28 bytes
+        0.08
+    """
+    if host_seconds_per_param is None:
+        return None
+    return host_seconds_per_param * 2 * profile.reduce_bytes / _adamw_bytes(profile)
 
 
 def copy_in_bytes_per_param(profile: TrainingProfile, cast_on: str = "host") -> int:
