@@ -69,6 +69,7 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
         hsdp: bool = False,
         optimizer_class: type = SlowAdamW,
         zero_before_reads: bool = False,
+        set_to_none: bool = True,
     ) -> OffloadOptimizer:
         """Train with and without the policy; assert the contract before and right after each step
         (``zero_before_reads``: right after ``step()`` and ``zero_grad()``)."""
@@ -116,10 +117,10 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
             waited += len(optim._finishing)
             if zero_before_reads:
                 for o in (reference_optim, optim):
-                    o.zero_grad()
+                    o.zero_grad(set_to_none=set_to_none)
             self._assert_as_plain(model, reference, optim, reference_optim, f"step {step}, after step()")
             for o in (reference_optim, optim):
-                o.zero_grad()
+                o.zero_grad(set_to_none=set_to_none)
         # The reads above came while host steps still ran: they waited for them.
         self.assertGreater(waited, 0)
         return optim
@@ -128,6 +129,12 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
         self.init_gloo()
         self._train()
         self._train(optimizer="host")
+
+    def test_zero_grad_keeping_the_tensors_while_steps_run(self):
+        # zero_grad(set_to_none=False) right after step(), while the (slow) host steps still run:
+        # each group's gradients are zeroed once its step ends, and the reads after it see zeros.
+        self.init_gloo()
+        self._train(optimizer="host", zero_before_reads=True, set_to_none=False)
 
     def test_clip_grad_norm_by_the_user_is_exact(self):
         self.init_gloo()

@@ -132,9 +132,11 @@ class HostSteps:
     def _host_step_in_worker(self, owner: OffloadedGroup) -> None:
         torch.set_num_threads(self.host_threads)
         # The hyperparameters were taken when the step was submitted (see _submit_host_step).
+        # A zero_grad() deferred until the step ends runs here too: outside the step, its writes
+        # would wait for this very step's pending update.
         with stepping():
             self._step_inner(owner, copy_hyperparameters=False)
-        self._finish_group(owner)
+            self._finish_group(owner)
 
     def _worker(self) -> StepWorker:
         if self._executor is None:
