@@ -1,13 +1,14 @@
-"""PyTorch's FSDP2 HSDP training-parity test (``test_fully_shard_training.py``'s
-``_test_train_parity_hsdp``), run with ``CoherentOffload`` and ``OffloadOptimizer`` at its defaults,
-overlap on: a replicated reference and the offloaded model train on the same micro-batches, with
-gradient accumulation (``set_requires_gradient_sync``), and ``check_sharded_parity`` compares
-parameters and gradients before every ``step()`` and after it. Host steps still running after
-``step()`` (``overlap_next_forward``) must be invisible: a read waits for them, and nothing has
-changed before ``step()``.
+"""PyTorch's FSDP2 training-parity tests that compare before ``step()`` (``test_fully_shard_training.py``:
+HSDP training parity, gradient accumulation), run with ``CoherentOffload`` and ``OffloadOptimizer``
+at its defaults, overlap on. A replicated reference and the offloaded model train on the same
+micro-batches, accumulating (``set_requires_gradient_sync``, ``set_reshard_after_backward``), and
+``check_sharded_parity`` compares parameters and gradients before every ``step()`` and after it:
+host steps still running after ``step()`` must be invisible (a read waits for them), and nothing
+changes before ``step()``.
 
-On CPU with gloo, at world sizes 2 (2 replicas of 1 shard) and 4 (2 x 2); the platform is forced to
-``discrete``, so every shard is homed on the host and every copy runs through the transfer engine.
+On CPU with gloo; HSDP at world sizes 2 (2 replicas of 1 shard) and 4 (2 x 2), accumulation at 2.
+The platform is forced to ``discrete``: every shard is homed on the host and every copy runs
+through the transfer engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import itertools
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint, replicate
 from torch.distributed.device_mesh import init_device_mesh
@@ -94,6 +96,59 @@ class HSDPTrainingParityTest(GlooMultiProcessTestCase):
 
 class HSDPTrainingParityWorldSize2Test(HSDPTrainingParityTest):
     WORLD_SIZE = 2
+
+
+class GradientAccumulationParityTest(GlooMultiProcessTestCase):
+    WORLD_SIZE = 2
+
+    def test_gradient_accumulation(self):
+        # Which modules skip the reduction for all but the last micro-batch: every one, the first
+        # two MLPs, or the root alone; each also keeping its gradients unsharded in between.
+        self.init_gloo()
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        for setting in itertools.product(("all", "some_mlps", "root_only"), (True, False)):
+            try:
+                self._accumulate(mesh, *setting)
+            except AssertionError as error:
+                raise AssertionError(f"mode={setting[0]}, reshard_after_backward={setting[1]}: {error}") from None
+
+    def _accumulate(self, mesh, mode: str, reshard_after_backward: bool) -> None:
+        torch.manual_seed(42)
+        model = nn.Sequential(nn.Linear(32, 32), *(MLP(32) for _ in range(3)))
+        reference = copy.deepcopy(model)
+        shard = functools.partial(fully_shard, mesh=mesh, offload_policy=CoherentOffload(platform="discrete"))
+        for mlp in model[1:]:
+            shard(mlp)
+        shard(model)  # the root holds the first linear
+        reference_optim = torch.optim.Adam(reference.parameters(), lr=1e-2, fused=True)
+        optim = OffloadOptimizer(model, torch.optim.Adam, lr=1e-2)
+        targets = {"all": [(model, True)], "some_mlps": [(mlp, True) for mlp in model[1:3]], "root_only": [(model, False)]}
+
+        def set_flags(last: bool) -> None:
+            for module, recurse in targets[mode]:
+                module.set_requires_gradient_sync(last, recurse=recurse)
+                if not reshard_after_backward:
+                    module.set_reshard_after_backward(last, recurse=recurse)
+
+        torch.manual_seed(42 + self.rank + 1)
+        for iteration in range(4):
+            for micro in range(MICRO_BATCHES):
+                set_flags(micro == MICRO_BATCHES - 1)
+                batch = torch.randn(2, 32)
+                losses = [m(batch).sum() for m in (reference, model)]
+                for loss in losses:
+                    loss.backward()
+                self.assertEqual(losses[0], losses[1])
+            for param in reference.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+            check_sharded_parity(self, reference, model)  # before step()
+            for o in (optim, reference_optim):
+                o.step()
+                # set_to_none=False mixes accumulation with and without the reduction.
+                o.zero_grad(set_to_none=bool(iteration % 2))
+            check_sharded_parity(self, reference, model)  # after step()
+        optim.synchronize()
 
 
 if __name__ == "__main__":
