@@ -33,6 +33,48 @@ ITERATIONS = 4
 MICRO_BATCHES = 3
 
 
+def _each_setting(names: tuple[str, ...], settings, run) -> None:
+    """``run(*setting)`` for every setting, a failure naming its setting. Not subTest: a rank that
+    went on past a failed setting would wait in collectives the others never join."""
+    for setting in settings:
+        try:
+            run(*setting)
+        except AssertionError as error:
+            raise AssertionError(f"{dict(zip(names, setting))}: {error}") from None
+
+
+def _train_in_parity(case, reference, reference_optim, model, optim, *, batch_shape, set_flags,
+                     reduce_reference, set_to_none) -> int:
+    """Train ``reference`` and ``model`` on the same micro-batches; ``check_sharded_parity`` before
+    and after every ``step()``. ``set_flags(last)`` sets the accumulation flags before each
+    micro-batch, ``reduce_reference`` averages the reference's gradients over the ranks (one not
+    replicated by DDP), ``set_to_none(iteration)`` is ``zero_grad``'s argument. Returns how many
+    host steps were still running when ``step()`` returned."""
+    torch.manual_seed(42 + case.rank + 1)
+    overlapped = 0
+    for iteration in range(ITERATIONS):
+        for micro in range(MICRO_BATCHES):
+            set_flags(micro == MICRO_BATCHES - 1)
+            batch = torch.randn(batch_shape)
+            losses = [m(batch).sum() for m in (reference, model)]
+            for loss in losses:
+                loss.backward()
+            case.assertEqual(losses[0], losses[1])
+        if reduce_reference:
+            for param in reference.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+        check_sharded_parity(case, reference, model)  # before step(): nothing stepped early
+        for o in (reference_optim, optim):
+            o.step()
+        overlapped += len(optim._finishing)
+        for o in (reference_optim, optim):
+            o.zero_grad(set_to_none=set_to_none(iteration))
+        check_sharded_parity(case, reference, model)  # after step(): the reads wait for the steps
+    optim.synchronize()
+    return overlapped
+
+
 class HSDPTrainingParityTest(GlooMultiProcessTestCase):
     WORLD_SIZE = 4
 
@@ -40,15 +82,9 @@ class HSDPTrainingParityTest(GlooMultiProcessTestCase):
         self.init_gloo()
         shard_size = 2 if self.world_size > 2 else 1
         mesh = init_device_mesh("cpu", (self.world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+        names = ("reshard_after_forward", "checkpointing", "mlp_dim", "sync_at_last")
         settings = itertools.product((True, False), (False, True), (3, 17), (True, False))
-        for setting in settings:
-            # Not subTest: a rank that went on past a failed setting would wait in collectives the
-            # others never join.
-            try:
-                self._train_parity_hsdp(mesh, *setting)
-            except AssertionError as error:
-                names = ("reshard_after_forward", "checkpointing", "mlp_dim", "sync_at_last")
-                raise AssertionError(f"{dict(zip(names, setting))}: {error}") from None
+        _each_setting(names, settings, functools.partial(self._train_parity_hsdp, mesh))
 
     def _train_parity_hsdp(self, mesh, reshard_after_forward: bool, checkpointing: bool, mlp_dim: int,
                            sync_at_last: bool) -> None:
@@ -71,25 +107,14 @@ class HSDPTrainingParityTest(GlooMultiProcessTestCase):
         shard(model)
         optim = OffloadOptimizer(model, torch.optim.Adam, lr=1e-2)
         check_sharded_parity(self, reference, model)
-        torch.manual_seed(42 + self.rank + 1)
-        overlapped = 0
-        for iteration in range(ITERATIONS):
-            for micro in range(MICRO_BATCHES):
-                if sync_at_last:
-                    model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)
-                batch = torch.randn((8, mlp_dim))
-                losses = [m(batch).sum() for m in (reference, model)]
-                for loss in losses:
-                    loss.backward()
-                self.assertEqual(losses[0], losses[1])
-            check_sharded_parity(self, reference, model)  # before step(): nothing stepped early
-            for o in (reference_optim, optim):
-                o.step()
-            overlapped += len(optim._finishing)
-            for o in (reference_optim, optim):
-                o.zero_grad(set_to_none=(iteration % 2 == 0))
-            check_sharded_parity(self, reference, model)  # after step(): the reads wait for the steps
-        optim.synchronize()
+
+        def set_flags(last: bool) -> None:
+            if sync_at_last:
+                model.set_requires_gradient_sync(last)
+
+        overlapped = _train_in_parity(self, reference, reference_optim, model, optim, batch_shape=(8, mlp_dim),
+                                      set_flags=set_flags, reduce_reference=False,
+                                      set_to_none=lambda iteration: iteration % 2 == 0)
         # The host steps did outlive step(): the reads above are the ones the contract is about.
         self.assertGreater(overlapped, 0)
 
@@ -106,11 +131,8 @@ class GradientAccumulationParityTest(GlooMultiProcessTestCase):
         # two MLPs, or the root alone; each also keeping its gradients unsharded in between.
         self.init_gloo()
         mesh = init_device_mesh("cpu", (self.world_size,))
-        for setting in itertools.product(("all", "some_mlps", "root_only"), (True, False)):
-            try:
-                self._accumulate(mesh, *setting)
-            except AssertionError as error:
-                raise AssertionError(f"mode={setting[0]}, reshard_after_backward={setting[1]}: {error}") from None
+        settings = itertools.product(("all", "some_mlps", "root_only"), (True, False))
+        _each_setting(("mode", "reshard_after_backward"), settings, functools.partial(self._accumulate, mesh))
 
     def _accumulate(self, mesh, mode: str, reshard_after_backward: bool) -> None:
         torch.manual_seed(42)
@@ -130,25 +152,9 @@ class GradientAccumulationParityTest(GlooMultiProcessTestCase):
                 if not reshard_after_backward:
                     module.set_reshard_after_backward(last, recurse=recurse)
 
-        torch.manual_seed(42 + self.rank + 1)
-        for iteration in range(4):
-            for micro in range(MICRO_BATCHES):
-                set_flags(micro == MICRO_BATCHES - 1)
-                batch = torch.randn(2, 32)
-                losses = [m(batch).sum() for m in (reference, model)]
-                for loss in losses:
-                    loss.backward()
-                self.assertEqual(losses[0], losses[1])
-            for param in reference.parameters():
-                if param.grad is not None:
-                    dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
-            check_sharded_parity(self, reference, model)  # before step()
-            for o in (optim, reference_optim):
-                o.step()
-                # set_to_none=False mixes accumulation with and without the reduction.
-                o.zero_grad(set_to_none=bool(iteration % 2))
-            check_sharded_parity(self, reference, model)  # after step()
-        optim.synchronize()
+        # set_to_none=False at even iterations mixes accumulation with and without the reduction.
+        _train_in_parity(self, reference, reference_optim, model, optim, batch_shape=(2, 32), set_flags=set_flags,
+                         reduce_reference=True, set_to_none=lambda iteration: bool(iteration % 2))
 
 
 if __name__ == "__main__":

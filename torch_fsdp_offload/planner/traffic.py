@@ -50,7 +50,7 @@ def host_step_bytes_per_param(profile: TrainingProfile, cast_on: str = "host", c
     return _adamw_bytes(profile) + host_cast_bytes_per_param(profile, cast_on) + profile.reduce_bytes + scaling
 
 
-def clip_scaling_seconds_per_param(profile: TrainingProfile, host_seconds_per_param: float | None) -> float | None:
+def clip_scaling_seconds_per_param(profile: TrainingProfile, host_seconds_per_param: float) -> float:
     """The clip's scaling pass over one host gradient (it reads and writes it once before the
     group's step: Note: [Exact clipping at full overlap] in docs/design.md), priced at the rate of
     the host step ``host_seconds_per_param`` moves its bytes: both are bound by host DRAM.
@@ -60,8 +60,6 @@ def clip_scaling_seconds_per_param(profile: TrainingProfile, host_seconds_per_pa
         >>> round(clip_scaling_seconds_per_param(profile, 0.28e-9) * 1e9, 3)  # 8 of AdamW's 28 bytes
         0.08
     """
-    if host_seconds_per_param is None:
-        return None
     return host_seconds_per_param * 2 * profile.reduce_bytes / _adamw_bytes(profile)
 
 
