@@ -26,6 +26,9 @@ from torch_fsdp_offload import CoherentOffload, offload_activations, OffloadOpti
 from torch_fsdp_offload.models import build_hf_causal_lm, causal_lm_loss
 from torch_fsdp_offload.planner import plan
 from torch_fsdp_offload.planner.block_timing import capture_block_inputs, measure_block_timings
+from torch_fsdp_offload.planner.memory_breakdown import model_breakdown
+from torch_fsdp_offload.planner.profiles import get_profile
+from torch_fsdp_offload.planner.training_profile import training_profile
 
 from common_offload import SingleRankGlooTestCase
 
@@ -142,6 +145,21 @@ class TestMeasureAnyBlock(TestCase):
         self.assertEqual([f for f, _ in result.scenario.microbatch_scaling], [1.0, 2.0])
         self.assertIn("Note: times measured: one block timed on cpu at micro-batch 2, 4", result.report())
         self.assertEqual(result.recommended.micro_batch_size, round(2 * result.recommended.microbatch_factor))
+
+    def test_checkpointing_recompute_is_the_timed_blocks(self):
+        # A timed block's recompute (its checkpointed forward and backward less its plain ones)
+        # prices checkpointing, not the FLOP count of what it reruns.
+        model = PlainBlocks()
+        timing = measure_block_timings(model, [1], example_input=torch.randn(2, 16, DIM), device="cpu", repeats=1)[0]
+        self.assertIsNotNone(timing.recompute_s)
+        self.assertGreaterEqual(timing.recompute_s, 0.0)
+        breakdown = model_breakdown(model, batch_size=2, seq_len=16, example_input=torch.randn(2, 16, DIM))
+        platform = get_profile("h200-pcie")
+        timed = dataclasses.replace(timing, forward_s=0.01, recompute_s=0.015)
+        self.assertAlmostEqual(training_profile(breakdown, platform, timing=timed).recompute_fraction, 1.5)
+        untimed = dataclasses.replace(timed, recompute_s=None)
+        self.assertAlmostEqual(training_profile(breakdown, platform, timing=untimed).recompute_fraction,
+                               breakdown.block_recompute_fraction)
 
     def test_estimated_without_a_device_and_where_the_block_cannot_be_timed(self):
         analytic = plan(PlainBlocks(), example_input=torch.randn(2, 16, DIM), platform="h200-pcie")

@@ -41,12 +41,15 @@ class BlockTiming:
         forward_s (float), backward_s (float): median times of the block alone.
         activation_bytes (int): memory the forward left for backward (on a GPU, what it left
             allocated; elsewhere the storages autograd saved, parameters excluded).
+        recompute_s (float | None): what non-reentrant activation checkpointing adds to the
+            block's forward and backward (median of each, the difference; None where not timed).
     """
 
     batch_size: int
     forward_s: float
     backward_s: float
     activation_bytes: int
+    recompute_s: float | None = None
 
 
 class _Reached(Exception):
@@ -277,11 +280,18 @@ def measure_block_timings(
         def forward() -> torch.Tensor:
             return first_tensor(block(*call_args, **call_kwargs))
 
+        def checkpointed() -> torch.Tensor:
+            # As apply() checkpoints a block (policy._checkpointed_forward).
+            return first_tensor(torch.utils.checkpoint.checkpoint(block, *call_args, use_reentrant=False, **call_kwargs))
+
         grad = torch.randn_like(forward())
         forward().backward(grad)  # warm-up: kernels chosen, workspaces allocated
+        checkpointed().backward(grad)
         activation_bytes = _activation_bytes(block, forward, device)
         forward_s = _elapsed(forward, repeats, device)
         total_s = _elapsed(lambda: forward().backward(grad), repeats, device)
-        timings.append(BlockTiming(captured_batch * factor, forward_s, max(total_s - forward_s, 0.0), activation_bytes))
+        checkpointed_s = _elapsed(lambda: checkpointed().backward(grad), repeats, device)
+        timings.append(BlockTiming(captured_batch * factor, forward_s, max(total_s - forward_s, 0.0), activation_bytes,
+                                   recompute_s=max(checkpointed_s - total_s, 0.0)))
         del leaf, grad, call_args, call_kwargs
     return timings

@@ -60,9 +60,10 @@ class TrainingProfile:
             ["link_busy"]``). When set it replaces the ``host_GBps`` model: the DMA's share of
             host DRAM and the copy thread's core are already in the measurement.
         recompute_fraction (float): what activation checkpointing every block adds to the
-            backward, as a fraction of ``forward_s``: the blocks' share of the forward times the
-            share of a block's forward that non-reentrant checkpointing reruns (it stops at the
-            last tensor backward needs). 1.0, a whole forward, when unknown.
+            backward, as a fraction of ``forward_s``: with a timed block, its measured
+            ``recompute_s`` over its forward; else the blocks' share of the forward times the
+            share of a block's forward FLOPs that non-reentrant checkpointing reruns (it stops at
+            the last tensor backward needs). 1.0, a whole forward, when unknown.
         host_alone_s_per_param (float | None): the same host step per parameter timed alone.
         host_busy_link_GBps (float | None): what the link moved, both ways together, while
             ``host_step_s_per_param`` was measured. With these two and ``host_step_s_per_param``
@@ -121,9 +122,9 @@ def training_profile(
     """Build the training-level model input from a breakdown and, if available, a block timing.
 
     Without a timing, forward and backward come from the FLOP count at a fixed share of
-    ``platform.gpu_bf16_TFLOPS`` (forward one third). Checkpointing's recompute is the
-    breakdown's FLOP count (``block_recompute_fraction``, times the blocks' share of the forward
-    when the forward includes the head). The GPU optimizer is bandwidth bound (28 bytes per
+    ``platform.gpu_bf16_TFLOPS`` (forward one third). Checkpointing's recompute is the timed
+    block's (``recompute_s``), else the breakdown's FLOP count (``block_recompute_fraction``, times
+    the blocks' share of the forward when the forward includes the head). The GPU optimizer is bandwidth bound (28 bytes per
     parameter at a fixed share of ``platform.gpu_dram_GBps``). ``host_GBps`` (default: the
     platform's) sets the host optimizer's speed; ``host_rates`` measured with the link busy
     (:func:`~torch_fsdp_offload.host_step.measure_host_step`) replace it with the
@@ -133,11 +134,13 @@ def training_profile(
     else from the platform profile (``host_alone_cast_s_per_param``,
     ``host_link_busy_cast_s_per_param``; None for a profile without them).
     """
-    # A checkpointed backward reruns each block's forward up to its last saved tensor. It is counted
-    # in FLOPs even when a block was timed: timing one block with and without checkpointing is
-    # noisier than the count (see docs/planner.md, "Calibration").
+    # A checkpointed backward reruns each block's forward up to its last saved tensor: timed where
+    # the block was (a checkpointed step pays the rerun's memory-bound ops and checkpointing's own
+    # bookkeeping, which a FLOP count leaves out), else counted in FLOPs.
     recompute = breakdown.block_recompute_fraction
     if timing is not None:
+        if timing.recompute_s is not None and timing.forward_s > 0:
+            recompute = timing.recompute_s / timing.forward_s
         # The timed forward is the blocks' alone.
         forward = timing.forward_s * breakdown.n_blocks
         backward = timing.backward_s * breakdown.n_blocks
