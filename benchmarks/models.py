@@ -11,20 +11,26 @@ Settings: ``--batch-sizes`` (4, 16) x ``--seq-len`` (2048) on the whole GPU, and
 ``--capped-batch-sizes`` (4) under a ``--cap-GiB`` (16) cap (``set_per_process_memory_fraction``
 before anything is allocated). Rows of a setting, each on a model built afresh:
 
-- ``default``: README's usage, ``fully_shard(block, mp_policy=mp, offload_policy=CoherentOffload())``
-  per block and the root, ``OffloadOptimizer(model, torch.optim.AdamW, lr, fused=True)``;
-- ``planned``: the one call, ``plan_and_shard(model, example_input=batch, gpu_memory_GiB=cap)``
-  (``blocks=model.stack`` for the plain model; uncapped, the planner's default budget), planned for
-  this micro-batch (``--microbatch-factors 1``), then ``result.recommended.optimizer(model, ...)``.
-  It records the plan's choice (``plan_label``, ``recommendation``), ``plan_timing`` (measured or
-  estimated), its predicted step and peak, ``plan_s``, and ``predictions``: the same step model
-  (``predict_step``) on every row of the setting;
+- ``default``: README's usage as written there, the one call with its defaults:
+  ``plan_and_shard(model, example_input=batch, fully_shard_kwargs={"mp_policy": mp})`` (the blocks
+  found by the planner, the memory this process may use, micro-batches up to 8x timed), then
+  ``result.recommended.optimizer(model, lr, fused=True)``, trained at the recommended micro-batch;
+- ``planned``: the same call given the setting's budget and micro-batch,
+  ``plan_and_shard(..., gpu_memory_GiB=cap, microbatch_factors=--microbatch-factors, blocks=)``
+  (uncapped, the planner's default budget). Both record the plan's choice (``plan_label``,
+  ``recommendation``), ``plan_timing`` (measured or estimated), its predicted step and peak and
+  ``plan_s``; ``planned`` also ``predictions``: the same step model (``predict_step``) on every other
+  row of the setting;
+- ``every-block``: ``fully_shard(block, mp_policy=mp, offload_policy=CoherentOffload())`` per block and
+  the root, ``OffloadOptimizer(model, torch.optim.AdamW, lr, fused=True)``: every block offloaded,
+  as that form asks;
 - ``resident`` (uncapped only): FSDP2 without offload, fused AdamW on the GPU;
 - the sweep: ``coherent(...)`` rows of ``benchmarks/fsdp_offload.py``'s grammar (but ``units=`` and
   ``user-clip``), those predicted to fit first, each group fastest predicted first.
 
 Each (model, setting) runs in a child process (``--one-setting``); a CUDA OOM is a row with an
-``error``, a child that dies is followed by one for the rows it had left. ``over_best``: the
+``error``, a child that dies, or whose row left more than 1 GiB allocated after its teardown, is
+followed by one for the rows it had left. ``over_best``: the
 setting's fastest tokens/s (its summary names the row) over the row's. ``--max-seconds`` stops
 starting rows: each child gets an equal share of the time left for its rows after ``default`` and
 ``planned``; the JSON is rewritten after each child.
@@ -77,6 +83,8 @@ PLAIN = {"dim": 2048, "heads": 16, "n_blocks": 30}
 PLAIN_TINY = {"dim": 32, "heads": 4, "n_blocks": 4}
 # The rows every setting starts with, whatever the budget; "resident" joins them uncapped.
 MUST_ROWS = ("default", "planned")
+# Run after the sweep, as time allows.
+LAST_ROWS = ("every-block",)
 # Hand-tuned placements. On the whole GPU: the last half of the blocks offloaded with host steps,
 # with checkpointing and the cast on the GPU, then without either; everything offloaded with host
 # steps and the cast on the GPU (the default splits the optimizer and casts on the host). Under the
@@ -169,7 +177,7 @@ def loss_of(model_name: str, model: nn.Module, batch: torch.Tensor) -> torch.Ten
 
 def check_row(name: str) -> None:
     """Raises ValueError for a row this benchmark cannot run."""
-    if name in ("default", "planned", "resident"):
+    if name in ("default", "planned", "resident", *LAST_ROWS):
         return
     coherent_row_config(name)  # raises for a name outside the grammar
     if units_per_block(name) != 1 or user_clips(name):
@@ -177,11 +185,11 @@ def check_row(name: str) -> None:
 
 
 def row_training_config(name: str, n_blocks: int) -> TrainingConfig:
-    """The planner's ``TrainingConfig`` of a ``resident``, ``default`` or ``coherent(...)`` row (the
-    policy's ``auto`` knobs resolved for this machine)."""
+    """The planner's ``TrainingConfig`` of a ``resident``, ``every-block`` or ``coherent(...)`` row
+    (the policy's ``auto`` knobs resolved for this machine)."""
     if name == "resident":
         return TrainingConfig()
-    resolved = CoherentOffload(**coherent_row_config("coherent(default)" if name == "default" else name)).resolve()
+    resolved = CoherentOffload(**coherent_row_config("coherent(default)" if name == "every-block" else name)).resolve()
     last = last_blocks_fraction(name)
     fraction = resolved.module_fraction if last is None else round(last * n_blocks) / n_blocks
     gpu_fraction = resolved.optimizer_gpu_fraction
@@ -199,13 +207,16 @@ def row_training_config(name: str, n_blocks: int) -> TrainingConfig:
 
 
 def predictions(result, names: list[str], n_blocks: int) -> dict[str, dict]:
-    """The planner's step model on each row of the setting, from the plan's own profile and platform."""
+    """The planner's step model on each row of the setting, from the plan's own profile and platform
+    (``default`` has its own plan's)."""
     training = result.training
     if training is None:
         return {}
     profile, platform = training.profiles[0][1], result.scenario.platform
     found = {}
     for name in names:
+        if name == "default":
+            continue
         if name == "planned":
             if training.best is None:
                 continue
@@ -220,7 +231,7 @@ def predictions(result, names: list[str], n_blocks: int) -> dict[str, dict]:
 
 def shard_and_optimizer(name: str, model: nn.Module, blocks: nn.ModuleList, mp: MixedPrecisionPolicy):
     """Shard ``model`` as the row says; its optimizer."""
-    if name == "default":  # README's usage, as written there
+    if name == "every-block":
         policy = CoherentOffload()
         for block in blocks:
             fully_shard(block, mp_policy=mp, offload_policy=policy)
@@ -248,13 +259,13 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
     batch = example_batch(args.one_setting, model, args.batch_size, args.seq_len, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     row: dict = {"params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "n_blocks": len(blocks)}
-    if name == "planned":
-        plan_kwargs: dict = {"microbatch_factors": [int(f) for f in args.microbatch_factors.split(",")],
-                             "gpu_memory_GiB": args.gpu_cap_GiB}
-        if device.type == "cpu":  # nothing to measure the link of: plan for the H200, the block timed here
-            plan_kwargs.update(platform="h200-pcie", measure=True, device="cpu")
-        if args.one_setting == "plain-1.5b":
-            plan_kwargs["blocks"] = blocks
+    if name in ("default", "planned"):
+        plan_kwargs: dict = {}  # README's call passes none
+        if name == "planned":
+            plan_kwargs.update(microbatch_factors=[int(f) for f in args.microbatch_factors.split(",")],
+                               gpu_memory_GiB=args.gpu_cap_GiB, blocks=blocks)
+            if device.type == "cpu":  # nothing to measure the link of: plan for the H200, the block timed here
+                plan_kwargs.update(platform="h200-pcie", measure=True, device="cpu")
         started = time.perf_counter()
         result = plan_and_shard(model, example_input=batch, fully_shard_kwargs={"mp_policy": mp}, **plan_kwargs)
         recommended = result.recommended
@@ -264,7 +275,9 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
                    technique=recommended.technique, predicted_step_s=recommended.predicted_step_s,
                    predicted_peak_gpu_GiB=recommended.predicted_peak_gpu_GiB,
                    plan_budget_GiB=None if result.training is None else round(result.training.capacity_bytes / GiB, 2),
-                   micro_batch_size=recommended.micro_batch_size, predictions=predictions(result, names, len(blocks)))
+                   micro_batch_size=recommended.micro_batch_size)
+        if name == "planned":
+            row["predictions"] = predictions(result, names, len(blocks))
         optimizer = recommended.optimizer(model, lr=LR, fused=True)
         if recommended.micro_batch_size not in (None, args.batch_size):
             batch = example_batch(args.one_setting, model, recommended.micro_batch_size, args.seq_len, device)
@@ -360,9 +373,10 @@ def run_setting(args) -> int:
         rows.append(row)
         if name == "planned" and "predictions" in row:
             sweep = [n for n in pending if n.startswith("coherent(")]
-            pending = [n for n in pending if n not in sweep] + ranked(sweep, row["predictions"])
-        if "error" in row and row["allocated_after_teardown_GiB"] > 1.0:
-            break  # what the failed row left would weigh on the next: a fresh process takes the rest
+            last = [n for n in pending if n in LAST_ROWS]
+            pending = [n for n in pending if n not in sweep and n not in last] + ranked(sweep, row["predictions"]) + last
+        if row["allocated_after_teardown_GiB"] > 1.0:
+            break  # what the row left would weigh on the next: a fresh process takes the rest
     write(None)
     dist.destroy_process_group()
     return 0
@@ -434,6 +448,7 @@ def run_settings(runner: Runner, args, settings: list[tuple[str, int, float | No
         base = {"model": model_name, "batch_size": batch_size, "gpu_cap_GiB": cap}
         pending = [*MUST_ROWS, *row_list(args.capped_sweep)] if cap is not None else [
             *MUST_ROWS, "resident", *row_list(args.sweep)]
+        pending += LAST_ROWS
         missing = missing_package(model_name)
         if missing is not None:
             rows.extend({**base, "name": name, "error": missing} for name in pending)

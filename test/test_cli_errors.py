@@ -83,18 +83,19 @@ class TestPlanErrorsSpellFlags(CLITestCase):
         self.assertIn(message, stderr.getvalue())
         self.assertNotRegex(stderr.getvalue(), r"\b(?:world_size|batch_size|seq_len|microbatch_factors|gpu_memory_GiB)\b")
 
-    def test_no_gpu_and_no_platform(self) -> None:
-        stderr = io.StringIO()
-        with mock.patch.object(torch.cuda, "is_available", return_value=False), contextlib.redirect_stderr(stderr):
-            self.assertEqual(dispatch(["plan", "--model", "tiny", "--seq-len", "64"]), 2)
-        self.assertIn(
-            "error: no GPU on this machine to measure: pass --platform one of dgx-spark, gb200, gh200, h100-pcie, "
-            "h100-sxm, h200-pcie (the machine to plan for)", stderr.getvalue(),
-        )
-        # The Python API keeps its own spelling.
+    def test_no_gpu_and_no_platform_plans_this_machine(self) -> None:
+        # Without an accelerator and without --platform, the plan is for this machine: nothing to
+        # offload, and it says how to plan for a GPU machine instead.
+        stdout = io.StringIO()
+        with mock.patch.object(torch.cuda, "is_available", return_value=False), contextlib.redirect_stdout(stdout):
+            self.assertEqual(dispatch(["plan", "--model", "tiny", "--seq-len", "64"]), 0)
+        self.assertIn("Platform: measured (host_only)", stdout.getvalue())
+        self.assertIn("do not offload: this machine has no accelerator", stdout.getvalue())
+        self.assertIn("(to plan for a GPU machine, pass --platform)", stdout.getvalue())
         with mock.patch.object(torch.cuda, "is_available", return_value=False):
-            with self.assertRaisesRegex(ValueError, "pass platform= one of"):
-                plan("tiny", seq_len=64)
+            recommended = plan("tiny", seq_len=64).recommended
+        self.assertIsNone(recommended.kwargs)
+        self.assertIn("(to plan for a GPU machine, pass platform=)", recommended.reason)
 
     def test_sequence_longer_than_the_model_takes(self) -> None:
         # plan()'s default sequence (2048 tokens) is longer than the tiny model's: refused before tracing.

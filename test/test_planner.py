@@ -25,6 +25,7 @@ from torch.testing._internal.common_utils import (
 
 from torch_fsdp_offload.__main__ import main
 from torch_fsdp_offload.models import build_model
+from torch_fsdp_offload.platform import PlatformKind
 from torch_fsdp_offload.planner import (
     get_profile,
     load_scenario,
@@ -332,11 +333,46 @@ class TestRealModel(TestCase):
         self.assertGreaterEqual(long.block_activation_bytes, 4 * short.block_activation_bytes)
         self.assertLess(long.block_activation_bytes, 4.5 * short.block_activation_bytes)
 
-    def test_plan_needs_a_platform_without_gpu(self):
-        if torch.cuda.is_available():
-            self.skipTest("this machine has a GPU to measure")
-        with self.assertRaisesRegex(ValueError, "pass platform="):
-            plan("tiny")
+    def test_plan_without_gpu_is_for_this_machine(self):
+        # No accelerator and no platform=: the plan is this machine's, which has nothing to offload.
+        with mock.patch.object(torch.cuda, "is_available", return_value=False):
+            result = plan("tiny", batch_size=2, seq_len=64)
+        self.assertEqual(result.scenario.platform.kind, "host_only")
+        self.assertIsNone(result.recommended.kwargs)
+        self.assertIn("no accelerator", result.recommended.reason)
+
+    def test_measured_memory_is_what_this_process_may_use(self):
+        # A cap from torch.cuda.set_per_process_memory_fraction is the planner's GPU memory.
+        from torch_fsdp_offload.planner.profiles import measured_profile
+        from torch_fsdp_offload.platform import detect_platform
+
+        platform = dataclasses.replace(detect_platform(), kind=PlatformKind.DISCRETE, device=torch.device("cuda", 0),
+                                       gpu_total_bytes=100 * 10**9)
+        with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+                mock.patch.object(torch.cuda, "get_per_process_memory_fraction", create=True, return_value=0.25):
+            profile = measured_profile(platform)
+        self.assertAlmostEqual(profile.gpu_memory_GB, 25.0)
+        self.assertIn("25% of the GPU's memory (this process's cap)", profile.source)
+        with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+                mock.patch.object(torch.cuda, "get_per_process_memory_fraction", create=True, return_value=1.0):
+            self.assertAlmostEqual(measured_profile(platform).gpu_memory_GB, 100.0)
+
+    def test_process_memory_fraction_of_a_device_without_an_index(self):
+        # torch's reader takes a device index; "cuda" alone (the planner's timing device) is the
+        # current one.
+        from torch_fsdp_offload.planner.profiles import process_memory_fraction
+
+        def reader(index):
+            if not isinstance(index, int):
+                raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{index}")
+            return {0: 1.0, 1: 0.25}[index]
+
+        with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+                mock.patch.object(torch.cuda, "get_per_process_memory_fraction", create=True, side_effect=reader), \
+                mock.patch.object(torch.cuda, "current_device", return_value=1):
+            self.assertEqual(process_memory_fraction(torch.device("cuda")), 0.25)
+            self.assertEqual(process_memory_fraction("cuda:0"), 1.0)
+        self.assertEqual(process_memory_fraction("cpu"), 1.0)
 
     def test_plan_for_a_profile(self):
         result = plan("tiny", platform="h200-pcie", batch_size=2, seq_len=64)
@@ -764,8 +800,23 @@ CoherentOffload(module_fraction=1.0, optimizer='host'); OffloadOptimizer(model, 
         resident = phase_peaks(self.profile, TrainingConfig(), offloaded_blocks=0, streamed_blocks=0, activation_blocks=0)
         # Block window-1 is the lowest with a full window: every later block's gradient is live.
         expected = window * per_block + (8 - window) * grad
-        self.assertAlmostEqual(resident["backward"] - peaks["backward"], 8 * per_block - expected, delta=1)
+        # Resident, the peak is backward's start: every block saved, beside the loss gradient.
+        self.assertAlmostEqual(resident["backward"] - peaks["backward"],
+                               8 * per_block + self.profile.loss_transient_bytes - expected, delta=1)
         self.assertEqual(self.predict(activations=1.0).peak_phase, "backward")
+
+    def test_the_loss_transient_beside_every_activation(self):
+        # A language model's logits: the loss holds them (forward) or their gradient (backward) in
+        # fp32 and twice in bf16 while every block's activations are still saved.
+        breakdown = model_breakdown("tiny", batch_size=2, seq_len=64)
+        vocab = build_model("tiny", device="meta").config.vocab_size
+        self.assertEqual(breakdown.loss_transient_bytes, 2 * 64 * vocab * (4 + 2 * 2))
+        profile = dataclasses.replace(self.profile, loss_transient_bytes=10**9)
+        without = phase_peaks(self.profile, TrainingConfig(), offloaded_blocks=0, streamed_blocks=0, activation_blocks=0)
+        peaks = phase_peaks(profile, TrainingConfig(), offloaded_blocks=0, streamed_blocks=0, activation_blocks=0)
+        self.assertAlmostEqual(peaks["backward"] - without["backward"], 10**9 - self.profile.loss_transient_bytes, delta=1)
+        # Forward ends with the same transient (the output beside its fp32 upcast).
+        self.assertAlmostEqual(peaks["forward"] - without["forward"], 10**9 - self.profile.loss_transient_bytes, delta=1)
 
     def test_checkpointing_peak_at_the_end_of_backward(self):
         # Checkpointed: inputs of the blocks not yet reached, one block recomputed, and all
@@ -776,7 +827,7 @@ CoherentOffload(module_fraction=1.0, optimizer='host'); OffloadOptimizer(model, 
         grad = self.profile.block_params * self.profile.reduce_bytes
         expected = self.profile.block_checkpoint_bytes + self.profile.block_activation_bytes + 7 * grad
         self.assertAlmostEqual(resident["backward"] - peaks["backward"],
-                               8 * self.profile.block_activation_bytes - expected, delta=1)
+                               8 * self.profile.block_activation_bytes + self.profile.loss_transient_bytes - expected, delta=1)
 
     def test_streamed_state_in_transit_is_bounded(self):
         # At most STREAM_RUNS_IN_FLIGHT runs on the GPU at once, whatever is streamed, of which the

@@ -27,21 +27,15 @@ __all__ = ["plan", "plan_and_shard", "predict_per_gpu"]
 _MEMORY_HEADROOM = 0.9
 
 
-def _resolve_platform(platform: str | PlatformProfile | None, *, need: bool) -> PlatformProfile | None:
+def _resolve_platform(platform: str | PlatformProfile | None) -> PlatformProfile:
     if isinstance(platform, PlatformProfile):
         return platform
     if isinstance(platform, str):
         return get_profile(platform)
-    if torch.cuda.is_available():
-        from torch_fsdp_offload.platform import detect_platform
+    from torch_fsdp_offload.platform import detect_platform
 
-        return measured_profile(detect_platform(bandwidth=True))
-    if need:
-        raise ValueError(
-            f"no GPU on this machine to measure: pass platform= one of {', '.join(sorted(PLATFORM_PROFILES))} "
-            "(the machine to plan for), or plan from a scenario file"
-        )
-    return None
+    # This machine; without an accelerator its plan says there is nothing to offload.
+    return measured_profile(detect_platform(bandwidth=torch.cuda.is_available()))
 
 
 def _talk_recommendation(scenario: Scenario, candidate: Candidate, blocked: str | None) -> Recommendation:
@@ -115,6 +109,7 @@ def _scaled_breakdown(breakdown: ModelBreakdown, factor: int) -> ModelBreakdown:
         block_activation_bytes=breakdown.block_activation_bytes * factor,
         block_checkpoint_bytes=breakdown.block_checkpoint_bytes * factor,
         other_activation_bytes=breakdown.other_activation_bytes * factor,
+        loss_transient_bytes=breakdown.loss_transient_bytes * factor,
     )
 
 
@@ -367,7 +362,8 @@ def plan(
             :class:`~torch_fsdp_offload.planner.scenario.Scenario`) for a machine not at hand.
         platform: a built-in profile name (``h100-pcie``, ``h100-sxm``, ``h200-pcie``, ``gh200``,
             ``gb200``, ``dgx-spark``) or a :class:`PlatformProfile`. Default: this machine, measured
-            (needs a GPU). With a scenario it replaces the scenario's platform kind (explicit scenario
+            (its memory as this process may use it); without an accelerator the plan is "do not
+            offload". With a scenario it replaces the scenario's platform kind (explicit scenario
             bandwidths still win).
         batch_size (int | None): today's micro-batch (sequences), for a model (default 1, or the
             first dimension of ``example_input``).
@@ -381,8 +377,9 @@ def plan(
             is per GPU (sharded state, all-gathers and reduce-scatters, a shared host).
         gpu_memory_GiB (float | None): the GPU memory the step's peak must fit in: a budget below
             the GPU's (room kept for something else, or a smaller GPU than the profile's).
-            Default: 90% of the platform's memory (the rest for the CUDA context, NCCL and
-            fragmentation).
+            Default: 90% of the platform's memory, or of this process's cap
+            (``torch.cuda.set_per_process_memory_fraction``) when planning this machine (the rest for
+            the CUDA context, NCCL and fragmentation).
         example_input: what the model is called with, where it takes no ``(batch, seq)`` token ids:
             a tensor (hidden states ``(batch, seq, dim)``, say), a tuple of arguments or a mapping
             of keyword arguments; the first tensor's first two dimensions are the micro-batch and
@@ -404,8 +401,7 @@ def plan(
         says why).
 
     Raises:
-        ValueError: neither or both of ``model`` and ``scenario``; no GPU and no ``platform`` for a
-            model; an unknown profile name; ``gpu_memory_GiB`` not above 0; ``batch_size`` or
+        ValueError: neither or both of ``model`` and ``scenario``; an unknown profile name; ``gpu_memory_GiB`` not above 0; ``batch_size`` or
             ``seq_len`` other than ``example_input``'s; ``blocks`` that are not the model's.
         ScenarioError: a malformed scenario (the message names the key).
 
@@ -427,7 +423,7 @@ def plan(
     if scenario is not None:
         loaded = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
         if platform is not None:
-            loaded = dataclasses.replace(loaded, platform=_resolve_platform(platform, need=True))
+            loaded = dataclasses.replace(loaded, platform=_resolve_platform(platform))
         if capacity_bytes is not None:
             loaded = dataclasses.replace(loaded, capacity_GB=capacity_bytes / 1e9)
         return _plan_scenario(loaded)
@@ -443,7 +439,7 @@ def plan(
     device = torch.device(device if device is not None else "cuda")
     if measure and device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("measure=True needs a CUDA GPU; pass platform= to predict for another machine")
-    resolved = _resolve_platform(platform, need=True)
+    resolved = _resolve_platform(platform)
     return _plan_model(
         model,
         resolved,
@@ -587,7 +583,7 @@ def predict_per_gpu(
     if world_size < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError(f"world_size, batch_size and seq_len must be >= 1, got {world_size}, {batch_size}, {seq_len}")
     config = _offload_config(offload)
-    resolved = _resolve_platform(platform, need=True)
+    resolved = _resolve_platform(platform)
     breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len)
     profile = training_profile(breakdown, resolved, host_GBps=host_GBps)
     prediction = predict_step(profile, config, resolved, world_size=world_size)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from torch_fsdp_offload import models
+from torch_fsdp_offload.planner.profiles import process_memory_fraction
 from torch_fsdp_offload.planner.memory_breakdown import (
     block_names,
     call_model,
@@ -266,7 +267,9 @@ def measure_block_timings(
     timings: list[BlockTiming] = []
     for factor in factors:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
+            free, total = torch.cuda.mem_get_info(device)
+            # A cap of torch.cuda.set_per_process_memory_fraction bounds this process below the device.
+            free = min(free, total * process_memory_fraction(device) - torch.cuda.memory_reserved(device))
             per_sample = timings[0].activation_bytes / timings[0].batch_size if timings else 40 * hidden[:1].nbytes
             if (per_sample + 3 * hidden[:1].nbytes) * captured_batch * factor > memory_fraction * free:
                 break

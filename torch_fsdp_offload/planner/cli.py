@@ -164,5 +164,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result.report(), end="")
+        # The report quotes plan()'s arguments where it says what to pass: here they are flags.
+        print(cli_spelling(result.report()), end="")
     return 0

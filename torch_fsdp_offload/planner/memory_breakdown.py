@@ -59,6 +59,11 @@ class ModelBreakdown:
         block_forward_share (float): the blocks' share of the model's forward FLOPs (the rest:
             embedding, final norm, head, loss); what checkpointing the blocks reruns is this share of
             the forward times ``block_recompute_fraction``.
+        loss_transient_bytes (int): what the loss holds beside every saved activation, at the end
+            of forward and again at the start of backward: the output in fp32 (the loss reads it
+            upcast, and its gradient comes back in fp32) beside two copies in the output's own dtype
+            (the output itself or its gradient, and a shifted or reshaped copy). For a language
+            model's logits this is the largest transient of the step (8 bytes per logit in bf16).
     """
 
     name: str
@@ -74,6 +79,7 @@ class ModelBreakdown:
     dim: int
     block_recompute_fraction: float = 1.0
     block_forward_share: float = 1.0
+    loss_transient_bytes: int = 0
 
     @property
     def total_params(self) -> int:
@@ -304,6 +310,7 @@ def model_breakdown(
         dim=dims[0] if dims else 0,
         block_recompute_fraction=recompute,
         block_forward_share=share,
+        loss_transient_bytes=logits.numel() * (4 + 2 * logits.element_size()),
     )
 
 

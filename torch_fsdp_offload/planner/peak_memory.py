@@ -84,13 +84,17 @@ def phase_peaks(
     block_unsharded = profile.block_params * profile.compute_bytes
 
     in_flight = min(offloaded_acts * saved, DEFAULT_MAX_INFLIGHT_BYTES)
+    # Forward ends with the loss, its transient beside every block's activations.
     forward = (resident_state + unsharded + staging + (n_blocks - offloaded_acts) * saved + in_flight
-               + profile.other_activation_bytes + max(0, len(kept) - live_groups) * block_unsharded)
+               + profile.other_activation_bytes + max(0, len(kept) - live_groups) * block_unsharded
+               + profile.loss_transient_bytes)
 
     # Blocks 0 .. offloaded_acts-1 have offloaded activations; blocks resident_blocks .. n-1 have
     # offloaded state; of those, the first streamed_blocks are stepped on the GPU.
     reload_window = 1 + ACTIVATION_PREFETCH_BLOCKS
-    backward = 0.0
+    # Backward opens with the loss's: every block's activations still saved, beside the output's
+    # gradient (the same transient).
+    backward = (n_blocks - offloaded_acts) * saved + profile.loss_transient_bytes
     for block in range(n_blocks - 1, -1, -1):
         saved_here = sum(saved for j in range(offloaded_acts, block + 1))
         reloaded = saved * sum(1 for j in range(max(0, block - reload_window + 1), min(block, offloaded_acts - 1) + 1))

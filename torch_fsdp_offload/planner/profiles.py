@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 __all__ = ["PLATFORM_PROFILES", "PlatformProfile", "get_profile", "measured_profile"]
 
 _KINDS = ("unified", "coherent", "discrete", "host_only")
@@ -235,7 +237,14 @@ def measured_profile(platform, base: PlatformProfile | None = None) -> PlatformP
     changes: dict[str, object] = {"name": "measured", "kind": kind}
     sources = [f"detected {kind}"]
     if getattr(platform, "gpu_total_bytes", None):
-        changes["gpu_memory_GB"] = platform.gpu_total_bytes / 1e9
+        # A cap set with torch.cuda.set_per_process_memory_fraction is all this process may use.
+        fraction = process_memory_fraction(platform.device)
+        changes["gpu_memory_GB"] = platform.gpu_total_bytes * fraction / 1e9
+        if fraction < 1.0:
+            sources.append(f"{fraction:.0%} of the GPU's memory (this process's cap)")
+    elif kind == "host_only" and getattr(platform, "host_available_bytes", None):
+        # Without an accelerator, compute runs in host memory.
+        changes["gpu_memory_GB"] = platform.host_available_bytes / 1e9
     report = getattr(platform, "bandwidth", None)
     if report is not None:
         changes.update(
@@ -249,3 +258,15 @@ def measured_profile(platform, base: PlatformProfile | None = None) -> PlatformP
     sources.append(f"other figures from {base.name}")
     changes["source"] = ", ".join(sources)
     return dataclasses.replace(base, **changes)
+
+
+def process_memory_fraction(device) -> float:
+    """The share of ``device``'s memory this process may allocate: the fraction given to
+    ``torch.cuda.set_per_process_memory_fraction`` (1.0 where none was, on a CPU, or on a torch
+    that cannot tell)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    reader = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if device.type != "cuda" or reader is None or not torch.cuda.is_available():
+        return 1.0
+    # The reader takes an index: "cuda" alone means the current device.
+    return float(reader(device.index if device.index is not None else torch.cuda.current_device()))

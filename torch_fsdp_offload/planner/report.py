@@ -164,7 +164,9 @@ class Recommendation:
 
     def optimizer(self, model: Any, optimizer_class: Any = None, **optimizer_kwargs: Any) -> Any:
         """The ``OffloadOptimizer`` over ``model`` (sharded by :meth:`apply`) in the timing mode the
-        step was predicted with (:attr:`optimizer_kwargs`).
+        step was predicted with (:attr:`optimizer_kwargs`). Where the plan offloads nothing it steps
+        as ``optimizer_class`` alone would, with the same interface (``synchronize()``,
+        ``max_grad_norm``) and without the warning of an ``OffloadOptimizer`` over nothing offloaded.
 
         Args:
             model (nn.Module): the sharded model.
@@ -178,11 +180,18 @@ class Recommendation:
 
             >>> optim = plan("anchor-1.6b", platform="h200-pcie", batch_size=4).recommended.optimizer(model, lr=1e-4)
         """
+        import warnings
+
         import torch
 
         from torch_fsdp_offload.optim import OffloadOptimizer
 
-        return OffloadOptimizer(model, optimizer_class or torch.optim.AdamW, **{**self.optimizer_kwargs, **optimizer_kwargs})
+        with warnings.catch_warnings():
+            if self.kwargs is None:
+                # The plan offloads nothing: the optimizer steps as the class alone would, which is
+                # the plan's decision, not a mistake to warn of; the interface stays the same.
+                warnings.filterwarnings("ignore", "OffloadOptimizer: none of its parameters", UserWarning)
+            return OffloadOptimizer(model, optimizer_class or torch.optim.AdamW, **{**self.optimizer_kwargs, **optimizer_kwargs})
 
     def _optimizer_code(self) -> str:
         if not self.optimizer_kwargs:

@@ -75,6 +75,11 @@ class ScenarioSearch:
 
 def offload_blocked_reason(scenario: Scenario) -> str | None:
     """Why offloading cannot pay on this scenario at all, or None if it may."""
+    if scenario.kind == "host_only":
+        return (
+            "this machine has no accelerator: parameters, gradients and optimizer state already live in "
+            "the host memory compute runs in (to plan for a GPU machine, pass platform=)"
+        )
     if scenario.kind == "unified":
         return (
             "this is a unified-memory platform: CPU and GPU share one physical memory, so "

@@ -43,6 +43,8 @@ class TrainingProfile:
         block_activation_bytes (int): bytes one block saves for backward.
         block_checkpoint_bytes (int): bytes one block keeps with checkpointing (its input).
         other_activation_bytes (int): activations outside the blocks (embeddings, logits, loss).
+        loss_transient_bytes (int): the loss's transient at the end of forward and the start of backward
+            (:class:`~torch_fsdp_offload.planner.memory_breakdown.ModelBreakdown`).
         forward_s (float), backward_s (float): GPU-resident forward and backward time.
         gpu_optimizer_s (float): fused AdamW on the GPU for all parameters.
         host_GBps (float): effective host DRAM bandwidth of the host optimizer step (see
@@ -98,6 +100,7 @@ class TrainingProfile:
     source: str = "analytic"
     host_step_s_per_param: float | None = None
     recompute_fraction: float = 1.0
+    loss_transient_bytes: int = 0
     host_alone_s_per_param: float | None = None
     host_busy_link_GBps: float | None = None
     host_alone_cast_s_per_param: float | None = None
@@ -162,6 +165,7 @@ def training_profile(
         block_activation_bytes=block_activation,
         block_checkpoint_bytes=breakdown.block_checkpoint_bytes,
         other_activation_bytes=breakdown.other_activation_bytes,
+        loss_transient_bytes=breakdown.loss_transient_bytes,
         forward_s=forward,
         backward_s=backward,
         gpu_optimizer_s=params * _GPU_ADAMW_BYTES_PER_PARAM / (platform.gpu_dram_GBps * 1e9 * _GPU_ADAMW_DRAM_FRACTION),
