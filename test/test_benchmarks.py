@@ -626,6 +626,24 @@ class TestModelsBenchmark(TestCase):
         self.assertTrue(rows and all("transformers is not installed" in r["error"] for r in rows))
 
 
+    def test_a_row_that_leaves_memory_allocated_ends_its_process(self):
+        # What a row left allocated after its teardown would weigh on the next row: the child
+        # stops and hands the rows left to a fresh one.
+        with tempfile.TemporaryDirectory() as tmp:
+            args = argparse.Namespace(gpu_cap_GiB=None, rows="default,planned,resident", one_setting="anchor-1.6b",
+                                      batch_size=4, share_s=1e9, row_out=os.path.join(tmp, "rows.json"))
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(peers._free_port())}
+            with mock.patch.dict(os.environ, env), \
+                    mock.patch.object(models_benchmark, "run_row", return_value={"tokens_per_s": 1, "step_s": 1.0}), \
+                    mock.patch.object(models_benchmark, "release", side_effect=[0.0, 2.5, 0.0]):
+                self.assertEqual(models_benchmark.run_setting(args), 0)
+            with open(args.row_out, encoding="utf-8") as handle:
+                written = json.load(handle)
+        self.assertEqual([row["name"] for row in written["rows"]], ["default", "planned"])
+        self.assertEqual(written["rows"][1]["allocated_after_teardown_GiB"], 2.5)
+        self.assertEqual((written["running"], written["order"]), (None, ["resident"]))
+
+
 class TestMultiGpuBenchmark(TestCase):
     def test_predicted_peak_extrapolates_the_measured_batches(self):
         one = {"batch_size": 2, "peak_reserved_GiB": 30.0, "peak_gpu_GiB": 28.0, "between_steps_GiB": 10.0}

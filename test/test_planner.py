@@ -376,6 +376,7 @@ class TestRealModel(TestCase):
 
     def test_plan_for_a_profile(self):
         result = plan("tiny", platform="h200-pcie", batch_size=2, seq_len=64)
+        self.assertEqual(str(result), result.report())  # print(result) shows the report
         data = result.to_dict()
         self.assertIn("training", data)
         self.assertIn("FSDP2 step model", result.report())

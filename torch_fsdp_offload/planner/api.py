@@ -12,7 +12,7 @@ import torch
 from torch_fsdp_offload.planner.block_timing import measure_block_timings
 from torch_fsdp_offload.host_step import host_GBps_from_link_busy, measure_host_step
 from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, block_names, map_tensors, model_breakdown
-from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfile, get_profile, measured_profile
+from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
 from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
 from torch_fsdp_offload.planner.scenario_cost import Candidate

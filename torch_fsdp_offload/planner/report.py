@@ -354,6 +354,10 @@ class PlanResult:
         return data
 
     # -- human report ---------------------------------------------------------------------------
+    def __str__(self) -> str:
+        # print(result) shows the report, as the command line does.
+        return self.report()
+
     def report(self) -> str:
         """The talk's decision framework, step by step, as text: every figure per GPU, every row
         label explained under its table, the recommended row marked in its table.
