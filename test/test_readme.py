@@ -13,10 +13,16 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def _readme() -> str:
+    return open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+
 def _usage_example() -> str:
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    usage = readme.split("## Usage", 1)[1]
-    return re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+    return _python_blocks(_readme().split("## Usage", 1)[1])[0]
 
 
 def _free_port() -> int:
@@ -41,8 +47,7 @@ class TestReadme(TestCase):
         self.assertNotIn("OffloadOptimizer:", done.stderr)
 
     def test_every_python_block_compiles(self):
-        readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-        blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+        blocks = _python_blocks(_readme())
         self.assertGreaterEqual(len(blocks), 2)
         for block in blocks:
             compile(block, "README.md", "exec")

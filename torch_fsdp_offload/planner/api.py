@@ -401,8 +401,9 @@ def plan(
         says why).
 
     Raises:
-        ValueError: neither or both of ``model`` and ``scenario``; an unknown profile name; ``gpu_memory_GiB`` not above 0; ``batch_size`` or
-            ``seq_len`` other than ``example_input``'s; ``blocks`` that are not the model's.
+        ValueError: neither or both of ``model`` and ``scenario``; an unknown profile name;
+            ``gpu_memory_GiB`` not above 0; ``batch_size`` or ``seq_len`` other than
+            ``example_input``'s; ``blocks`` that are not the model's.
         ScenarioError: a malformed scenario (the message names the key).
 
     Example::

@@ -264,7 +264,7 @@ def process_memory_fraction(device) -> float:
     """The share of ``device``'s memory this process may allocate: the fraction given to
     ``torch.cuda.set_per_process_memory_fraction`` (1.0 where none was, on a CPU, or on a torch
     that cannot tell)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = torch.device(device)
     reader = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if device.type != "cuda" or reader is None or not torch.cuda.is_available():
         return 1.0
