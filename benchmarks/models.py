@@ -15,9 +15,9 @@ before anything is allocated). Rows of a setting, each on a model built afresh:
   ``plan_and_shard(model, example_input=batch, fully_shard_kwargs={"mp_policy": mp})`` (the blocks
   found by the planner, the memory this process may use, micro-batches up to 8x timed), then
   ``result.recommended.optimizer(model, lr, fused=True)``, trained at the recommended micro-batch;
-- ``planned``: the same call given the setting's budget and micro-batch,
-  ``plan_and_shard(..., gpu_memory_GiB=cap, microbatch_factors=--microbatch-factors, blocks=)``
-  (uncapped, the planner's default budget). Both record the plan's choice (``plan_label``,
+- ``planned``: the same call held to the setting's micro-batch,
+  ``plan_and_shard(..., microbatch_factors=--microbatch-factors, blocks=)``, within the same
+  budget as ``default`` (90% of the memory this process may use). Both record the plan's choice (``plan_label``,
   ``recommendation``), ``plan_timing`` (measured or estimated), its predicted step and peak and
   ``plan_s``; ``planned`` also ``predictions``: the same step model (``predict_step``) on every other
   row of the setting;
@@ -262,8 +262,7 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
     if name in ("default", "planned"):
         plan_kwargs: dict = {}  # README's call passes none
         if name == "planned":
-            plan_kwargs.update(microbatch_factors=[int(f) for f in args.microbatch_factors.split(",")],
-                               gpu_memory_GiB=args.gpu_cap_GiB, blocks=blocks)
+            plan_kwargs.update(microbatch_factors=[int(f) for f in args.microbatch_factors.split(",")], blocks=blocks)
             if device.type == "cpu":  # nothing to measure the link of: plan for the H200, the block timed here
                 plan_kwargs.update(platform="h200-pcie", measure=True, device="cpu")
         started = time.perf_counter()
@@ -448,7 +447,7 @@ def run_settings(runner: Runner, args, settings: list[tuple[str, int, float | No
         base = {"model": model_name, "batch_size": batch_size, "gpu_cap_GiB": cap}
         pending = [*MUST_ROWS, *row_list(args.capped_sweep)] if cap is not None else [
             *MUST_ROWS, "resident", *row_list(args.sweep)]
-        pending += LAST_ROWS
+        pending = [name for name in [*pending, *LAST_ROWS] if not args.only or name in row_list(args.only)]
         missing = missing_package(model_name)
         if missing is not None:
             rows.extend({**base, "name": name, "error": missing} for name in pending)
@@ -482,11 +481,14 @@ def main(argv=None) -> int:
     parser.add_argument("--capped-batch-sizes", default="4", help="settings under --cap-GiB ('none': no such setting)")
     parser.add_argument("--cap-GiB", type=float, default=16.0)
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048, 32 with --tiny")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    # Three untimed steps: a host-stepped row's first host step allocates and first touches its
+    # moments, and with next-forward overlap it spills into the step after it.
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sweep", default=",".join(SWEEP), help="coherent(...) rows of the uncapped settings")
     parser.add_argument("--capped-sweep", default=",".join(CAPPED_SWEEP), help="coherent(...) rows under the cap")
     parser.add_argument("--microbatch-factors", default="1", help="plan()'s microbatch_factors for the planned rows")
+    parser.add_argument("--only", default="", help="run only these rows of each setting (comma-separated, e.g. default,planned)")
     parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (a CPU smoke run)")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop starting rows after this long")
     parser.add_argument("--row-timeout", type=float, default=240.0, help="seconds a row may take (a setting's process: times its rows)")
@@ -506,7 +508,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
     try:
-        [check_row(name) for name in (*row_list(args.sweep), *row_list(args.capped_sweep))]
+        [check_row(name) for name in (*row_list(args.sweep), *row_list(args.capped_sweep), *row_list(args.only))]
     except ValueError as error:
         parser.error(str(error))
     settings = [(m, int(b), cap) for text, cap in ((args.batch_sizes, None), (args.capped_batch_sizes, args.cap_GiB))

@@ -14,8 +14,9 @@ bf16 compute and AdamW (lr 1e-4, weight decay 0.01) through:
 - ``torch_fsdp_offload_planned``: the one call, ``plan_and_shard(model, example_input=batch,
   gpu_memory_GiB=budget)`` for each batch size, then ``result.recommended.optimizer(...)``. The
   budget is ``--plan-budget-fraction`` (default 0.5) of the resident row's peak at that batch size
-  in this run (the cap, under a cap, where the model is built on ``meta`` and materialised as planned),
-  so the planned row trains within that share of resident memory.
+  in this run, so the planned row trains within that share of resident memory. Under a cap no
+  budget is given: the call plans within the memory the process may use, as README's usage does
+  (the model built on ``meta`` and materialised as planned).
 
 Each system runs in a process of its own (this script with ``--one-row``), its model built once and
 trained at each batch size in turn, so that DeepSpeed's global state and process group never meet
@@ -335,7 +336,7 @@ def run_one_row(system: str, batch_sizes: list[int], seq_len: int, steps: int, w
     started = time.perf_counter()
     config = model_config(n_blocks, seq_len)
     model, step, plan = _build(system, config, max(batch_sizes), capped=gpu_cap_GiB is not None,
-                               plan_budget_GiB=gpu_cap_GiB if gpu_cap_GiB is not None else plan_budget_GiB)
+                               plan_budget_GiB=None if gpu_cap_GiB is not None else plan_budget_GiB)
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     setup = {"params": params, "setup_s": round(time.perf_counter() - started, 2),
              "peak_gpu_setup_GiB": round(torch.cuda.max_memory_allocated() / GiB, 2), **(plan or {})}
@@ -480,6 +481,9 @@ class Runner:
         if plan_budget_GiB is not None:
             flags += ["--plan-budget-GiB", str(plan_budget_GiB)]
         rows, error = self.child(flags, timeout)
+        if rows is None and error.startswith("timeout") and timeout < self.args.row_timeout:
+            # Cut by --max-seconds, not by the row's own limit: it says nothing of whether the size fits.
+            error = f"not run to its end: --max-seconds reached ({error})"
         return rows if rows is not None else [{**row, "error": error} for row in base]
 
     def row(self, system: str, batch_size: int, n_blocks: int = 8, gpu_cap_GiB: float | None = None,

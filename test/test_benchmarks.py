@@ -12,8 +12,10 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
+import time
 import unittest
 import weakref
 from unittest import mock
@@ -570,7 +572,8 @@ class TestModelsBenchmark(TestCase):
                 default = next(r for r in rows if r["name"] == "default")
                 # README's call plans this machine, which has no GPU to time a block on.
                 self.assertEqual(default["plan_timing"], "estimated")
-                self.assertEqual(planned["plan_budget_GiB"] == 0.0, cap is not None)  # the cap is the plan's budget
+                # Planned for the H200 within its profile's memory less the headroom: no cap is set on the CPU.
+                self.assertEqual(planned["plan_budget_GiB"], 125.81)
                 self.assertTrue(all(r["tokens_per_s"] > 0 and "prediction_error" in r for r in rows))
         self.assertEqual(len(result["settings"]), 2 * len(models_benchmark.MODELS))
         self.assertIn("planned x", printed.getvalue())
@@ -606,7 +609,7 @@ class TestModelsBenchmark(TestCase):
 
     def test_a_child_that_dies_is_followed_by_one_for_the_rows_left(self):
         args = argparse.Namespace(sweep="coherent(host)", capped_sweep="", seq_len=16, steps=1, warmup=0,
-                                  microbatch_factors="1", tiny=True, row_timeout=10.0)
+                                  microbatch_factors="1", tiny=True, row_timeout=10.0, only="")
         runner = peers.Runner(args, deadline=float("inf"))
         done = {"model": "anchor-1.6b", "batch_size": 4, "gpu_cap_GiB": None, "tokens_per_s": 1, "step_s": 1.0}
         answers = [({"rows": [{**done, "name": "default"}], "running": "planned", "order": ["resident", "coherent(host)"]},
@@ -625,6 +628,20 @@ class TestModelsBenchmark(TestCase):
             models_benchmark.run_settings(runner, args, [("llama-1b-hf", 4, None)], rows, write=lambda: None)
         self.assertTrue(rows and all("transformers is not installed" in r["error"] for r in rows))
 
+    def test_only_runs_the_rows_named(self):
+        args = argparse.Namespace(sweep="coherent(host)", capped_sweep="coherent(host;ac)", seq_len=16, steps=1,
+                                  warmup=0, microbatch_factors="1", tiny=True, row_timeout=10.0, only="default,every-block")
+        runner = peers.Runner(args, deadline=float("inf"))
+        answer = ({"rows": [], "running": None, "order": []}, "")
+        with mock.patch.object(runner, "child", return_value=answer) as child:
+            models_benchmark.run_settings(runner, args, [("anchor-1.6b", 4, None), ("anchor-1.6b", 4, 16.0)], [],
+                                          write=lambda: None)
+        for call in child.call_args_list:
+            flags = call.args[0]
+            self.assertEqual(flags[flags.index("--rows") + 1], "default,every-block")
+        self.assertEqual(child.call_count, 2)
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            models_benchmark.main(["--tiny", "--only", "coherent(host;units=2)"])
 
     def test_a_row_that_leaves_memory_allocated_ends_its_process(self):
         # What a row left allocated after its teardown would weigh on the next row: the child
@@ -791,6 +808,15 @@ class TestPeersBenchmark(TestCase):
         self.assertIsNone(peers.missing_package("resident"))
         out_of_time = peers.Runner(argparse.Namespace(row_timeout=10.0), deadline=0.0).row("resident", 16)
         self.assertEqual(out_of_time["error"], "not run: --max-seconds reached")
+        # A row cut short by the deadline is out of time, where one over its own limit is too slow.
+        args = argparse.Namespace(row_timeout=100.0, seq_len=16, steps=1, warmup=0)
+        for deadline_in, expected in ((30.0, "not run to its end: --max-seconds reached (timeout after 30 s)"),
+                                      (float("inf"), "timeout after 100 s")):
+            runner = peers.Runner(args, deadline=time.monotonic() + deadline_in)
+            timed_out = subprocess.TimeoutExpired("child", min(deadline_in, 100.0))
+            with mock.patch.object(runner, "remaining", return_value=deadline_in), \
+                    mock.patch.object(peers.subprocess, "run", side_effect=timed_out):
+                self.assertEqual(runner.row("stock_cpu_offload", 4)["error"], expected)
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             peers.print_table([row, {"system": "resident", "batch_size": 4, "tokens_per_s": 52000, "step_s": 0.157,
                                      "peak_gpu_GiB": 27.4, "pinned_GiB": 0.0, "host_rss_GiB": 3.1,
