@@ -17,10 +17,10 @@ before anything is allocated). Rows of a setting, each on a model built afresh:
   ``result.recommended.optimizer(model, lr, fused=True)``, trained at the recommended micro-batch;
 - ``planned``: the same call held to the setting's micro-batch,
   ``plan_and_shard(..., microbatch_factors=--microbatch-factors, blocks=)``, within the same
-  budget as ``default`` (90% of the memory this process may use). Both record the plan's choice (``plan_label``,
-  ``recommendation``), ``plan_timing`` (measured or estimated), its predicted step and peak and
-  ``plan_s``; ``planned`` also ``predictions``: the same step model (``predict_step``) on every other
-  row of the setting;
+  budget as ``default`` (90% of the memory this process may use). Both record the plan's choice
+  (``plan_label``, ``recommendation``), ``plan_timing`` (measured or estimated), its predicted step,
+  host optimizer seconds and peak, and ``plan_s``; ``planned`` also ``predictions``: the same step
+  model (``predict_step``) on every other row of the setting;
 - ``every-block``: ``fully_shard(block, mp_policy=mp, offload_policy=CoherentOffload())`` per block and
   the root, ``OffloadOptimizer(model, torch.optim.AdamW, lr, fused=True)``: every block offloaded,
   as that form asks;
@@ -30,7 +30,10 @@ before anything is allocated). Rows of a setting, each on a model built afresh:
 
 Each (model, setting) runs in a child process (``--one-setting``); a CUDA OOM is a row with an
 ``error``, a child that dies, or whose row left more than 1 GiB allocated after its teardown, is
-followed by one for the rows it had left. ``over_best``: the
+followed by one for the rows it had left. Every row records each timed step (``step_s_each``, the
+median ``step_s``); an ``OffloadOptimizer`` row also the median seconds of host steps that ended
+between two ``step()`` calls (``host_optimizer_s``, with next-forward overlap mostly the step
+before's: to set beside the prediction's) and ``host_stepped_params``. ``over_best``: the
 setting's fastest tokens/s (its summary names the row) over the row's. ``--max-seconds`` stops
 starting rows: each child gets an equal share of the time left for its rows after ``default`` and
 ``planned``; the JSON is rewritten after each child.
@@ -225,6 +228,7 @@ def predictions(result, names: list[str], n_blocks: int) -> dict[str, dict]:
             config = row_training_config(name, n_blocks)
             prediction = predict_step(profile, config, platform)
         found[name] = {"step_s": round(prediction.step_s, 4), "peak_gpu_GiB": round(prediction.peak_gpu_GiB, 2),
+                       "host_optimizer_s": round(prediction.host_optimizer_s, 4),
                        "fits": prediction.peak_gpu_bytes <= training.capacity_bytes, "label": config.label}
     return found
 
@@ -271,6 +275,7 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
         best = result.training.best if result.training is not None else None
         row.update(plan_s=round(time.perf_counter() - started, 2), plan_timing=result.timing,
                    plan_label=None if best is None else best[1].config.label, recommendation=recommended.code(),
+                   predicted_host_optimizer_s=None if best is None else round(best[1].host_optimizer_s, 4),
                    technique=recommended.technique, predicted_step_s=recommended.predicted_step_s,
                    predicted_peak_gpu_GiB=recommended.predicted_peak_gpu_GiB,
                    plan_budget_GiB=None if result.training is None else round(result.training.capacity_bytes / GiB, 2),
@@ -287,18 +292,25 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
         row["peak_setup_GiB"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
         torch.cuda.reset_peak_memory_stats()
 
+    host_seconds: list[float] = []
+
     def step(batch: torch.Tensor) -> torch.Tensor:
         loss = loss_of(args.one_setting, model, batch)
         loss.backward()
         optimizer.step()
+        # The host steps' own seconds since the last step() (a plain torch optimizer has none).
+        host_seconds.append(getattr(optimizer, "last_host_step_seconds", 0.0))
         optimizer.zero_grad()
         return loss
 
     times, losses = timed_steps(step, batch, args.steps, args.warmup)
     step_s = statistics.median(times)
-    row.update(micro_batch_size=batch.shape[0], step_s=round(step_s, 4),
+    row.update(micro_batch_size=batch.shape[0], step_s=round(step_s, 4), step_s_each=[round(t, 4) for t in times],
                tokens_per_s=round(batch.shape[0] * args.seq_len / step_s), loss_last=losses[-1],
                peak_gpu_GiB=round(torch.cuda.max_memory_allocated() / GiB, 2) if device.type == "cuda" else 0.0)
+    if isinstance(optimizer, OffloadOptimizer):
+        row.update(host_optimizer_s=round(statistics.median(host_seconds[args.warmup:]), 6),
+                   host_stepped_params=optimizer.stepped_numel["host"])
     return row
 
 

@@ -551,7 +551,7 @@ class TestModelsBenchmark(TestCase):
             out = os.path.join(tmp, "models.json")
             self.assertEqual(models_benchmark.main([
                 "--tiny", "--out", out, "--batch-sizes", "2", "--capped-batch-sizes", "2", "--cap-GiB", "0.001",
-                "--seq-len", "16", "--steps", "1", "--warmup", "1", "--sweep", sweep, "--capped-sweep", capped_sweep,
+                "--seq-len", "16", "--steps", "2", "--warmup", "1", "--sweep", sweep, "--capped-sweep", capped_sweep,
             ]), 0)
             with open(out, encoding="utf-8") as handle:
                 result = json.load(handle)
@@ -575,6 +575,13 @@ class TestModelsBenchmark(TestCase):
                 # Planned for the H200 within its profile's memory less the headroom: no cap is set on the CPU.
                 self.assertEqual(planned["plan_budget_GiB"], 125.81)
                 self.assertTrue(all(r["tokens_per_s"] > 0 and "prediction_error" in r for r in rows))
+                self.assertTrue(all(len(r["step_s_each"]) == 2 for r in rows))
+                # The host steps' seconds, beside the prediction's, where some parameters step on the host
+                # (the second timed step's step() returns after all of the first's host steps ended).
+                hand_placed = next(r for r in rows if r["name"] in (sweep, capped_sweep))
+                self.assertGreater(hand_placed["host_stepped_params"], 0)
+                self.assertGreater(hand_placed["host_optimizer_s"], 0.0)
+                self.assertIn("host_optimizer_s", planned["predictions"][hand_placed["name"]])
         self.assertEqual(len(result["settings"]), 2 * len(models_benchmark.MODELS))
         self.assertIn("planned x", printed.getvalue())
 
