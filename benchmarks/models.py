@@ -228,7 +228,7 @@ def predictions(result, names: list[str], n_blocks: int) -> dict[str, dict]:
             config = row_training_config(name, n_blocks)
             prediction = predict_step(profile, config, platform)
         found[name] = {"step_s": round(prediction.step_s, 4), "peak_gpu_GiB": round(prediction.peak_gpu_GiB, 2),
-                       "host_optimizer_s": round(prediction.host_optimizer_s, 4),
+                       "host_optimizer_s": round(prediction.host_optimizer_s, 6),
                        "fits": prediction.peak_gpu_bytes <= training.capacity_bytes, "label": config.label}
     return found
 
@@ -275,7 +275,7 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
         best = result.training.best if result.training is not None else None
         row.update(plan_s=round(time.perf_counter() - started, 2), plan_timing=result.timing,
                    plan_label=None if best is None else best[1].config.label, recommendation=recommended.code(),
-                   predicted_host_optimizer_s=None if best is None else round(best[1].host_optimizer_s, 4),
+                   predicted_host_optimizer_s=None if best is None else round(best[1].host_optimizer_s, 6),
                    technique=recommended.technique, predicted_step_s=recommended.predicted_step_s,
                    predicted_peak_gpu_GiB=recommended.predicted_peak_gpu_GiB,
                    plan_budget_GiB=None if result.training is None else round(result.training.capacity_bytes / GiB, 2),
@@ -298,7 +298,8 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
         loss = loss_of(args.one_setting, model, batch)
         loss.backward()
         optimizer.step()
-        # The host steps' own seconds since the last step() (a plain torch optimizer has none).
+        # Seconds of the host steps that ended since the last step() returned (a plain torch
+        # optimizer has none).
         host_seconds.append(getattr(optimizer, "last_host_step_seconds", 0.0))
         optimizer.zero_grad()
         return loss
@@ -455,11 +456,11 @@ def row_list(text: str) -> list[str]:
 def run_settings(runner: Runner, args, settings: list[tuple[str, int, float | None]], rows: list[dict], write) -> None:
     """Each setting's rows in child processes (a child that dies is followed by one for its rows left),
     each child with an equal share of the time left for its optional rows."""
+    only = row_list(args.only)
     for index, (model_name, batch_size, cap) in enumerate(settings):
         base = {"model": model_name, "batch_size": batch_size, "gpu_cap_GiB": cap}
-        pending = [*MUST_ROWS, *row_list(args.capped_sweep)] if cap is not None else [
-            *MUST_ROWS, "resident", *row_list(args.sweep)]
-        pending = [name for name in [*pending, *LAST_ROWS] if not args.only or name in row_list(args.only)]
+        optional = row_list(args.capped_sweep) if cap is not None else ["resident", *row_list(args.sweep)]
+        pending = [name for name in (*MUST_ROWS, *optional, *LAST_ROWS) if not only or name in only]
         missing = missing_package(model_name)
         if missing is not None:
             rows.extend({**base, "name": name, "error": missing} for name in pending)

@@ -776,6 +776,28 @@ class TestPeersBenchmark(TestCase):
             runner.rows("resident", [4])
         self.assertNotIn("--plan-budget-GiB", child.call_args[0][0])
 
+    def test_planned_rows_under_a_cap_plan_within_the_process_memory(self):
+        # Under a cap the call is given no budget: it reads the process's cap and keeps its headroom.
+        class Built(Exception):
+            pass
+
+        budgets = []
+
+        def build(system, config, batch_size, capped, plan_budget_GiB=None):
+            budgets.append((capped, plan_budget_GiB))
+            raise Built
+
+        gpu = mock.Mock(total_memory=140 << 30)
+        with mock.patch.object(peers, "_build", side_effect=build), \
+                mock.patch.object(torch.cuda, "set_device"), \
+                mock.patch.object(torch.cuda, "get_device_properties", return_value=gpu), \
+                mock.patch.object(torch.cuda, "set_per_process_memory_fraction") as set_fraction:
+            for cap in (16.0, None):
+                with self.assertRaises(Built):
+                    peers.run_one_row(peers.PLANNED, [4], 16, 1, 0, 8, gpu_cap_GiB=cap, plan_budget_GiB=13.7)
+        self.assertEqual(budgets, [(True, None), (False, 13.7)])
+        set_fraction.assert_called_once_with(16 / 140, 0)
+
     def test_out_of_time_stops_the_search_with_what_it_found(self):
         answers = iter([True, True, None])
         self.assertEqual(peers.largest_fitting(lambda n: next(answers), 40), (2, False))
