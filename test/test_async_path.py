@@ -271,6 +271,33 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         self.assertEqual(started_in_backward, [True], _events)
         self.assertLess(_events.index(("host_step", None)), _events.index(("backward", "first")))
 
+    def test_host_steps_after_step_run_in_forward_order(self):
+        # By default the host steps start in step(), all gradients landed; the next forward needs
+        # the groups in forward order, so the worker steps them in that order.
+        self.init_gloo()
+        model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"))
+        for step in range(2):  # the first forward learns the order
+            self._step(model, optim, step)
+        optim.synchronize()
+        stepped = []
+        host_step = offload_optimizer.OffloadOptimizer._host_step
+
+        def recording_host_step(self_, owner, inner):
+            stepped.append(owner.label())
+            return host_step(self_, owner, inner)
+
+        generator = torch.Generator().manual_seed(200 + self.rank)
+        model(torch.randn(3, DIM, generator=generator)).backward()
+        groups = sorted((owner for owner in optim._inner if owner is not None), key=lambda owner: owner.forward_index())
+        for owner in groups:
+            owner.wait_grads()
+        with mock.patch.object(offload_optimizer.OffloadOptimizer, "_host_step", recording_host_step):
+            optim.step()
+            optim.synchronize()
+        optim.zero_grad()
+        self.assertEqual(stepped, [owner.label() for owner in groups])
+        self.assertEqual(len(stepped), BLOCKS + 1)  # the blocks and the root
+
     def test_one_copy_per_group_each_way(self):
         self.init_gloo()
         # step() returns once every step finished: its prefetch of the next forward's first group

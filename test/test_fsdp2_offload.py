@@ -214,6 +214,24 @@ class HostStepWorkerOrderTest(TestCase):
             future.result(timeout=10)
         # None landed: the oldest first, as gradients land in submission order.
         self.assertEqual(order, ["a", "b", "c"])
+        # Queued at once to an idle thread (step() after backward, every gradient landed): it
+        # chooses among all of them, the newest first, not the first to arrive, even where it
+        # would run as soon as the queue is unlocked.
+        class YieldingCondition(threading.Condition):
+            def __exit__(self, *exc):
+                released = super().__exit__(*exc)
+                time.sleep(0.05)  # an idle thread takes what is queued now
+                return released
+
+        with mock.patch.object(step_worker.threading, "Condition", YieldingCondition):
+            eager = step_worker.StepWorker("test_eager_worker")
+        order.clear()
+        futures = eager.submit_all([(order.append, (name,), None) for name in "abc"])
+        for future in futures:
+            future.result(timeout=10)
+        self.assertEqual(order, ["c", "b", "a"])
+        eager.shutdown()
+        eager._thread.join(timeout=10)
         worker.shutdown()
         worker._thread.join(timeout=10)
         self.assertFalse(worker._thread.is_alive())

@@ -67,6 +67,10 @@ class OffloadedGroup(Protocol):
         """The group's position in forward order (groups not seen yet last)."""
         ...
 
+    def label(self) -> str:
+        """What a trace calls the group (its module's name)."""
+        ...
+
     def prefetch_next_forward(self) -> None:
         """Start the copies the next forward needs first."""
         ...

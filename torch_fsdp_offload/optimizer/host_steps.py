@@ -46,7 +46,7 @@ class HostSteps:
         landed = time.perf_counter()
         for param in owner.params:
             apply_scales(param.grad)  # a clip recorded before step() (dtensor_grads)
-        with torch.profiler.record_function("torch_fsdp_offload::host_optimizer_step"):
+        with torch.profiler.record_function(f"torch_fsdp_offload::host_optimizer_step:{owner.label()}"):
             self._host_step(owner, inner)
         owner.refresh_mirror()
         with self._seconds_lock:
@@ -120,18 +120,23 @@ class HostSteps:
         self._plain_twins[owner] = (twin, aliases)
         return twin, aliases
 
-    def _submit_host_step(self, owner: OffloadedGroup) -> concurrent.futures.Future:
-        """Queue ``owner``'s host step in the worker, to run once its gradients have landed."""
-        # Take the hyperparameters (lr set by a scheduler, ...) now, on the caller's thread: the
-        # worker may run this step after step() returned and a scheduler changed them.
-        hyperparameters.copy_hyperparameters(self._inner[owner][1])
+    def _submit_host_steps(self, owners: list[OffloadedGroup]) -> dict[OffloadedGroup, concurrent.futures.Future]:
+        """Queue the host steps of ``owners`` in the worker at once, each to run once its gradients
+        have landed. Queued together, an idle worker chooses among all of them: after backward it
+        takes the newest, the first the next forward needs (docs/design.md, Note: [Host step order]);
+        queued one by one, it would start on the first before the rest arrive."""
+        for owner in owners:
+            # Take the hyperparameters (lr set by a scheduler, ...) now, on the caller's thread: the
+            # worker may run this step after step() returned and a scheduler changed them.
+            hyperparameters.copy_hyperparameters(self._inner[owner][1])
         with self._finish_lock:
-            self._finished.discard(owner)
-        return self._worker().submit(self._host_step_in_worker, owner, landed=owner.grads_landed)
+            self._finished.difference_update(owners)
+        futures = self._worker().submit_all([(self._host_step_in_worker, (owner,), owner.grads_landed) for owner in owners])
+        return dict(zip(owners, futures))
 
     def _host_step_in_worker(self, owner: OffloadedGroup) -> None:
         torch.set_num_threads(self.host_threads)
-        # The hyperparameters were taken when the step was submitted (see _submit_host_step).
+        # The hyperparameters were taken when the step was submitted (see _submit_host_steps).
         # A zero_grad() deferred until the step ends runs here too: outside the step, its writes
         # would wait for this very step's pending update.
         with stepping():

@@ -353,7 +353,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         if not overlapping or owner in self._streamed:
             return
         self._build()
-        self._pending[owner] = self._submit_host_step(owner)
+        self._pending.update(self._submit_host_steps([owner]))
 
     # -- public ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -402,8 +402,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             # the link and the GPU step the streamed ones; of the groups whose gradients have
             # landed the worker runs the newest submission first, so submit in reverse forward
             # order.
-            for owner in sorted(host_todo, key=lambda o: o.forward_index(), reverse=True):
-                host_futures[owner] = self._submit_host_step(owner)
+            host_futures.update(self._submit_host_steps(sorted(host_todo, key=lambda o: o.forward_index(), reverse=True)))
         else:
             for future in host_futures.values():
                 future.result()

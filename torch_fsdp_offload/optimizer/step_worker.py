@@ -30,11 +30,18 @@ class StepWorker:
 
     def submit(self, fn: Callable[..., Any], *args: Any, landed: Callable[[], bool] | None = None) -> concurrent.futures.Future:
         """Queue ``fn(*args)``; ``landed`` says whether its gradients have landed (default: yes)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        return self.submit_all([(fn, args, landed)])[0]
+
+    def submit_all(self, tasks: list[tuple[Callable[..., Any], tuple, Callable[[], bool] | None]]) -> list[concurrent.futures.Future]:
+        """Queue each ``(fn, args, landed)`` of ``tasks`` at once, in order: an idle thread chooses
+        among all of them, not the first alone (see :meth:`submit`)."""
+        futures: list[concurrent.futures.Future] = []
         with self._ready:
-            self._queue.append((future, fn, args, landed))
+            for fn, args, landed in tasks:
+                futures.append(concurrent.futures.Future())
+                self._queue.append((futures[-1], fn, args, landed))
             self._ready.notify()
-        return future
+        return futures
 
     def shutdown(self) -> None:
         """End the thread once the steps already submitted have run."""
