@@ -600,7 +600,7 @@ def predict_per_gpu(
         "optimizer_s": prediction.optimizer_s,
         "tokens_per_s_per_gpu": batch_size * seq_len / prediction.step_s,
         "peak_gpu_GiB": prediction.peak_gpu_GiB,
-        "fits": prediction.peak_gpu_bytes <= capacity,
+        "fits": prediction.fits(capacity),
         "link_bound": prediction.link_bound,
         "host_bound": prediction.host_bound,
         "h2d_GB": prediction.h2d_bytes / 1e9,

@@ -498,7 +498,7 @@ class PlanResult:
             return fp[0] / fp[1].step_s
 
         ranked = sorted(training.predictions, key=lambda fp: -speed(fp))
-        fitting = [fp for fp in ranked if fp[1].peak_gpu_bytes <= training.capacity_bytes]
+        fitting = [fp for fp in ranked if fp[1].fits(training.capacity_bytes)]
         resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.coherent_offload_kwargs() is None
                     and not fp[1].config.checkpointing]
         picked = training.best if self.recommended.technique == "fsdp2_step_model" else None
@@ -514,13 +514,13 @@ class PlanResult:
         for fp in rows:
             factor, p = fp
             marks = (["today's run"] if fp in resident else []) + (["<- recommended"] if fp == picked else [])
-            fits = "yes" if p.peak_gpu_bytes <= training.capacity_bytes else "no"
+            fits = "yes" if p.fits(training.capacity_bytes) else "no"
             lines.append(
                 f"   {factor:>4g}x  {p.config.label:<{width}}  {p.step_s:>6.3f}  {p.peak_gpu_GiB:>12.1f}  "
                 f"{factor * tokens / p.step_s:>12.0f}  {fits:<4}  {', '.join(marks)}".rstrip()
             )
         kinds = {label_kind(part) for _, p in rows for part in p.config.label.split()}
-        lines.append("   legend: Nx: N times today's micro-batch; fits: the peak within the budget")
+        lines.append("   legend: Nx: N times today's micro-batch; fits: the peak, and a free block for the loss's fp32 output, within the budget")
         lines.extend(f"   {text}" for key, text in LABEL_LEGEND.items() if key in kinds)
         lines.extend(textwrap.wrap(rule, _REPORT_WIDTH, initial_indent="   ", subsequent_indent="   ") if rule else [])
         return lines

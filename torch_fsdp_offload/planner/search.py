@@ -347,7 +347,7 @@ def search_training(
     for factor, profile in profiles:
         for config in configs if configs is not None else default_training_configs(profile.n_blocks, clipping=clipping):
             predictions.append((factor, predict_step(profile, config, platform, world_size=world_size)))
-    fitting = [(f, p) for f, p in predictions if p.peak_gpu_bytes <= capacity_bytes]
+    fitting = [(f, p) for f, p in predictions if p.fits(capacity_bytes)]
     if not fitting:
         return predictions, None
     best = choose(

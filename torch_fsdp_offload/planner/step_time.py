@@ -45,6 +45,8 @@ class StepPrediction:
         host_bound (bool): the host optimizer step, not the GPU, ends the step.
         peak_phase (str): ``"forward"``, ``"backward"`` or ``"optimizer"``: where the peak is
             (:func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks`).
+        allocation_slack_bytes (int): room beside the peak for the largest block the step
+            allocates anew, the loss's fp32 copy of the output (see :meth:`fits`).
     """
 
     config: TrainingConfig
@@ -59,10 +61,18 @@ class StepPrediction:
     link_bound: bool
     host_bound: bool = False
     peak_phase: str = "backward"
+    allocation_slack_bytes: int = 0
 
     @property
     def peak_gpu_GiB(self) -> float:
         return self.peak_gpu_bytes / 2**30
+
+    def fits(self, capacity_bytes: float) -> bool:
+        """Whether the step fits ``capacity_bytes``: its peak, and beside it a free block as large as
+        the largest it allocates anew. Near a memory cap the caching allocator's free memory is
+        fragmented, and a large block that finds no free segment of its size fails even where the
+        peak fits (docs/planner.md, "Memory headroom")."""
+        return self.peak_gpu_bytes + self.allocation_slack_bytes <= capacity_bytes
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -95,16 +105,18 @@ def _activation_traffic(profile: TrainingProfile, activation_blocks: int, per_bl
     return down - in_flight, in_flight, (activation_blocks - kept_on_device) * per_block
 
 
-def _host_step_ends(landed: dict[int, float], per_group: float, *, clipping: bool) -> dict[int, float]:
+def _host_step_ends(landed: dict[int, float], per_group: float, *, from_step: float | None) -> dict[int, float]:
     """When each host group's step ends, from when its gradients landed (``landed``, by forward
     index), one worker taking ``per_group`` seconds per group.
 
-    Without clipping a group steps once its gradients have landed, in landing order (the reverse
-    of forward). With clipping ``step()`` waits for every gradient and the global norm, then steps
-    the groups newest first, which after backward is forward order.
+    With ``from_step`` (when the training loop reaches ``step()``) no group steps before then, nor
+    before every host group's gradients landed; ``step()`` submits them together and the worker
+    takes the newest submission first, which after backward is forward order. Without it
+    (``step_during_backward``) a group steps once its gradients have landed, in landing order (the
+    reverse of forward).
     """
-    if clipping:
-        done = max(landed.values())
+    if from_step is not None:
+        done = max(from_step, *landed.values())
         ends = {}
         for index in sorted(landed):
             done += per_group
@@ -141,14 +153,15 @@ def predict_step(
     measured rates, its measured time,
     :func:`~torch_fsdp_offload.planner.traffic.host_step_seconds_per_param`) leave the host step;
     the device memory of its one landing chunk (``chunk_bytes``) is not counted. Host-stepped
-    groups are the last in forward order, so their gradients land first in backward. Without
-    ``config.clipping`` each host group steps once its gradients landed, in landing order, whether
-    before ``step()`` (``step_during_backward``) or from ``step()`` on (the default; the CPU is
-    taken to reach ``step()`` before the GPU lands the first host group's gradients, so the two
-    are priced alike). With ``clipping`` ``step()`` waits for every gradient and the global norm:
-    the host steps start after the last group's gradients landed, newest first (forward order).
-    They run beside the streamed steps and on into the next forward, which copies each host group
-    in, in forward order, once its step has ended. What outlasts the GPU work is exposed.
+    groups are the last in forward order, so their gradients land first in backward. By default
+    (and always with ``clipping``) no group steps before ``step()``, which the training loop
+    reaches once the CPU has launched backward, about when the GPU ends it (the CPU launches
+    backward about as fast as the GPU runs it; docs/planner.md), and the host steps run from then
+    on in forward order. With
+    ``step_during_backward`` (without clipping) each host group steps once its gradients landed,
+    in landing order, under the rest of backward. The host steps run beside the streamed steps and
+    on into the next forward, which copies each host group in, in forward order, once its step has
+    ended. What outlasts the GPU work is exposed.
 
     Host DRAM serves the host step and the link's DMA at once (parameters copied in, gradients
     down, streamed state, activations), so link traffic slows the host step. When the profile has
@@ -294,7 +307,7 @@ def predict_step(
         # behind it; one worker steps the host groups (see the docstring for the order).
         grad_copy = shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
         landed = {index: backward * (n_blocks - index) / n_blocks + grad_copy for index in host_indices}
-        done = _host_step_ends(landed, host_time / host_blocks, clipping=config.clipping)
+        done = _host_step_ends(landed, host_time / host_blocks, from_step=None if config.steps_early else backward)
         # The next forward copies each host group in, in forward order, once its step has ended.
         start = backward + gpu_path_optimizer
         reach, previous = start, 0
@@ -320,4 +333,7 @@ def predict_step(
         host_optimizer_s=host_time,
         link_bound=forward_bound or backward_bound,
         host_bound=host_tail > 0,
+        # The loss's transient holds the output in fp32 beside two copies in the compute dtype
+        # (memory_breakdown): the fp32 copy is the largest block a step allocates anew.
+        allocation_slack_bytes=int(profile.loss_transient_bytes * 4 / (4 + 2 * profile.compute_bytes)),
     )
