@@ -31,10 +31,15 @@ before anything is allocated). Rows of a setting, each on a model built afresh:
 Each (model, setting) runs in a child process (``--one-setting``); a CUDA OOM is a row with an
 ``error``, a child that dies, or whose row left more than 1 GiB allocated after its teardown, is
 followed by one for the rows it had left. Every row records each timed step (``step_s_each``, the
-median ``step_s``); an ``OffloadOptimizer`` row also the median seconds of host steps that ended
-between two ``step()`` calls (``host_optimizer_s``, with next-forward overlap mostly the step
-before's: to set beside the prediction's) and ``host_stepped_params``. ``over_best``: the
-setting's fastest tokens/s (its summary names the row) over the row's. ``--max-seconds`` stops
+median ``step_s``), the median forward and backward on the GPU's clock (``forward_s``, which
+includes waiting for host steps, and ``backward_s``), the CPU's seconds to run backward
+(``backward_cpu_s``: when the loop reaches ``step()``), the peak reserved GPU memory and the
+allocator's retries (``alloc_retries``: cache flushes near a cap); an ``OffloadOptimizer`` row also
+the median seconds of host steps that ended between two ``step()`` calls (``host_optimizer_s``,
+with next-forward overlap mostly the step before's: to set beside the prediction's) and
+``host_stepped_params``. ``over_best``: the setting's fastest tokens/s (its summary names the row)
+over the row's; ``over_best_at_batch`` the same among the rows at the setting's micro-batch (all
+but ``default``), what ``planned`` is held to. ``--max-seconds`` stops
 starting rows: each child gets an equal share of the time left for its rows after ``default`` and
 ``planned``; the JSON is rewritten after each child.
 
@@ -91,14 +96,17 @@ LAST_ROWS = ("every-block",)
 # Hand-tuned placements. On the whole GPU: the last half of the blocks offloaded with host steps,
 # with checkpointing and the cast on the GPU, then without either; everything offloaded with host
 # steps and the cast on the GPU (the default splits the optimizer and casts on the host). Under the
-# cap: the last three quarters offloaded, with checkpointing; everything offloaded with host steps
-# and checkpointing; the default's placement with checkpointing.
+# cap, every one checkpointed: a quarter, a half, three quarters or all of the blocks offloaded (the
+# last ones), their optimizer on the host, a quarter or half of it streamed through the GPU.
 SWEEP = (
     "coherent(host;next-fwd;last=0.5;keep=1;ac;depth=1;cast=device)",
     "coherent(host;next-fwd;last=0.5;keep=1;depth=1)",
     "coherent(host;next-fwd;cast=device)",
 )
 CAPPED_SWEEP = (
+    "coherent(host;next-fwd;last=0.25;ac;cast=device)",
+    "coherent(split=0.25;next-fwd;last=0.5;ac;cast=device)",
+    "coherent(split=0.5;next-fwd;last=0.5;ac)",
     "coherent(host;next-fwd;last=0.75;keep=1;ac;depth=1;cast=device)",
     "coherent(host;next-fwd;keep=1;ac;cast=device)",
     "coherent(split=0.5;next-fwd;depth=1;ac)",
@@ -229,7 +237,7 @@ def predictions(result, names: list[str], n_blocks: int) -> dict[str, dict]:
             prediction = predict_step(profile, config, platform)
         found[name] = {"step_s": round(prediction.step_s, 4), "peak_gpu_GiB": round(prediction.peak_gpu_GiB, 2),
                        "host_optimizer_s": round(prediction.host_optimizer_s, 6),
-                       "fits": prediction.peak_gpu_bytes <= training.capacity_bytes, "label": config.label}
+                       "fits": prediction.fits(training.capacity_bytes), "label": config.label}
     return found
 
 
@@ -293,10 +301,22 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
 
     host_seconds: list[float] = []
+    # Per step: CUDA events at its start, after forward and after backward (None on the CPU), and
+    # the seconds the CPU took to run backward (when the loop reaches step()).
+    phases: list[tuple[list | None, float]] = []
 
     def step(batch: torch.Tensor) -> torch.Tensor:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
+        if events:
+            events[0].record()
         loss = loss_of(args.one_setting, model, batch)
+        if events:
+            events[1].record()
+        forwarded = time.perf_counter()
         loss.backward()
+        phases.append((events, time.perf_counter() - forwarded))
+        if events:
+            events[2].record()
         optimizer.step()
         # Seconds of the host steps that ended since the last step() returned (a plain torch
         # optimizer has none).
@@ -304,11 +324,19 @@ def run_row(name: str, args, names: list[str], held: dict) -> dict:
         optimizer.zero_grad()
         return loss
 
+    retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0) if device.type == "cuda" else 0
     times, losses = timed_steps(step, batch, args.steps, args.warmup)
     step_s = statistics.median(times)
     row.update(micro_batch_size=batch.shape[0], step_s=round(step_s, 4), step_s_each=[round(t, 4) for t in times],
                tokens_per_s=round(batch.shape[0] * args.seq_len / step_s), loss_last=losses[-1],
-               peak_gpu_GiB=round(torch.cuda.max_memory_allocated() / GiB, 2) if device.type == "cuda" else 0.0)
+               peak_gpu_GiB=round(torch.cuda.max_memory_allocated() / GiB, 2) if device.type == "cuda" else 0.0,
+               backward_cpu_s=round(statistics.median(cpu for _, cpu in phases[args.warmup:]), 4))
+    if device.type == "cuda":
+        timed = [events for events, _ in phases[args.warmup:]]
+        row.update(forward_s=round(statistics.median(e[0].elapsed_time(e[1]) for e in timed) / 1e3, 4),
+                   backward_s=round(statistics.median(e[1].elapsed_time(e[2]) for e in timed) / 1e3, 4),
+                   peak_reserved_GiB=round(torch.cuda.max_memory_reserved() / GiB, 2),
+                   alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
     if isinstance(optimizer, OffloadOptimizer):
         row.update(host_optimizer_s=round(statistics.median(host_seconds[args.warmup:]), 6),
                    host_stepped_params=optimizer.stepped_numel["host"])
@@ -405,9 +433,15 @@ def summarize(rows: list[dict]) -> list[dict]:
         by_name = {row["name"]: row for row in group}
         measured = [row for row in group if "error" not in row]
         best = max(measured, key=lambda row: row["tokens_per_s"], default=None)
+        # The rows at the setting's micro-batch (every row but default, which picks its own).
+        at_batch = [row for row in measured if row.get("micro_batch_size", batch_size) == batch_size]
+        best_at_batch = max(at_batch, key=lambda row: row["tokens_per_s"], default=None)
         predicted = by_name.get("planned", {}).get("predictions", {})
         for row in measured:
             row["over_best"] = round(best["tokens_per_s"] / row["tokens_per_s"], 2)
+            row.pop("over_best_at_batch", None)
+            if row in at_batch:
+                row["over_best_at_batch"] = round(best_at_batch["tokens_per_s"] / row["tokens_per_s"], 2)
             if row["name"] in predicted:
                 row["predicted_step_s"] = predicted[row["name"]]["step_s"]
             if row.get("predicted_step_s"):
@@ -417,8 +451,11 @@ def summarize(rows: list[dict]) -> list[dict]:
             "model": model, "batch_size": batch_size, "gpu_cap_GiB": cap,
             "best_row": None if best is None else best["name"],
             "best_tokens_per_s": None if best is None else best["tokens_per_s"],
+            "best_row_at_batch": None if best_at_batch is None else best_at_batch["name"],
+            "best_at_batch_tokens_per_s": None if best_at_batch is None else best_at_batch["tokens_per_s"],
             "default_over_best": by_name.get("default", {}).get("over_best"),
             "planned_over_best": planned.get("over_best"),
+            "planned_over_best_at_batch": planned.get("over_best_at_batch"),
             "planned_choice": planned.get("plan_label"), "planned_timing": planned.get("plan_timing"),
             "planned_prediction_error": planned.get("prediction_error"),
             "failed": {row["name"]: row["error"] for row in group if "error" in row},
@@ -442,8 +479,9 @@ def print_table(rows: list[dict], summaries: list[dict]) -> None:
               f"{r['over_best']:6.2f}")
     for s in summaries:
         cap = "uncapped" if s["gpu_cap_GiB"] is None else f"cap {s['gpu_cap_GiB']:g} GiB"
-        print(f"{s['model']} bs {s['batch_size']} {cap}: best {s['best_row']} ({s['best_tokens_per_s']} tokens/s); "
-              f"default x{s['default_over_best']}, planned x{s['planned_over_best']} "
+        print(f"{s['model']} bs {s['batch_size']} {cap}: best {s['best_row']} ({s['best_tokens_per_s']} tokens/s), "
+              f"at bs {s['batch_size']} {s['best_row_at_batch']} ({s['best_at_batch_tokens_per_s']}); "
+              f"default x{s['default_over_best']}, planned x{s['planned_over_best']} (x{s['planned_over_best_at_batch']} at bs) "
               f"({s['planned_choice']}, {s['planned_timing']}, prediction error {s['planned_prediction_error']})"
               + (f"; failed: {', '.join(s['failed'])}" if s["failed"] else ""))
 

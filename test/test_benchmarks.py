@@ -606,10 +606,20 @@ class TestModelsBenchmark(TestCase):
 
         rows = [row("default", 1000, 0.8), row("planned", 1500, 0.5, plan_label="modules=0.50", plan_timing="measured",
                                                  predicted_step_s=0.4, predictions={"default": {"step_s": 1.0}}),
-                row("coherent(host)", 2000, 0.4), {**row("resident", 0, 0), "error": "OOM: CUDA out of memory"}]
+                row("coherent(host)", 2000, 0.4), {**row("resident", 0, 0), "error": "OOM: CUDA out of memory"},
+                row("coherent(stream)", 1200, 0.6, micro_batch_size=4)]
         summary, = models_benchmark.summarize(rows)
         self.assertEqual((summary["best_row"], summary["default_over_best"], summary["planned_over_best"]),
                          ("coherent(host)", 2.0, 1.33))
+        # The default picked a larger micro-batch, out of the rows at the setting's: the plan held
+        # to it is compared with those.
+        rows[0]["micro_batch_size"] = 16
+        rows[0]["tokens_per_s"] = 3000
+        summary, = models_benchmark.summarize(rows)
+        self.assertEqual((summary["best_row"], summary["best_row_at_batch"], summary["planned_over_best_at_batch"]),
+                         ("default", "coherent(host)", 1.33))
+        self.assertNotIn("over_best_at_batch", rows[0])
+        self.assertEqual((summary["default_over_best"], rows[4]["over_best_at_batch"]), (1.0, 1.67))
         self.assertEqual((rows[0]["prediction_error"], summary["planned_prediction_error"]), (0.25, -0.2))
         self.assertEqual(summary["failed"], {"resident": "OOM: CUDA out of memory"})
         self.assertNotIn("prediction_error", rows[2])
