@@ -711,7 +711,7 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
     def test_fits_leaves_a_free_block_for_the_losss_fp32_output(self):
         # A language model's loss holds 8 bytes a logit in bf16, 4 of them the fp32 copy: near a
         # cap that block must find free memory of its size beside the peak.
-        profile = dataclasses.replace(self.profile, loss_transient_bytes=8 * 2**30)
+        profile = dataclasses.replace(self.profile, loss_transient_bytes=8 * 2**30, loss_fp32_output_bytes=4 * 2**30)
         prediction = predict_step(profile, TrainingConfig(), self.platform)
         self.assertEqual(prediction.allocation_slack_bytes, 4 * 2**30)
         self.assertTrue(prediction.fits(prediction.peak_gpu_bytes + 4 * 2**30))
@@ -835,6 +835,7 @@ CoherentOffload(module_fraction=1.0, optimizer='host'); OffloadOptimizer(model, 
         breakdown = model_breakdown("tiny", batch_size=2, seq_len=64)
         vocab = build_model("tiny", device="meta").config.vocab_size
         self.assertEqual(breakdown.loss_transient_bytes, 2 * 64 * vocab * (4 + 2 * 2))
+        self.assertEqual(breakdown.loss_fp32_output_bytes, 2 * 64 * vocab * 4)
         profile = dataclasses.replace(self.profile, loss_transient_bytes=10**9)
         without = phase_peaks(self.profile, TrainingConfig(), offloaded_blocks=0, streamed_blocks=0, activation_blocks=0)
         peaks = phase_peaks(profile, TrainingConfig(), offloaded_blocks=0, streamed_blocks=0, activation_blocks=0)

@@ -110,6 +110,7 @@ def _scaled_breakdown(breakdown: ModelBreakdown, factor: int) -> ModelBreakdown:
         block_checkpoint_bytes=breakdown.block_checkpoint_bytes * factor,
         other_activation_bytes=breakdown.other_activation_bytes * factor,
         loss_transient_bytes=breakdown.loss_transient_bytes * factor,
+        loss_fp32_output_bytes=breakdown.loss_fp32_output_bytes * factor,
     )
 
 

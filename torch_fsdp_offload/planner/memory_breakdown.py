@@ -64,6 +64,8 @@ class ModelBreakdown:
             upcast, and its gradient comes back in fp32) beside two copies in the output's own dtype
             (the output itself or its gradient, and a shifted or reshaped copy). For a language
             model's logits this is the largest transient of the step (8 bytes per logit in bf16).
+        loss_fp32_output_bytes (int): the loss's fp32 copy of the output (4 bytes an element), the
+            largest single block a step allocates anew.
     """
 
     name: str
@@ -80,6 +82,7 @@ class ModelBreakdown:
     block_recompute_fraction: float = 1.0
     block_forward_share: float = 1.0
     loss_transient_bytes: int = 0
+    loss_fp32_output_bytes: int = 0
 
     @property
     def total_params(self) -> int:
@@ -311,6 +314,7 @@ def model_breakdown(
         block_recompute_fraction=recompute,
         block_forward_share=share,
         loss_transient_bytes=logits.numel() * (4 + 2 * logits.element_size()),
+        loss_fp32_output_bytes=logits.numel() * 4,
     )
 
 

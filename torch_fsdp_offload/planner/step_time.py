@@ -157,9 +157,8 @@ def predict_step(
     (and always with ``clipping``) no group steps before ``step()``, which the training loop
     reaches once the CPU has launched backward, about when the GPU ends it (the CPU launches
     backward about as fast as the GPU runs it; docs/planner.md), and the host steps run from then
-    on in forward order. With
-    ``step_during_backward`` (without clipping) each host group steps once its gradients landed,
-    in landing order, under the rest of backward. The host steps run beside the streamed steps and
+    on in forward order. With ``step_during_backward`` (without clipping) each host group steps
+    once its gradients landed, in landing order, under the rest of backward. The host steps run beside the streamed steps and
     on into the next forward, which copies each host group in, in forward order, once its step has
     ended. What outlasts the GPU work is exposed.
 
@@ -333,7 +332,5 @@ def predict_step(
         host_optimizer_s=host_time,
         link_bound=forward_bound or backward_bound,
         host_bound=host_tail > 0,
-        # The loss's transient holds the output in fp32 beside two copies in the compute dtype
-        # (memory_breakdown): the fp32 copy is the largest block a step allocates anew.
-        allocation_slack_bytes=int(profile.loss_transient_bytes * 4 / (4 + 2 * profile.compute_bytes)),
+        allocation_slack_bytes=profile.loss_fp32_output_bytes,
     )

@@ -45,6 +45,8 @@ class TrainingProfile:
         other_activation_bytes (int): activations outside the blocks (embeddings, logits, loss).
         loss_transient_bytes (int): the loss's transient at the end of forward and the start of backward
             (:class:`~torch_fsdp_offload.planner.memory_breakdown.ModelBreakdown`).
+        loss_fp32_output_bytes (int): the loss's fp32 copy of the output, the largest block a step
+            allocates anew (the same).
         forward_s (float), backward_s (float): GPU-resident forward and backward time.
         gpu_optimizer_s (float): fused AdamW on the GPU for all parameters.
         host_GBps (float): effective host DRAM bandwidth of the host optimizer step (see
@@ -101,6 +103,7 @@ class TrainingProfile:
     host_step_s_per_param: float | None = None
     recompute_fraction: float = 1.0
     loss_transient_bytes: int = 0
+    loss_fp32_output_bytes: int = 0
     host_alone_s_per_param: float | None = None
     host_busy_link_GBps: float | None = None
     host_alone_cast_s_per_param: float | None = None
@@ -166,6 +169,7 @@ def training_profile(
         block_checkpoint_bytes=breakdown.block_checkpoint_bytes,
         other_activation_bytes=breakdown.other_activation_bytes,
         loss_transient_bytes=breakdown.loss_transient_bytes,
+        loss_fp32_output_bytes=breakdown.loss_fp32_output_bytes,
         forward_s=forward,
         backward_s=backward,
         gpu_optimizer_s=params * _GPU_ADAMW_BYTES_PER_PARAM / (platform.gpu_dram_GBps * 1e9 * _GPU_ADAMW_DRAM_FRACTION),
