@@ -432,6 +432,9 @@ class TestRealModel(TestCase):
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_plan_measures_on_gpu(self):
         result = plan("small", batch_size=2, seq_len=512, microbatch_factors=(1, 2))
+        # The measurement leaves nothing cached (what stays reserved is allocated, as the matmul
+        # library's workspaces): under a cap, training would allocate around a cache.
+        self.assertLess(torch.cuda.memory_reserved() - torch.cuda.memory_allocated(), 2 << 20)
         self.assertEqual(result.training.profiles[0][1].source, "measured block")
         self.assertEqual([f for f, _ in result.scenario.microbatch_scaling], [1.0, 2.0])
 
@@ -473,9 +476,12 @@ class TestRealModel(TestCase):
     def test_host_bandwidth_measured_with_the_link_busy_on_gpu(self):
         from torch_fsdp_offload.host_step import host_GBps_from_link_busy, LinkBusy, measure_host_step
 
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
         with LinkBusy(64 << 20) as link:
             time.sleep(0.2)
         self.assertGreater(link.gbps, 1.0)  # both directions copied meanwhile
+        self.assertLessEqual(torch.cuda.memory_reserved(), reserved)  # its device buffers given back
         rates = measure_host_step(1 << 24)  # link_busy is the default with a GPU
         self.assertGreater(rates.link_busy_s_per_param, 0)
         self.assertGreater(rates.link_GBps_meanwhile, 1.0)

@@ -31,7 +31,8 @@ HOST_BYTES_PER_LINK_BUSY_PARAM = 64.0
 
 class LinkBusy:
     """Context manager: a thread copies pinned buffers host-to-device and device-to-host at once,
-    back to back, until exit, as the copies of an offloaded training step do.
+    back to back, until exit, as the copies of an offloaded training step do. Its device buffers
+    are given back to the device at exit.
 
     Args:
         nbytes (int): bytes of each direction's buffer.
@@ -82,6 +83,9 @@ class LinkBusy:
         self.stop.set()
         self.thread.join()
         self.gbps = self.moved / (time.perf_counter() - self.started) / 1e9
+        # Its device buffers go back to the GPU rather than stay cached beside training's memory.
+        del self.device_in, self.device_out
+        torch.cuda.empty_cache()
 
 
 def host_GBps_from_link_busy(seconds_per_param: float) -> float:

@@ -217,7 +217,8 @@ def measure_block_timings(
     forward on ``example_input`` (:func:`capture_block_inputs`), cast to ``compute_dtype`` and moved
     to ``device``; a copy of the block is timed on them with every tensor whose first dimension is
     the captured batch repeated ``factor`` times. On a GPU, sizes whose activations would exceed
-    ``memory_fraction`` of the free memory are skipped, with every size after them.
+    ``memory_fraction`` of the free memory are skipped, with every size after them, and the memory
+    the timing cached is given back to the device when it ends.
 
     Args:
         model: an ``nn.Module`` (a transformers model, a module of blocks in an ``nn.ModuleList``,
@@ -261,6 +262,19 @@ def measure_block_timings(
         return tensor.to(device=device, dtype=compute_dtype if tensor.is_floating_point() else None)
 
     args, kwargs = map_tensors((args, kwargs), to_device)
+    timings = _time_sizes(block, args, kwargs, factors, device, repeats, memory_fraction)
+    if device.type == "cuda":
+        # The timed sizes' activations, left cached, fragment the memory training allocates from:
+        # under a cap the allocator then empties its cache and retries mid-step, every step.
+        del block, args, kwargs
+        torch.cuda.empty_cache()
+    return timings
+
+
+def _time_sizes(block: nn.Module, args: tuple, kwargs: dict, factors: Sequence[int], device: torch.device,
+                repeats: int, memory_fraction: float) -> list[BlockTiming]:
+    """``block`` timed on ``args`` and ``kwargs`` with the batch scaled by each factor (see
+    :func:`measure_block_timings`)."""
     hidden_key = None if args else next(iter(kwargs))
     hidden = args[0] if args else kwargs[hidden_key]
     captured_batch = hidden.shape[0]
