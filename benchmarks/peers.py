@@ -29,7 +29,9 @@ smaller batch sizes' included; the planned rows, each in a process of its own, c
 
 ``--capacity``: under GPU caps (``--caps``, GiB, ``torch.cuda.set_per_process_memory_fraction`` in
 each probe's process), for each system the largest model of anchor-1.6b's width (``n_blocks``
-blocks) that trains 3 steps, by doubling then bisection over ``n_blocks``. Sizes whose estimated
+blocks) that trains 3 steps: the first size read off the line through the peaks of the sizes
+that trained (the 8-block row's, a smaller cap's), the next off the line refitted, then bisection
+over ``n_blocks``; a smaller cap's answer that is also this cap's is timed under this cap. Sizes whose estimated
 host memory (``HOST_BYTES_PER_PARAM``) does not fit ``MemAvailable`` are not tried. It reports each
 system's tokens/s and measured host bytes per parameter at its largest size, and the uncapped
 resident tokens/s of that model where it fits the whole GPU (else it is marked not measurable).
@@ -47,6 +49,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import socket
 import statistics
@@ -176,12 +179,13 @@ def does_not_fit(error: str) -> bool:
 
 
 def largest_fitting(probe, upper: int, known: int = 0, start: int | None = None,
-                    tolerance: float = 0.0) -> tuple[int, bool]:
-    """The largest ``n`` in ``1..upper`` for which ``probe(n)`` is True, by doubling then bisection.
+                    tolerance: float = 0.0, grow=None) -> tuple[int, bool]:
+    """The largest ``n`` in ``1..upper`` for which ``probe(n)`` is True, by growing then bisection.
 
     ``probe(n)`` returns True (trains), False (does not) or None (out of time: the search stops).
     ``known`` is a size known to fit (a smaller cap's answer), ``start`` the first size to try
-    (default ``2 * known``, or 1). The bisection stops once the smallest size found not to fit is
+    (default ``2 * known``, or 1). After a size fits, ``grow(n)`` is the next to try (default
+    doubling; at least ``n + 1``). The bisection stops once the smallest size found not to fit is
     within ``tolerance`` of the answer (0: exact). Returns the largest size found to fit (``known``
     or 0 if none) and whether the search completed."""
     best, fail = known, upper + 1
@@ -198,7 +202,7 @@ def largest_fitting(probe, upper: int, known: int = 0, start: int | None = None,
         best = n
         if n >= upper:
             return best, True
-        n = min(2 * n, upper)
+        n = min(max(grow(n) if grow is not None else 2 * n, n + 1), upper)
     while fail - best > max(1, int(tolerance * best)):
         mid = (best + fail) // 2
         fits = probe(mid)
@@ -491,6 +495,23 @@ class Runner:
         return self.rows(system, [batch_size], n_blocks, gpu_cap_GiB, steps, warmup)[0]
 
 
+def largest_by_peak(points: list[tuple[int, float]], cap_GiB: float, margin: float = 0.97) -> int | None:
+    """The largest ``n_blocks`` whose peak, on the line through the measured ``(n_blocks, peak GiB)``
+    points (least squares; through the origin for one size), stays within ``margin`` of the cap;
+    None without a rising line."""
+    sizes = sorted({n for n, _ in points})
+    if not sizes:
+        return None
+    if len(sizes) == 1:
+        slope = statistics.fmean(peak for _, peak in points) / sizes[0]
+        intercept = 0.0
+    else:
+        slope, intercept = statistics.linear_regression([float(n) for n, _ in points], [peak for _, peak in points])
+    if slope <= 0:
+        return None
+    return max(0, math.floor((margin * cap_GiB - intercept) / slope))
+
+
 def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: int, available: int,
              measured: dict[str, dict], log=print, tolerance: float = 0.0, previous: dict | None = None) -> dict:
     """The capacity search of every system under every cap (module docstring), each cap in turn and
@@ -502,7 +523,9 @@ def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: 
     ``previous`` (an earlier run's capacity result) keeps its complete searches, its probes and the
     entries of systems and caps not searched now, and seeds the others with the sizes it found."""
     previous = previous or {"results": [], "probes": [], "resident_uncapped": {}}
-    done = {(e["system"], e["gpu_cap_GiB"]): e for e in previous["results"] if e.get("search_complete")}
+    # Complete, and timed under its cap (or nothing fitted): a smaller cap's answer is still timed.
+    done = {(e["system"], e["gpu_cap_GiB"]): e for e in previous["results"]
+            if e.get("search_complete") and ("tokens_per_s" in e or not e.get("largest_n_blocks"))}
     results, probes = [], list(previous["probes"])
     known = {system: 0 for system in systems}
     for cap in caps:
@@ -517,9 +540,13 @@ def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: 
                 continue
             upper = size_bound(system, available, int(cap * GiB))
             reference = measured.get(system, {})
-            start = None
-            if reference.get("peak_gpu_GiB") and known[system] == 0:
-                start = max(1, int(8 * cap / reference["peak_gpu_GiB"]))  # the peak taken as proportional to the blocks
+            # The peak grows with the blocks: every size of this system that trained (any cap, and
+            # the 8-block row) puts a line through it, and each next size is read off that line.
+            peaks = [(8, reference["peak_gpu_GiB"])] if reference.get("peak_gpu_GiB") else []
+            peaks += [(p["n_blocks"], p["peak_gpu_GiB"]) for p in probes
+                      if p.get("system") == system and "error" not in p and p.get("peak_gpu_GiB")]
+            estimate = largest_by_peak(peaks, cap)
+            start = None if estimate is None else max(known[system] + 1, estimate)
             if earlier.get("largest_n_blocks") and earlier.get("smallest_not_fitting_n_blocks"):
                 # Resumed between what fitted and what did not (the earlier run's probes stand).
                 upper = min(upper, earlier["smallest_not_fitting_n_blocks"] - 1)
@@ -534,14 +561,28 @@ def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: 
                     return None
                 rows[n] = row
                 probes.append(row)
+                if "error" not in row and row.get("peak_gpu_GiB"):
+                    peaks.append((n, row["peak_gpu_GiB"]))
                 log(f"capacity {system} cap {cap} GiB n_blocks {n}: " + (row["error"][:80] if "error" in row else f"{row['tokens_per_s']} tok/s"))
                 if "error" in row and not does_not_fit(row["error"]):
                     failed.append(row["error"])  # not a size the system cannot hold: stop its search
                     return None
                 return "error" not in row
 
+            def grow(n: int) -> int:
+                found = largest_by_peak(peaks, cap)
+                return 2 * n if found is None else min(found, 2 * n)
+
             failed: list[str] = []
-            best, complete = largest_fitting(probe, upper, known[system], start, tolerance)
+            best, complete = largest_fitting(probe, upper, known[system], start, tolerance, grow)
+            if best and best not in rows:
+                # The answer timed under this cap: by an earlier run, else now (a smaller cap's answer).
+                timed = [p for p in probes if (p.get("system"), p.get("gpu_cap_GiB"), p.get("n_blocks")) == (system, cap, best)
+                         and "error" not in p]
+                if timed:
+                    rows[best] = timed[-1]
+                elif not failed:
+                    probe(best)
             known[system] = best
             entry = {"system": system, "gpu_cap_GiB": cap, "batch_size": batch_size, "largest_n_blocks": best,
                      "size_bound_n_blocks": upper, "search_complete": complete}
@@ -556,7 +597,7 @@ def capacity(runner: Runner, systems: list[str], caps: list[float], batch_size: 
                              peak_gpu_GiB=at["peak_gpu_GiB"], host_bytes_per_param=at["host_bytes_per_param"],
                              pinned_GiB=at["pinned_GiB"])
             elif best:
-                entry["note"] = "fits as the answer of a smaller cap; not probed again"
+                entry["note"] = "fits as the answer of a smaller cap; not timed under this cap"
             results.append(entry)
     searched = {(system, cap) for cap in caps for system in systems}
     results += [e for e in previous["results"] if (e["system"], e["gpu_cap_GiB"]) not in searched]

@@ -729,16 +729,17 @@ class TestPlotResults(TestCase):
 
 
 def _fake_capacity_runner() -> tuple:
-    """A peers Runner whose rows are faked: a system trains up to 2 blocks per 8 GiB of cap,
-    resident uncapped 10 blocks; and the list of ``(n_blocks, cap)`` it was asked for."""
+    """A peers Runner whose rows are faked: a system trains up to 2 blocks per 8 GiB of cap
+    (3.5 GiB a block at its peak), resident uncapped 10 blocks; and the list of ``(n_blocks, cap)``
+    it was asked for."""
     runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
     calls = []
 
     def row(system, batch_size, n_blocks=8, gpu_cap_GiB=None, steps=None, warmup=None):
         calls.append((n_blocks, gpu_cap_GiB))
         fits = n_blocks <= (10 if gpu_cap_GiB is None else gpu_cap_GiB // 8 * 2)
-        return ({"params": peers.param_count(n_blocks), "tokens_per_s": 1000 // n_blocks, "step_s": 1.0,
-                 "peak_gpu_GiB": 1.0, "host_bytes_per_param": 18.0, "pinned_GiB": 1.0} if fits
+        return ({"system": system, "n_blocks": n_blocks, "gpu_cap_GiB": gpu_cap_GiB, "params": peers.param_count(n_blocks), "tokens_per_s": 1000 // n_blocks, "step_s": 1.0,
+                 "peak_gpu_GiB": 3.5 * n_blocks, "host_bytes_per_param": 18.0, "pinned_GiB": 1.0} if fits
                 else {"error": "OOM: CUDA out of memory"})
 
     runner.row = row
@@ -871,17 +872,39 @@ class TestPeersBenchmark(TestCase):
         self.assertTrue(all(entry["search_complete"] for entry in found["results"]))
         self.assertEqual(by_cap[24.0]["host_bytes_per_param"], 18.0)
         self.assertEqual(by_cap[16.0]["resident_uncapped_tokens_per_s"], 250)
-        # Doubling from 1, then bisection; the 24 GiB search starts above the 16 GiB answer; then
-        # resident, uncapped, at each largest size.
-        self.assertEqual(calls, [(1, 16.0), (2, 16.0), (4, 16.0), (8, 16.0), (6, 16.0), (5, 16.0),
-                                 (8, 24.0), (6, 24.0), (7, 24.0), (4, None), (6, None)])
+        # From 1, the next size read off the peak's line (at most double), then the one above it;
+        # the 24 GiB search starts where the line of every size so far says; then resident,
+        # uncapped, at each answer.
+        self.assertEqual(calls, [(1, 16.0), (2, 16.0), (4, 16.0), (5, 16.0), (6, 24.0), (7, 24.0), (4, None), (6, None)])
+        # A smaller cap's answer that is also this cap's is timed under this cap.
+        runner, calls = _fake_capacity_runner()
+        found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 20.0], 4, 1 << 40, {}, log=lambda line: None)
+        self.assertEqual(calls[4:6], [(5, 20.0), (4, 20.0)])
+        self.assertEqual(found["results"][1]["largest_n_blocks"], 4)
+        self.assertEqual(found["results"][1]["tokens_per_s"], 250)
+
+    def test_the_next_size_is_read_off_the_peaks_line(self):
+        # 1 GiB a block over 2 GiB fixed: 15.5 GiB usable of 16 holds 13 blocks.
+        self.assertEqual(peers.largest_by_peak([(8, 10.0), (4, 6.0)], 16.0), 13)
+        self.assertEqual(peers.largest_by_peak([(4, 14.0)], 16.0), 4)  # one size: through the origin
+        self.assertIsNone(peers.largest_by_peak([], 16.0))
+        self.assertIsNone(peers.largest_by_peak([(4, 9.0), (8, 9.0)], 16.0))  # no rising line
+        tried = []
+
+        def probe(n):
+            tried.append(n)
+            return n <= 13
+
+        self.assertEqual(peers.largest_fitting(probe, 40, start=4, grow=lambda n: 13), (13, True))
+        self.assertEqual(tried, [4, 13, 14])
 
     def test_a_resumed_search_keeps_what_was_complete(self):
         # The 16 GiB search was complete; the 24 GiB one had found 5 blocks and 8 not fitting:
         # only that one is searched again, between the two; resident runs only where it has not
         # run uncapped; a system not searched now keeps its entry.
         runner, calls = _fake_capacity_runner()
-        sixteen = {"system": "torch_fsdp_offload", "gpu_cap_GiB": 16.0, "largest_n_blocks": 4, "search_complete": True}
+        sixteen = {"system": "torch_fsdp_offload", "gpu_cap_GiB": 16.0, "largest_n_blocks": 4, "search_complete": True,
+                   "tokens_per_s": 250}
         previous = {
             "results": [sixteen, {"system": "torch_fsdp_offload", "gpu_cap_GiB": 24.0, "largest_n_blocks": 5,
                                   "smallest_not_fitting_n_blocks": 8, "search_complete": False},
@@ -896,6 +919,14 @@ class TestPeersBenchmark(TestCase):
         self.assertEqual(by_cap[("torch_fsdp_offload", 24.0)]["largest_n_blocks"], 6)
         self.assertEqual(by_cap[("deepspeed_zero3", 16.0)]["largest_n_blocks"], 3)  # not searched now: kept
         self.assertEqual(calls, [(6, 24.0), (7, 24.0), (6, None), (3, None)])
+        # Resumed again with the answer known and timed by the run before: nothing is probed again.
+        calls.clear()
+        again = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {},
+                               log=lambda line: None, previous=dict(found, results=[
+                                   sixteen, {"system": "torch_fsdp_offload", "gpu_cap_GiB": 24.0, "largest_n_blocks": 6,
+                                             "smallest_not_fitting_n_blocks": 7, "search_complete": False}]))
+        self.assertEqual(calls, [])
+        self.assertEqual(again["results"][1]["tokens_per_s"], 1000 // 6)
         self.assertEqual(found["probes"][0], {"n_blocks": 4})
         self.assertEqual(found["resident_uncapped"]["4"], {"tokens_per_s": 250})
 
