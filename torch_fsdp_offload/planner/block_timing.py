@@ -267,7 +267,8 @@ def measure_block_timings(
         # The timed sizes' activations, left cached, fragment the memory training allocates from:
         # under a cap the allocator then empties its cache and retries mid-step, every step.
         del block, args, kwargs
-        torch.cuda.empty_cache()
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
     return timings
 
 
