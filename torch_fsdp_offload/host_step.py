@@ -31,8 +31,8 @@ HOST_BYTES_PER_LINK_BUSY_PARAM = 64.0
 
 class LinkBusy:
     """Context manager: a thread copies pinned buffers host-to-device and device-to-host at once,
-    back to back, until exit, as the copies of an offloaded training step do. Its device buffers
-    are given back to the device at exit.
+    back to back, until exit, as the copies of an offloaded training step do. It is entered once:
+    its device buffers are given back to the device at exit.
 
     Args:
         nbytes (int): bytes of each direction's buffer.
