@@ -30,6 +30,7 @@ import fsdp_offload  # noqa: E402
 import models as models_benchmark  # noqa: E402
 import multi_gpu  # noqa: E402
 import peers  # noqa: E402
+import peers_capacity  # noqa: E402
 import planner_validate  # noqa: E402
 import stream_timeline  # noqa: E402
 import transfer  # noqa: E402
@@ -738,7 +739,7 @@ def _fake_capacity_runner() -> tuple:
     def row(system, batch_size, n_blocks=8, gpu_cap_GiB=None, steps=None, warmup=None):
         calls.append((n_blocks, gpu_cap_GiB))
         fits = n_blocks <= (10 if gpu_cap_GiB is None else gpu_cap_GiB // 8 * 2)
-        return ({"system": system, "n_blocks": n_blocks, "gpu_cap_GiB": gpu_cap_GiB, "params": peers.param_count(n_blocks), "tokens_per_s": 1000 // n_blocks, "step_s": 1.0,
+        return ({"system": system, "n_blocks": n_blocks, "gpu_cap_GiB": gpu_cap_GiB, "params": peers_capacity.param_count(n_blocks), "tokens_per_s": 1000 // n_blocks, "step_s": 1.0,
                  "peak_gpu_GiB": 3.5 * n_blocks, "host_bytes_per_param": 18.0, "pinned_GiB": 1.0} if fits
                 else {"error": "OOM: CUDA out of memory"})
 
@@ -754,17 +755,17 @@ class TestPeersBenchmark(TestCase):
             tried.append(n)
             return n <= 13
 
-        self.assertEqual(peers.largest_fitting(probe, 40), (13, True))
+        self.assertEqual(peers_capacity.largest_fitting(probe, 40), (13, True))
         self.assertEqual(tried, [1, 2, 4, 8, 16, 12, 14, 13])
         tried.clear()
         # A smaller cap's answer is known to fit: doubling starts above it; the bound is tried last.
-        self.assertEqual(peers.largest_fitting(probe, 10, known=5), (10, True))
+        self.assertEqual(peers_capacity.largest_fitting(probe, 10, known=5), (10, True))
         self.assertEqual(tried, [10])
         tried.clear()
-        self.assertEqual(peers.largest_fitting(probe, 40, start=20), (13, True))
+        self.assertEqual(peers_capacity.largest_fitting(probe, 40, start=20), (13, True))
         self.assertEqual(tried, [20, 10, 15, 12, 13, 14][: len(tried)])
-        self.assertEqual(peers.largest_fitting(lambda n: False, 40), (0, True))
-        self.assertEqual(peers.largest_fitting(probe, 40, known=40), (40, True))
+        self.assertEqual(peers_capacity.largest_fitting(lambda n: False, 40), (0, True))
+        self.assertEqual(peers_capacity.largest_fitting(probe, 40, known=40), (40, True))
 
     def test_a_tolerance_stops_the_bisection_near_the_answer(self):
         tried = []
@@ -774,7 +775,7 @@ class TestPeersBenchmark(TestCase):
             return n <= 13
 
         # Doubling to 16 (fails), then bisection until the failing size is within 25% of the answer.
-        self.assertEqual(peers.largest_fitting(probe, 40, tolerance=0.25), (12, True))
+        self.assertEqual(peers_capacity.largest_fitting(probe, 40, tolerance=0.25), (12, True))
         self.assertEqual(tried, [1, 2, 4, 8, 16, 12, 14])
 
     def test_planned_rows_plan_within_a_share_of_the_resident_peak(self):
@@ -811,19 +812,19 @@ class TestPeersBenchmark(TestCase):
 
     def test_out_of_time_stops_the_search_with_what_it_found(self):
         answers = iter([True, True, None])
-        self.assertEqual(peers.largest_fitting(lambda n: next(answers), 40), (2, False))
+        self.assertEqual(peers_capacity.largest_fitting(lambda n: next(answers), 40), (2, False))
 
     def test_host_memory_bounds_the_sizes_tried(self):
-        per_block = peers.param_count(2) - peers.param_count(1)
-        self.assertEqual(peers.param_count(8), 1611014144)  # anchor-1.6b itself
+        per_block = peers_capacity.param_count(2) - peers_capacity.param_count(1)
+        self.assertEqual(peers_capacity.param_count(8), 1611014144)  # anchor-1.6b itself
         gib = 1 << 30
-        bound = peers.size_bound("torch_fsdp_offload", 64 * gib, 16 * gib)
-        self.assertTrue(peers.host_fits("torch_fsdp_offload", peers.param_count(bound), 64 * gib))
-        self.assertFalse(peers.host_fits("torch_fsdp_offload", peers.param_count(bound) + per_block, 64 * gib))
+        bound = peers_capacity.size_bound("torch_fsdp_offload", 64 * gib, 16 * gib)
+        self.assertTrue(peers_capacity.host_fits("torch_fsdp_offload", peers_capacity.param_count(bound), 64 * gib))
+        self.assertFalse(peers_capacity.host_fits("torch_fsdp_offload", peers_capacity.param_count(bound) + per_block, 64 * gib))
         # Resident needs 16 bytes a parameter on the GPU, whatever the host has.
-        self.assertEqual(peers.size_bound("resident", 1 << 50, 16 * gib), (16 * gib // 16 - (peers.param_count(1) - per_block)) // per_block)
-        self.assertEqual(peers.size_bound("deepspeed_zero3", 2 * gib, 16 * gib), 0)
-        seconds, probes = peers.estimate_seconds(list(peers.SYSTEMS), [4, 16], [16.0], 64 * gib)
+        self.assertEqual(peers_capacity.size_bound("resident", 1 << 50, 16 * gib), (16 * gib // 16 - (peers_capacity.param_count(1) - per_block)) // per_block)
+        self.assertEqual(peers_capacity.size_bound("deepspeed_zero3", 2 * gib, 16 * gib), 0)
+        seconds, probes = peers_capacity.estimate_seconds(list(peers.SYSTEMS), [4, 16], [16.0], 64 * gib)
         self.assertGreater(probes, 0)
         self.assertGreater(seconds, 12 * 45.0)
 
@@ -844,7 +845,11 @@ class TestPeersBenchmark(TestCase):
         with mock.patch.object(peers.importlib.util, "find_spec", return_value=None), \
                 mock.patch.object(runner, "child", side_effect=AssertionError("no process for a missing package")):
             row = runner.row("deepspeed_zero3", 4)
+            # In the capacity search that row stops the system's search, with its error.
+            found = peers_capacity.capacity(runner, ["deepspeed_zero3"], [16.0], 4, 1 << 40, {}, log=lambda line: None)
         self.assertIn("deepspeed is not installed", row["error"])
+        self.assertIn("deepspeed is not installed", found["results"][0]["error"])
+        self.assertEqual(found["results"][0]["largest_n_blocks"], 0)
         self.assertIsNone(peers.missing_package("resident"))
         out_of_time = peers.Runner(argparse.Namespace(row_timeout=10.0), deadline=0.0).row("resident", 16)
         self.assertEqual(out_of_time["error"], "not run: --max-seconds reached")
@@ -866,7 +871,7 @@ class TestPeersBenchmark(TestCase):
 
     def test_capacity_search_per_cap_and_system(self):
         runner, calls = _fake_capacity_runner()
-        found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {}, log=lambda line: None)
+        found = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {}, log=lambda line: None)
         by_cap = {entry["gpu_cap_GiB"]: entry for entry in found["results"]}
         self.assertEqual((by_cap[16.0]["largest_n_blocks"], by_cap[24.0]["largest_n_blocks"]), (4, 6))
         self.assertTrue(all(entry["search_complete"] for entry in found["results"]))
@@ -878,24 +883,24 @@ class TestPeersBenchmark(TestCase):
         self.assertEqual(calls, [(1, 16.0), (2, 16.0), (4, 16.0), (5, 16.0), (6, 24.0), (7, 24.0), (4, None), (6, None)])
         # A smaller cap's answer that is also this cap's is timed under this cap.
         runner, calls = _fake_capacity_runner()
-        found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 20.0], 4, 1 << 40, {}, log=lambda line: None)
+        found = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [16.0, 20.0], 4, 1 << 40, {}, log=lambda line: None)
         self.assertEqual(calls[4:6], [(5, 20.0), (4, 20.0)])
         self.assertEqual(found["results"][1]["largest_n_blocks"], 4)
         self.assertEqual(found["results"][1]["tokens_per_s"], 250)
 
     def test_the_next_size_is_read_off_the_peaks_line(self):
         # 1 GiB a block over 2 GiB fixed: 15.5 GiB usable of 16 holds 13 blocks.
-        self.assertEqual(peers.largest_by_peak([(8, 10.0), (4, 6.0)], 16.0), 13)
-        self.assertEqual(peers.largest_by_peak([(4, 14.0)], 16.0), 4)  # one size: through the origin
-        self.assertIsNone(peers.largest_by_peak([], 16.0))
-        self.assertIsNone(peers.largest_by_peak([(4, 9.0), (8, 9.0)], 16.0))  # no rising line
+        self.assertEqual(peers_capacity.largest_by_peak([(8, 10.0), (4, 6.0)], 16.0), 13)
+        self.assertEqual(peers_capacity.largest_by_peak([(4, 14.0)], 16.0), 4)  # one size: through the origin
+        self.assertIsNone(peers_capacity.largest_by_peak([], 16.0))
+        self.assertIsNone(peers_capacity.largest_by_peak([(4, 9.0), (8, 9.0)], 16.0))  # no rising line
         tried = []
 
         def probe(n):
             tried.append(n)
             return n <= 13
 
-        self.assertEqual(peers.largest_fitting(probe, 40, start=4, grow=lambda n: 13), (13, True))
+        self.assertEqual(peers_capacity.largest_fitting(probe, 40, start=4, grow=lambda n: 13), (13, True))
         self.assertEqual(tried, [4, 13, 14])
 
     def test_a_resumed_search_keeps_what_was_complete(self):
@@ -912,7 +917,7 @@ class TestPeersBenchmark(TestCase):
             "probes": [{"n_blocks": 4}],
             "resident_uncapped": {"4": {"tokens_per_s": 250}},
         }
-        found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {},
+        found = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {},
                                log=lambda line: None, previous=previous)
         by_cap = {(entry["system"], entry["gpu_cap_GiB"]): entry for entry in found["results"]}
         self.assertIs(by_cap[("torch_fsdp_offload", 16.0)], sixteen)
@@ -921,7 +926,7 @@ class TestPeersBenchmark(TestCase):
         self.assertEqual(calls, [(6, 24.0), (7, 24.0), (6, None), (3, None)])
         # Resumed again with the answer known and timed by the run before: nothing is probed again.
         calls.clear()
-        again = peers.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {},
+        again = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {},
                                log=lambda line: None, previous=dict(found, results=[
                                    sixteen, {"system": "torch_fsdp_offload", "gpu_cap_GiB": 24.0, "largest_n_blocks": 6,
                                              "smallest_not_fitting_n_blocks": 7, "search_complete": False}]))
@@ -934,15 +939,15 @@ class TestPeersBenchmark(TestCase):
         runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
         failure = {"error": "RuntimeError: Ninja is required to load C++ extensions"}
         with mock.patch.object(runner, "row", return_value=failure) as row:
-            found = peers.capacity(runner, ["torch_fsdp_offload"], [16.0], 4, 1 << 40, {}, log=lambda line: None)
+            found = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [16.0], 4, 1 << 40, {}, log=lambda line: None)
         self.assertEqual(row.call_count, 1)
         self.assertEqual(found["results"][0]["error"], failure["error"])
         self.assertFalse(found["results"][0]["search_complete"])
-        self.assertTrue(peers.does_not_fit("OOM: CUDA out of memory. Tried to allocate 2.00 GiB"))
-        self.assertTrue(peers.does_not_fit("exit -9 (killed: host memory?): "))
-        self.assertFalse(peers.does_not_fit(failure["error"]))
+        self.assertTrue(peers_capacity.does_not_fit("OOM: CUDA out of memory. Tried to allocate 2.00 GiB"))
+        self.assertTrue(peers_capacity.does_not_fit("exit -9 (killed: host memory?): "))
+        self.assertFalse(peers_capacity.does_not_fit(failure["error"]))
         with contextlib.redirect_stdout(io.StringIO()) as printed:
-            peers.print_capacity(found)
+            peers_capacity.print_capacity(found)
         self.assertIn("error: RuntimeError: Ninja", printed.getvalue())
 
     def test_meminfo_in_bytes(self):
@@ -950,8 +955,8 @@ class TestPeersBenchmark(TestCase):
             path = os.path.join(tmp, "meminfo")
             with open(path, "w") as handle:
                 handle.write("MemTotal:       131072 kB\nMemAvailable:    65536 kB\nHugePages_Total:       0\n")
-            self.assertEqual(peers.read_meminfo(path), {"MemTotal": 128 << 20, "MemAvailable": 64 << 20, "HugePages_Total": 0})
-        self.assertEqual(peers.read_meminfo(os.path.join(os.sep, "nonexistent", "meminfo")), {})
+            self.assertEqual(peers_capacity.read_meminfo(path), {"MemTotal": 128 << 20, "MemAvailable": 64 << 20, "HugePages_Total": 0})
+        self.assertEqual(peers_capacity.read_meminfo(os.path.join(os.sep, "nonexistent", "meminfo")), {})
 
     @unittest.skipIf(torch.cuda.is_available(), "checks a machine without a GPU")
     def test_refuses_a_machine_without_a_gpu(self):
