@@ -34,8 +34,6 @@ HOST_BYTES_PER_PARAM = {
 # grads and AdamW state (16), torchao the fp32 params (4), ZeRO-2 the bf16 params and gradients (4).
 GPU_BYTES_PER_PARAM = {"resident": 16.0, "torchao_cpu_offload": 4.0, "deepspeed_zero2": 4.0}
 HOST_MARGIN, HOST_OVERHEAD_BYTES = 1.1, 4 * GiB
-
-
 CAPACITY_STEPS = 3
 
 
