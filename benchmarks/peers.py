@@ -373,11 +373,13 @@ class Runner:
             flags += ["--gpu-cap-GiB", str(gpu_cap_GiB)]
         if plan_budget_GiB is not None:
             flags += ["--plan-budget-GiB", str(plan_budget_GiB)]
+        started = time.monotonic()
         rows, error = self.child(flags, timeout)
+        elapsed = round(time.monotonic() - started, 1)
         if rows is None and error.startswith("timeout") and timeout < self.args.row_timeout:
             # Cut by --max-seconds, not by the row's own limit: it says nothing of whether the size fits.
             error = f"not run to its end: --max-seconds reached ({error})"
-        return rows if rows is not None else [{**row, "error": error} for row in base]
+        return [{**row, "elapsed_s": elapsed} for row in (rows if rows is not None else [{**row, "error": error} for row in base])]
 
     def row(self, system: str, batch_size: int, n_blocks: int = 8, gpu_cap_GiB: float | None = None,
             steps: int | None = None, warmup: int | None = None) -> dict:

@@ -92,6 +92,15 @@ def does_not_fit(error: str) -> bool:
     return error.startswith(("OOM", "timeout")) or "killed" in error or "out of memory" in error.lower()
 
 
+def probe_seconds(probes: list[dict], system: str, n_blocks: int) -> float:
+    """The seconds a probe of ``n_blocks`` blocks of ``system`` is expected to take, scaled by blocks
+    from the quickest per block of its earlier probes (their child's wall time, else their setup
+    plus 15 s of start-up and steps); 0 without one. Setup, which dominates, grows with the blocks."""
+    rates = [p.get("elapsed_s", p.get("setup_s", 0.0) + 15.0) / p["n_blocks"] for p in probes
+             if p.get("system") == system and p.get("n_blocks") and ("elapsed_s" in p or "setup_s" in p)]
+    return min(rates) * n_blocks if rates else 0.0
+
+
 def largest_fitting(probe, upper: int, known: int = 0, start: int | None = None,
                     tolerance: float = 0.0, grow=None) -> tuple[int, bool]:
     """The largest ``n`` in ``1..upper`` for which ``probe(n)`` is True, by growing then bisection.
@@ -184,7 +193,8 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
             rows: dict[int, dict] = {}
 
             def probe(n: int) -> bool | None:
-                if runner.remaining() < 20:
+                # Out of time, or too little left to finish this size: a probe cut short says nothing.
+                if runner.remaining() < max(20.0, probe_seconds(probes, system, n)):
                     return None
                 row = runner.row(system, batch_size, n, cap, steps=CAPACITY_STEPS - 1, warmup=1)
                 if str(row.get("error", "")).startswith("not run"):
@@ -240,7 +250,7 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
         if param_count(n) * GPU_BYTES_PER_PARAM["resident"] > runner.args.gpu_memory_GiB * GiB:
             resident[n] = {"error": "not measurable: its parameters, gradients and AdamW state exceed the GPU"}
             continue
-        if runner.remaining() < 90:
+        if runner.remaining() < max(90.0, probe_seconds(probes, "resident", n)):
             continue
         row = runner.row("resident", batch_size, n, None, steps=CAPACITY_STEPS - 1, warmup=1)
         resident[n] = ({"tokens_per_s": row["tokens_per_s"], "peak_gpu_GiB": row["peak_gpu_GiB"]} if "error" not in row

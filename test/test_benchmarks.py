@@ -861,7 +861,9 @@ class TestPeersBenchmark(TestCase):
             timed_out = subprocess.TimeoutExpired("child", min(deadline_in, 100.0))
             with mock.patch.object(runner, "remaining", return_value=deadline_in), \
                     mock.patch.object(peers.subprocess, "run", side_effect=timed_out):
-                self.assertEqual(runner.row("stock_cpu_offload", 4)["error"], expected)
+                cut = runner.row("stock_cpu_offload", 4)
+                self.assertEqual(cut["error"], expected)
+                self.assertGreaterEqual(cut["elapsed_s"], 0.0)  # the child's wall time, which sizes later probes
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             peers.print_table([row, {"system": "resident", "batch_size": 4, "tokens_per_s": 52000, "step_s": 0.157,
                                      "peak_gpu_GiB": 27.4, "pinned_GiB": 0.0, "host_rss_GiB": 3.1,
@@ -934,6 +936,24 @@ class TestPeersBenchmark(TestCase):
         self.assertEqual(again["results"][1]["tokens_per_s"], 1000 // 6)
         self.assertEqual(found["probes"][0], {"n_blocks": 4})
         self.assertEqual(found["resident_uncapped"]["4"], {"tokens_per_s": 250})
+
+    def test_a_probe_that_cannot_finish_in_time_is_not_started(self):
+        # Earlier probes took 10 s a block (the quickest per block counts). With 65 s left, 6 blocks
+        # (the peaks' line's answer under 24 GiB) may start and 7 may not: the search stops there,
+        # incomplete, for a resumed run to finish.
+        earlier = [{"system": "torch_fsdp_offload", "n_blocks": 2, "elapsed_s": 20.0, "peak_gpu_GiB": 7.0},
+                   {"system": "torch_fsdp_offload", "n_blocks": 4, "setup_s": 45.0, "peak_gpu_GiB": 14.0},
+                   {"system": "resident", "n_blocks": 1, "elapsed_s": 1.0}]
+        self.assertEqual(peers_capacity.probe_seconds(earlier, "torch_fsdp_offload", 9), 90.0)
+        self.assertEqual(peers_capacity.probe_seconds(earlier, "stock_cpu_offload", 9), 0.0)
+        runner, calls = _fake_capacity_runner()
+        previous = {"results": [], "probes": earlier, "resident_uncapped": {}}
+        with mock.patch.object(runner, "remaining", return_value=65.0):
+            found = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [24.0], 4, 1 << 40, {},
+                                            log=lambda line: None, previous=previous)
+        self.assertEqual(calls, [(6, 24.0)])
+        entry = found["results"][0]
+        self.assertEqual((entry["largest_n_blocks"], entry["search_complete"]), (6, False))
 
     def test_a_failure_other_than_memory_stops_the_search(self):
         runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
