@@ -69,8 +69,8 @@ from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fsdp_offload import checkpointed, coherent_row_config, kept_unsharded_blocks, last_blocks_fraction  # noqa: E402
-from fsdp_offload import optimizer_kwargs, row_items, units_per_block, user_clips  # noqa: E402
+from row_grammar import checkpointed, coherent_row_config, kept_unsharded_blocks, last_blocks_fraction  # noqa: E402
+from row_grammar import optimizer_kwargs, row_items, units_per_block, user_clips  # noqa: E402
 from peers import error_line, exit_skipping_teardown, Runner, timed_steps  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer, plan_and_shard  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402

@@ -6,7 +6,7 @@ Rows (bf16 compute, fp32 reduce, AdamW lr 1e-4, sequences of ``--seq-len`` token
 * ``stock_cpu_offload+fused_cpu_adamw``: ``CPUOffloadPolicy(pin_memory=True)``, ``AdamW(fused=True)``
   on the host shards;
 * ``coherent(host)`` and ``coherent(host;modules=0.5)`` (or any row of
-  ``coherent(...)`` row of ``benchmarks/fsdp_offload.py``, ``coherent_row_config``): ``CoherentOffload`` with
+  ``coherent(...)`` row of ``benchmarks/fsdp_offload.py``, ``row_grammar.py``): ``CoherentOffload`` with
   ``OffloadOptimizer(model, AdamW, lr=1e-4, fused=True)``.
 
 Each row is built once on the meta device, ``fully_shard``-ed block by block, and each group's shards
@@ -45,9 +45,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fsdp_offload import (  # noqa: E402
-    checkpointed, coherent_row_config, GiB, _shard, known_row, last_blocks_fraction, optimizer_kwargs,
-)
+from fsdp_offload import GiB, _shard  # noqa: E402
+from row_grammar import checkpointed, coherent_row_config, known_row, last_blocks_fraction, optimizer_kwargs  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, rope_tables  # noqa: E402
@@ -268,7 +267,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                         help=f"comma-separated: {RESIDENT}, {STOCK}, or a CoherentOffload row of "
-                        "fsdp_offload.py (coherent(item;...), see its coherent_row_config)")
+                        "fsdp_offload.py (coherent(item;...), see benchmarks/row_grammar.py)")
     parser.add_argument("--max-batch", type=int, default=16, help="largest micro-batch tried")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)

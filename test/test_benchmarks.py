@@ -32,6 +32,7 @@ import multi_gpu  # noqa: E402
 import peers  # noqa: E402
 import peers_capacity  # noqa: E402
 import planner_validate  # noqa: E402
+import row_grammar  # noqa: E402
 import stream_timeline  # noqa: E402
 import transfer  # noqa: E402
 from memory_snapshot import peak_breakdown  # noqa: E402
@@ -355,39 +356,39 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertEqual(host["link_busy"], {"adamw_s_per_Gparam": 0.45, "cast_s_per_Gparam": 0.15, "link_GBps_meanwhile": 90.0})
 
     def test_row_names(self):
-        self.assertTrue(fsdp_offload.checkpointed("resident;ac"))
-        self.assertTrue(fsdp_offload.checkpointed("coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"))
-        self.assertFalse(fsdp_offload.checkpointed("coherent(host;next-fwd;modules=0.625;act=0.5)"))
+        self.assertTrue(row_grammar.checkpointed("resident;ac"))
+        self.assertTrue(row_grammar.checkpointed("coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"))
+        self.assertFalse(row_grammar.checkpointed("coherent(host;next-fwd;modules=0.625;act=0.5)"))
         self.assertEqual(
-            fsdp_offload.optimizer_kwargs("coherent(host;next-fwd;threads=12)"),
+            row_grammar.optimizer_kwargs("coherent(host;next-fwd;threads=12)"),
             {"lr": 1e-4, "fused": True, "overlap_next_forward": True, "step_during_backward": False, "host_threads": 12},
         )
         self.assertEqual(
-            fsdp_offload.optimizer_kwargs("coherent(host;early;clip)"),
+            row_grammar.optimizer_kwargs("coherent(host;early;clip)"),
             {"lr": 1e-4, "fused": True, "max_grad_norm": 1.0, "overlap_next_forward": False, "step_during_backward": True},
         )
         # default: CoherentOffload() and OffloadOptimizer's own defaults, clipping by either way.
-        self.assertEqual(fsdp_offload.coherent_row_config("coherent(default;user-clip)"), {})
-        self.assertEqual(fsdp_offload.optimizer_kwargs("coherent(default;clip)"), {"lr": 1e-4, "fused": True, "max_grad_norm": 1.0})
-        self.assertTrue(fsdp_offload.user_clips("coherent(default;user-clip)"))
-        self.assertTrue(fsdp_offload.user_clips("stock_cpu_offload+fused_cpu_adamw;user-clip"))
-        self.assertFalse(fsdp_offload.user_clips("coherent(default;clip)"))
-        self.assertTrue(fsdp_offload.known_row("stock_cpu_offload+fused_cpu_adamw;user-clip"))
-        self.assertFalse(fsdp_offload.known_row("coherent(default;host)"))
+        self.assertEqual(row_grammar.coherent_row_config("coherent(default;user-clip)"), {})
+        self.assertEqual(row_grammar.optimizer_kwargs("coherent(default;clip)"), {"lr": 1e-4, "fused": True, "max_grad_norm": 1.0})
+        self.assertTrue(row_grammar.user_clips("coherent(default;user-clip)"))
+        self.assertTrue(row_grammar.user_clips("stock_cpu_offload+fused_cpu_adamw;user-clip"))
+        self.assertFalse(row_grammar.user_clips("coherent(default;clip)"))
+        self.assertTrue(row_grammar.known_row("stock_cpu_offload+fused_cpu_adamw;user-clip"))
+        self.assertFalse(row_grammar.known_row("coherent(default;host)"))
         # accum=N: N micro-batches a step, on any row.
-        self.assertEqual(fsdp_offload.coherent_row_config("coherent(default;accum=4)"), {})
-        self.assertEqual(fsdp_offload.accumulated_micro_batches("resident;accum=4"), 4)
-        self.assertEqual(fsdp_offload.accumulated_micro_batches("coherent(default)"), 1)
-        self.assertTrue(fsdp_offload.known_row("resident;accum=4"))
-        for name in fsdp_offload.DEFAULT_ROWS:
-            self.assertTrue(fsdp_offload.known_row(name), name)
+        self.assertEqual(row_grammar.coherent_row_config("coherent(default;accum=4)"), {})
+        self.assertEqual(row_grammar.accumulated_micro_batches("resident;accum=4"), 4)
+        self.assertEqual(row_grammar.accumulated_micro_batches("coherent(default)"), 1)
+        self.assertTrue(row_grammar.known_row("resident;accum=4"))
+        for name in row_grammar.DEFAULT_ROWS:
+            self.assertTrue(row_grammar.known_row(name), name)
         self.assertEqual(
-            fsdp_offload.coherent_row_config("coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"),
+            row_grammar.coherent_row_config("coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"),
             {"optimizer": 0.25, "prefetch_depth": 1, "module_fraction": 0.625},
         )
-        self.assertEqual(fsdp_offload.coherent_row_config("coherent(host;next-fwd;last=0.5;act=0.5)"),
+        self.assertEqual(row_grammar.coherent_row_config("coherent(host;next-fwd;last=0.5;act=0.5)"),
                          {"optimizer": "host", "prefetch_depth": 2, "activations": 0.5})
-        self.assertEqual(fsdp_offload.coherent_row_config("coherent(stream;chunk=256)"),
+        self.assertEqual(row_grammar.coherent_row_config("coherent(stream;chunk=256)"),
                          {"optimizer": "stream", "prefetch_depth": 2, "chunk_bytes": 256 << 20})
         for bad, reason in (
             ("coherent(host;typo)", "unknown item 'typo'"),
@@ -401,24 +402,24 @@ class TestFsdpOffloadBenchmark(TestCase):
             ("coherent(host;cast=gpu)", "unknown item 'cast=gpu'"),
         ):
             with self.assertRaisesRegex(ValueError, re.escape(reason)):
-                fsdp_offload.coherent_row_config(bad)
-            self.assertFalse(fsdp_offload.known_row(bad))
-        self.assertEqual(fsdp_offload.coherent_row_config("coherent(host;cast=device)"),
+                row_grammar.coherent_row_config(bad)
+            self.assertFalse(row_grammar.known_row(bad))
+        self.assertEqual(row_grammar.coherent_row_config("coherent(host;cast=device)"),
                          {"optimizer": "host", "prefetch_depth": 2, "cast_on": "device"})
         # "last=F": the policy per module on the last F of the blocks; the step model reads it as
         # module_fraction F placed last in forward order, and "modules=F" as F spread.
-        self.assertEqual(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;last=0.5)"), 0.5)
-        self.assertIsNone(fsdp_offload.last_blocks_fraction("coherent(host;next-fwd;modules=0.5)"))
+        self.assertEqual(row_grammar.last_blocks_fraction("coherent(host;next-fwd;last=0.5)"), 0.5)
+        self.assertIsNone(row_grammar.last_blocks_fraction("coherent(host;next-fwd;modules=0.5)"))
         # "units=2": each block sharded as its attention and feed-forward groups, a sharding knob.
         units = "coherent(host;next-fwd;last=0.5;keep=1;ac;units=2)"
-        self.assertEqual(fsdp_offload.units_per_block(units), 2)
-        self.assertEqual(fsdp_offload.units_per_block(units.replace(";units=2", "")), 1)
-        self.assertEqual(fsdp_offload.coherent_row_config(units), {"optimizer": "host", "prefetch_depth": 2})
+        self.assertEqual(row_grammar.units_per_block(units), 2)
+        self.assertEqual(row_grammar.units_per_block(units.replace(";units=2", "")), 1)
+        self.assertEqual(row_grammar.coherent_row_config(units), {"optimizer": "host", "prefetch_depth": 2})
         # "keep=N": the last N blocks not resharded after forward, a sharding knob, not a policy one.
         kept = "coherent(host;next-fwd;last=0.625;keep=5;ac)"
-        self.assertEqual(fsdp_offload.kept_unsharded_blocks(kept), 5)
-        self.assertEqual(fsdp_offload.kept_unsharded_blocks("coherent(host;last=0.625)"), 0)
-        self.assertEqual(fsdp_offload.coherent_row_config(kept), {"optimizer": "host", "prefetch_depth": 2})
+        self.assertEqual(row_grammar.kept_unsharded_blocks(kept), 5)
+        self.assertEqual(row_grammar.kept_unsharded_blocks("coherent(host;last=0.625)"), 0)
+        self.assertEqual(row_grammar.coherent_row_config(kept), {"optimizer": "host", "prefetch_depth": 2})
         self.assertEqual(planner_validate.row_config({"name": kept.replace("(", "(early;")}, "host").keep_unsharded, 5)
         config = planner_validate.row_config({"name": "coherent(early;split=0.25;next-fwd;last=0.625;ac;depth=1)"}, "host")
         self.assertEqual((config.module_fraction, config.optimizer, config.checkpointing, config.prefetch_depth),
