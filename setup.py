@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     extras_require={
-        "test": ["pytest", "expecttest", "parameterized", "numpy", "transformers"],
+        "test": ["pytest", "expecttest", "parameterized", "numpy", "transformers", "matplotlib"],
         "plot": ["matplotlib"],
         # benchmarks/peers.py only: the systems it measures beside this library, never its dependency.
         "peers": ["deepspeed", "torchao"],
