@@ -216,12 +216,13 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
             failed: list[str] = []
             best, complete = largest_fitting(probe, upper, known[system], start, tolerance, grow)
             if best and best not in rows:
-                # The answer timed under this cap: by an earlier run, else now (a smaller cap's answer).
+                # The answer timed under this cap: by an earlier run, else now (a smaller cap's answer),
+                # once the search is complete: a size a resumed search may still outgrow is not timed.
                 timed = [p for p in probes if (p.get("system"), p.get("gpu_cap_GiB"), p.get("n_blocks")) == (system, cap, best)
                          and "error" not in p]
                 if timed:
                     rows[best] = timed[-1]
-                elif not failed:
+                elif complete and not failed:
                     probe(best)
             known[system] = best
             entry = {"system": system, "gpu_cap_GiB": cap, "batch_size": batch_size, "largest_n_blocks": best,

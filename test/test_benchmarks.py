@@ -955,6 +955,17 @@ class TestPeersBenchmark(TestCase):
         self.assertEqual(calls, [(6, 24.0)])
         entry = found["results"][0]
         self.assertEqual((entry["largest_n_blocks"], entry["search_complete"]), (6, False))
+        # Resumed with 65 s left, under 24 and 32 GiB: 7 blocks (70 s) may start under neither. Under
+        # 32 GiB the 6 blocks found under 24 GiB are known to fit but not timed there, as a resumed
+        # search may still grow past them.
+        calls.clear()
+        with mock.patch.object(runner, "remaining", return_value=65.0):
+            found = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [24.0, 32.0], 4, 1 << 40, {},
+                                            log=lambda line: None, previous=found)
+        self.assertEqual(calls, [])
+        entry = next(e for e in found["results"] if e["gpu_cap_GiB"] == 32.0)
+        self.assertEqual((entry["largest_n_blocks"], entry["search_complete"]), (6, False))
+        self.assertNotIn("tokens_per_s", entry)
 
     def test_a_failure_other_than_memory_stops_the_search(self):
         runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
