@@ -5,8 +5,8 @@ Rows (bf16 compute, fp32 reduce, AdamW lr 1e-4, sequences of ``--seq-len`` token
 * ``resident``: FSDP2 without offload, fused CUDA AdamW;
 * ``stock_cpu_offload+fused_cpu_adamw``: ``CPUOffloadPolicy(pin_memory=True)``, ``AdamW(fused=True)``
   on the host shards;
-* ``coherent(host)`` and ``coherent(host;modules=0.5)`` (or any row of
-  ``coherent(...)`` row of ``benchmarks/fsdp_offload.py``, ``row_grammar.py``): ``CoherentOffload`` with
+* ``coherent(host)`` and ``coherent(host;modules=0.5)`` (or any ``coherent(...)`` row of
+  ``benchmarks/row_grammar.py``): ``CoherentOffload`` with
   ``OffloadOptimizer(model, AdamW, lr=1e-4, fused=True)``.
 
 Each row is built once on the meta device, ``fully_shard``-ed block by block, and each group's shards

@@ -379,7 +379,9 @@ class Runner:
         if rows is None and error.startswith("timeout") and timeout < self.args.row_timeout:
             # Cut by --max-seconds, not by the row's own limit: it says nothing of whether the size fits.
             error = f"not run to its end: --max-seconds reached ({error})"
-        return [{**row, "elapsed_s": elapsed} for row in (rows if rows is not None else [{**row, "error": error} for row in base])]
+        if rows is None:
+            rows = [{**row, "error": error} for row in base]
+        return [{**row, "elapsed_s": elapsed} for row in rows]
 
     def row(self, system: str, batch_size: int, n_blocks: int = 8, gpu_cap_GiB: float | None = None,
             steps: int | None = None, warmup: int | None = None) -> dict:

@@ -96,7 +96,7 @@ def probe_seconds(probes: list[dict], system: str, n_blocks: int) -> float:
     """The seconds a probe of ``n_blocks`` blocks of ``system`` is expected to take, scaled by blocks
     from the quickest per block of its earlier probes (their child's wall time, else their setup
     plus 15 s of start-up and steps); 0 without one. Setup, which dominates, grows with the blocks."""
-    rates = [p.get("elapsed_s", p.get("setup_s", 0.0) + 15.0) / p["n_blocks"] for p in probes
+    rates = [(p["elapsed_s"] if "elapsed_s" in p else p["setup_s"] + 15.0) / p["n_blocks"] for p in probes
              if p.get("system") == system and p.get("n_blocks") and ("elapsed_s" in p or "setup_s" in p)]
     return min(rates) * n_blocks if rates else 0.0
 

@@ -32,6 +32,7 @@ from torch_fsdp_offload import CoherentOffload
 #   user-clip                  torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) between
 #                              backward and step() (also as a ";user-clip" suffix of the baselines)
 #   threads=N                  OffloadOptimizer(host_threads=N)
+#   accum=N                    N micro-batches a step (also as an ";accum=N" suffix of the baselines)
 #   chunk=N                    CoherentOffload(chunk_bytes=N MiB)
 #   cast=device                CoherentOffload(cast_on="device"): the copy-ins move the fp32 master
 #                              and cast it on the GPU; the host steps without casting
@@ -96,7 +97,7 @@ def coherent_row_config(name: str) -> dict:
     return knobs
 
 
-# The default run: the baselines (each also with ";ac", activation checkpointing of every block)
+# fsdp_offload.py's default run: the baselines (each also with ";ac", activation checkpointing of every block)
 # and one row per optimizer placement plus the measured best at <= 50% of resident memory with
 # each cast placement, about 25 s a row on our H200; --rows takes any coherent(...) row of the
 # grammar above.
