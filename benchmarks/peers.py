@@ -494,9 +494,14 @@ def main(argv=None) -> int:
         if args.resume_from:
             with open(args.resume_from, encoding="utf-8") as handle:
                 previous = json.load(handle).get("capacity")
+
+        def checkpoint(partial: dict) -> None:
+            result["capacity"] = partial
+            write()
+
         result["capacity"] = capacity(runner, searched, caps, args.capacity_batch_size, available, measured,
                                       log=lambda line: print(line, flush=True), tolerance=args.capacity_tolerance,
-                                      previous=previous)
+                                      previous=previous, checkpoint=checkpoint)
         write()
         print_capacity(result["capacity"])
     write()

@@ -18,14 +18,16 @@ import statistics
 GiB = 1 << 30
 # Host bytes per parameter each system keeps, estimated from what it stores there (fp32 master 4,
 # two AdamW moments 8, fp32 gradients 4, bf16 copies 2 each; this library's defaults cast on the GPU
-# and keep no bf16 copy, and its plans keep some blocks resident: 14.2 measured at 32 blocks); the
-# capacity search skips sizes whose estimate does not fit. The measured figure of each probe is in
-# its row (host_bytes_per_param).
+# and keep no bf16 copy, and its plans keep some blocks resident: 14.2 measured at 32 blocks), or,
+# where its probes measured more, the most they measured (DeepSpeed also builds the fp32 model on
+# the host and keeps its pinned buffers: ZeRO-2 20.5-22.6, ZeRO-3 26.1-26.7); the capacity search
+# skips sizes whose estimate does not fit, so no probe runs the host out of memory. The measured
+# figure of each probe is in its row (host_bytes_per_param).
 HOST_BYTES_PER_PARAM = {
     "resident": 0.0,
     "stock_cpu_offload": 16.0,
-    "deepspeed_zero2": 18.0,
-    "deepspeed_zero3": 20.0,
+    "deepspeed_zero2": 23.0,
+    "deepspeed_zero3": 27.0,
     "torchao_cpu_offload": 16.0,
     "torch_fsdp_offload": 16.0,
     "torch_fsdp_offload_planned": 16.0,
@@ -153,7 +155,8 @@ def largest_by_peak(points: list[tuple[int, float]], cap_GiB: float, margin: flo
 
 
 def capacity(runner, systems: list[str], caps: list[float], batch_size: int, available: int,
-             measured: dict[str, dict], log=print, tolerance: float = 0.0, previous: dict | None = None) -> dict:
+             measured: dict[str, dict], log=print, tolerance: float = 0.0, previous: dict | None = None,
+             checkpoint=lambda partial: None) -> dict:
     """The capacity search of every system under every cap (module docstring), each cap in turn and
     the systems in the order given (what ``--max-seconds`` leaves out comes last), each probe a row
     of ``runner`` (``peers.Runner``: a system whose package is missing is an error row, which stops
@@ -163,12 +166,22 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
     library's largest sizes first, then at the others' while time is left; where it was not run,
     ``resident_uncapped_tokens_per_s_estimated`` scales the 8-block resident row by parameters.
     ``previous`` (an earlier run's capacity result) keeps its complete searches, its probes and the
-    entries of systems and caps not searched now, and seeds the others with the sizes it found."""
+    entries of systems and caps not searched now, and seeds the others with the sizes it found; a size
+    it probed is not probed again. ``checkpoint(partial)`` receives the result so far, in this
+    function's form, after every probe, so a run cut short can be resumed from it."""
     previous = previous or {"results": [], "probes": [], "resident_uncapped": {}}
     # Complete, and timed under its cap (or nothing fitted): a smaller cap's answer is still timed.
     done = {(e["system"], e["gpu_cap_GiB"]): e for e in previous["results"]
             if e.get("search_complete") and ("tokens_per_s" in e or not e.get("largest_n_blocks"))}
     results, probes = [], list(previous["probes"])
+    resident = {int(n): r for n, r in previous["resident_uncapped"].items() if "tokens_per_s" in r}
+
+    def save() -> None:
+        # What is known so far, as a result to resume from, after every probe.
+        found = {(e["system"], e["gpu_cap_GiB"]) for e in results}
+        checkpoint({"results": results + [e for e in previous["results"] if (e["system"], e["gpu_cap_GiB"]) not in found],
+                    "probes": probes, "resident_uncapped": {str(n): r for n, r in resident.items()}})
+
     known = {system: 0 for system in systems}
     for cap in caps:
         for system in systems:
@@ -193,6 +206,13 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
             rows: dict[int, dict] = {}
 
             def probe(n: int) -> bool | None:
+                # A size an earlier run answered (it trained, or did not fit) is not run again: a
+                # search resumed from a checkpoint replays its decisions without the GPU.
+                recorded = [p for p in probes if (p.get("system"), p.get("gpu_cap_GiB"), p.get("n_blocks")) == (system, cap, n)
+                            and ("error" not in p or does_not_fit(p["error"]))]
+                if recorded:
+                    rows[n] = recorded[-1]
+                    return "error" not in recorded[-1]
                 # Out of time, or too little left to finish this size: a probe cut short says nothing.
                 if runner.remaining() < max(20.0, probe_seconds(probes, system, n)):
                     return None
@@ -204,6 +224,7 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
                 if "error" not in row and row.get("peak_gpu_GiB"):
                     peaks.append((n, row["peak_gpu_GiB"]))
                 log(f"capacity {system} cap {cap} GiB n_blocks {n}: " + (row["error"][:80] if "error" in row else f"{row['tokens_per_s']} tok/s"))
+                save()
                 if "error" in row and not does_not_fit(row["error"]):
                     failed.append(row["error"])  # not a size the system cannot hold: stop its search
                     return None
@@ -244,7 +265,6 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
     results += [e for e in previous["results"] if (e["system"], e["gpu_cap_GiB"]) not in searched]
     ours = [e.get("largest_n_blocks", 0) for e in results if e["system"] == "torch_fsdp_offload"]
     others = [e.get("largest_n_blocks", 0) for e in results if e["system"] != "torch_fsdp_offload"]
-    resident = {int(n): r for n, r in previous["resident_uncapped"].items() if "tokens_per_s" in r}
     for n in dict.fromkeys(n for n in ours + others if n):
         if n in resident:
             continue
@@ -256,6 +276,7 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
         row = runner.row("resident", batch_size, n, None, steps=CAPACITY_STEPS - 1, warmup=1)
         resident[n] = ({"tokens_per_s": row["tokens_per_s"], "peak_gpu_GiB": row["peak_gpu_GiB"]} if "error" not in row
                        else {"error": ("not measurable: " + row["error"]) if row["error"].startswith("OOM") else row["error"]})
+        save()
     reference = measured.get("resident", {})
     for entry in results:
         n = entry.get("largest_n_blocks")

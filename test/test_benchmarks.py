@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import os
@@ -742,7 +743,7 @@ def _fake_capacity_runner() -> tuple:
         fits = n_blocks <= (10 if gpu_cap_GiB is None else gpu_cap_GiB // 8 * 2)
         return ({"system": system, "n_blocks": n_blocks, "gpu_cap_GiB": gpu_cap_GiB, "params": peers_capacity.param_count(n_blocks), "tokens_per_s": 1000 // n_blocks, "step_s": 1.0,
                  "peak_gpu_GiB": 3.5 * n_blocks, "host_bytes_per_param": 18.0, "pinned_GiB": 1.0} if fits
-                else {"error": "OOM: CUDA out of memory"})
+                else {"system": system, "n_blocks": n_blocks, "gpu_cap_GiB": gpu_cap_GiB, "error": "OOM: CUDA out of memory"})
 
     runner.row = row
     return runner, calls
@@ -937,6 +938,23 @@ class TestPeersBenchmark(TestCase):
         self.assertEqual(again["results"][1]["tokens_per_s"], 1000 // 6)
         self.assertEqual(found["probes"][0], {"n_blocks": 4})
         self.assertEqual(found["resident_uncapped"]["4"], {"tokens_per_s": 250})
+
+    def test_a_run_cut_short_resumes_from_its_checkpoint_without_probing_again(self):
+        runner, calls = _fake_capacity_runner()
+        saved = []
+        full = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {}, log=lambda line: None,
+                                       checkpoint=lambda partial: saved.append(copy.deepcopy(partial)))
+        every = list(calls)
+        self.assertEqual(len(saved), len(every))  # one checkpoint per probe, resident's included
+        # Killed after its third probe: resumed from that checkpoint, the search replays the sizes
+        # already answered and probes only the rest, to the same result.
+        calls.clear()
+        again = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [16.0, 24.0], 4, 1 << 40, {},
+                                        log=lambda line: None, previous=saved[2])
+        self.assertEqual(calls, every[3:])
+        self.assertEqual(again["results"], full["results"])
+        self.assertEqual(again["resident_uncapped"], full["resident_uncapped"])
+        self.assertEqual([e["largest_n_blocks"] for e in saved[-1]["results"]], [4, 6])
 
     def test_a_probe_that_cannot_finish_in_time_is_not_started(self):
         # Earlier probes took 10 s a block (the quickest per block counts). With 65 s left, 6 blocks
