@@ -32,6 +32,8 @@ anchor-1.6b's width that trains (``peers_capacity.py``), its tokens/s and measur
 parameter, and the uncapped resident tokens/s of that model where it fits the whole GPU (else it is
 marked not measurable).
 ``--max-seconds`` stops rows and probes gracefully: what ran is written, what did not is marked.
+The capacity result is written after every probe; ``--resume-from`` that file continues a run
+stopped or killed, without probing again the sizes it answered.
 
 Usage (GPU machine; DeepSpeed builds its CPU Adam on first use, which needs g++ and ninja):
     python benchmarks/peers.py --batch-sizes 4,16 --out benchmarks/results/peers.json

@@ -19,10 +19,10 @@ GiB = 1 << 30
 # Host bytes per parameter each system keeps, estimated from what it stores there (fp32 master 4,
 # two AdamW moments 8, fp32 gradients 4, bf16 copies 2 each; this library's defaults cast on the GPU
 # and keep no bf16 copy, and its plans keep some blocks resident: 14.2 measured at 32 blocks), or,
-# where its probes measured more, the most they measured (DeepSpeed also builds the fp32 model on
-# the host and keeps its pinned buffers: ZeRO-2 20.5-22.6, ZeRO-3 26.1-26.7); the capacity search
-# skips sizes whose estimate does not fit, so no probe runs the host out of memory. The measured
-# figure of each probe is in its row (host_bytes_per_param).
+# for DeepSpeed, which also builds the fp32 model on the host and keeps pinned buffers, what its
+# probes measured (ZeRO-2 20.5-25.3, ZeRO-3 22.7-26.7); the capacity search skips sizes whose
+# estimate does not fit, so no probe runs the host out of memory. The measured figure of each
+# probe is in its row (host_bytes_per_param).
 HOST_BYTES_PER_PARAM = {
     "resident": 0.0,
     "stock_cpu_offload": 16.0,
@@ -285,6 +285,7 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
         if n in resident:
             found = resident[n]
             entry["resident_uncapped_tokens_per_s"] = found.get("tokens_per_s", found.get("error"))
+            entry.pop("resident_uncapped_tokens_per_s_estimated", None)  # an earlier run's, now measured
         elif reference.get("tokens_per_s"):
             entry["resident_uncapped_tokens_per_s_estimated"] = round(
                 reference["tokens_per_s"] * param_count(8) / param_count(n))

@@ -913,7 +913,7 @@ class TestPeersBenchmark(TestCase):
         # run uncapped; a system not searched now keeps its entry.
         runner, calls = _fake_capacity_runner()
         sixteen = {"system": "torch_fsdp_offload", "gpu_cap_GiB": 16.0, "largest_n_blocks": 4, "search_complete": True,
-                   "tokens_per_s": 250}
+                   "tokens_per_s": 250, "resident_uncapped_tokens_per_s_estimated": 240}
         previous = {
             "results": [sixteen, {"system": "torch_fsdp_offload", "gpu_cap_GiB": 24.0, "largest_n_blocks": 5,
                                   "smallest_not_fitting_n_blocks": 8, "search_complete": False},
@@ -925,6 +925,9 @@ class TestPeersBenchmark(TestCase):
                                log=lambda line: None, previous=previous)
         by_cap = {(entry["system"], entry["gpu_cap_GiB"]): entry for entry in found["results"]}
         self.assertIs(by_cap[("torch_fsdp_offload", 16.0)], sixteen)
+        # Resident measured at its size replaces an earlier run's estimate.
+        self.assertEqual(sixteen["resident_uncapped_tokens_per_s"], 250)
+        self.assertNotIn("resident_uncapped_tokens_per_s_estimated", sixteen)
         self.assertEqual(by_cap[("torch_fsdp_offload", 24.0)]["largest_n_blocks"], 6)
         self.assertEqual(by_cap[("deepspeed_zero3", 16.0)]["largest_n_blocks"], 3)  # not searched now: kept
         self.assertEqual(calls, [(6, 24.0), (7, 24.0), (6, None), (3, None)])
