@@ -495,7 +495,13 @@ def main(argv=None) -> int:
         previous = None
         if args.resume_from:
             with open(args.resume_from, encoding="utf-8") as handle:
-                previous = json.load(handle).get("capacity")
+                resumed = json.load(handle)
+            previous = resumed.get("capacity")
+            # The resumed probes ran with the packages that file names: a peer not installed now
+            # (a run that only adds resident rows) keeps its version there.
+            for package, version in resumed.get("versions", {}).items():
+                if result["versions"].get(package) is None:
+                    result["versions"][package] = version
 
         def checkpoint(partial: dict) -> None:
             result["capacity"] = partial

@@ -959,6 +959,24 @@ class TestPeersBenchmark(TestCase):
         self.assertEqual(again["resident_uncapped"], full["resident_uncapped"])
         self.assertEqual([e["largest_n_blocks"] for e in saved[-1]["results"]], [4, 6])
 
+    def test_a_resumed_run_keeps_the_versions_of_peers_it_lacks(self):
+        # The resumed file's probes ran with DeepSpeed 0.19.8; this run, which lacks it, adds only
+        # resident rows: the written file still names the version its DeepSpeed probes ran with.
+        machine = {"gpu": "H200", "gpu_memory_GiB": 140.0}
+        with tempfile.TemporaryDirectory() as tmp:
+            resumed, out = os.path.join(tmp, "resumed.json"), os.path.join(tmp, "out.json")
+            with open(resumed, "w") as handle:
+                json.dump({"versions": {"torch": "2.11.0", "deepspeed": "0.19.8", "torchao": None},
+                           "capacity": {"results": [], "probes": [], "resident_uncapped": {}}}, handle)
+            with mock.patch.object(peers.Runner, "child", return_value=(machine, "")), \
+                    mock.patch.object(peers, "versions", return_value={"torch": "2.13.0", "deepspeed": None, "torchao": None}), \
+                    mock.patch.object(peers, "capacity", return_value={"results": [], "probes": [], "resident_uncapped": {}}), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                self.assertEqual(peers.main(["--batch-sizes", "none", "--capacity", "--caps", "16", "--capacity-systems",
+                                             "resident", "--resume-from", resumed, "--out", out]), 0)
+            with open(out) as handle:
+                self.assertEqual(json.load(handle)["versions"], {"torch": "2.13.0", "deepspeed": "0.19.8", "torchao": None})
+
     def test_a_probe_that_cannot_finish_in_time_is_not_started(self):
         # Earlier probes took 10 s a block (the quickest per block counts). With 65 s left, 6 blocks
         # (the peaks' line's answer under 24 GiB) may start and 7 may not: the search stops there,
