@@ -176,11 +176,15 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
     results, probes = [], list(previous["probes"])
     resident = {int(n): r for n, r in previous["resident_uncapped"].items() if "tokens_per_s" in r}
 
+    def with_previous() -> list[dict]:
+        # This run's entries, then the earlier run's of the systems and caps not searched (yet).
+        found = {(e["system"], e["gpu_cap_GiB"]) for e in results}
+        return results + [e for e in previous["results"] if (e["system"], e["gpu_cap_GiB"]) not in found]
+
     def save() -> None:
         # What is known so far, as a result to resume from, after every probe.
-        found = {(e["system"], e["gpu_cap_GiB"]) for e in results}
-        checkpoint({"results": results + [e for e in previous["results"] if (e["system"], e["gpu_cap_GiB"]) not in found],
-                    "probes": probes, "resident_uncapped": {str(n): r for n, r in resident.items()}})
+        checkpoint({"results": with_previous(), "probes": probes,
+                    "resident_uncapped": {str(n): r for n, r in resident.items()}})
 
     known = {system: 0 for system in systems}
     for cap in caps:
@@ -205,14 +209,17 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
                 start = (earlier["largest_n_blocks"] + earlier["smallest_not_fitting_n_blocks"]) // 2
             rows: dict[int, dict] = {}
 
+            def recorded(n: int) -> list[dict]:
+                # The probes of this size an earlier run answered: it trained, or did not fit.
+                return [p for p in probes if (p.get("system"), p.get("gpu_cap_GiB"), p.get("n_blocks")) == (system, cap, n)
+                        and ("error" not in p or does_not_fit(p["error"]))]
+
             def probe(n: int) -> bool | None:
-                # A size an earlier run answered (it trained, or did not fit) is not run again: a
-                # search resumed from a checkpoint replays its decisions without the GPU.
-                recorded = [p for p in probes if (p.get("system"), p.get("gpu_cap_GiB"), p.get("n_blocks")) == (system, cap, n)
-                            and ("error" not in p or does_not_fit(p["error"]))]
-                if recorded:
-                    rows[n] = recorded[-1]
-                    return "error" not in recorded[-1]
+                # A size already answered is not run again: a search resumed from a checkpoint
+                # replays its decisions without the GPU.
+                if recorded(n):
+                    rows[n] = recorded(n)[-1]
+                    return "error" not in rows[n]
                 # Out of time, or too little left to finish this size: a probe cut short says nothing.
                 if runner.remaining() < max(20.0, probe_seconds(probes, system, n)):
                     return None
@@ -236,15 +243,10 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
 
             failed: list[str] = []
             best, complete = largest_fitting(probe, upper, known[system], start, tolerance, grow)
-            if best and best not in rows:
+            if best and best not in rows and (recorded(best) or (complete and not failed)):
                 # The answer timed under this cap: by an earlier run, else now (a smaller cap's answer),
                 # once the search is complete: a size a resumed search may still outgrow is not timed.
-                timed = [p for p in probes if (p.get("system"), p.get("gpu_cap_GiB"), p.get("n_blocks")) == (system, cap, best)
-                         and "error" not in p]
-                if timed:
-                    rows[best] = timed[-1]
-                elif complete and not failed:
-                    probe(best)
+                probe(best)
             known[system] = best
             entry = {"system": system, "gpu_cap_GiB": cap, "batch_size": batch_size, "largest_n_blocks": best,
                      "size_bound_n_blocks": upper, "search_complete": complete}
@@ -261,8 +263,7 @@ def capacity(runner, systems: list[str], caps: list[float], batch_size: int, ava
             elif best:
                 entry["note"] = "fits as the answer of a smaller cap; not timed under this cap"
             results.append(entry)
-    searched = {(system, cap) for cap in caps for system in systems}
-    results += [e for e in previous["results"] if (e["system"], e["gpu_cap_GiB"]) not in searched]
+    results = with_previous()
     ours = [e.get("largest_n_blocks", 0) for e in results if e["system"] == "torch_fsdp_offload"]
     others = [e.get("largest_n_blocks", 0) for e in results if e["system"] != "torch_fsdp_offload"]
     for n in dict.fromkeys(n for n in ours + others if n):

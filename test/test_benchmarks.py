@@ -1005,6 +1005,15 @@ class TestPeersBenchmark(TestCase):
         entry = next(e for e in found["results"] if e["gpu_cap_GiB"] == 32.0)
         self.assertEqual((entry["largest_n_blocks"], entry["search_complete"]), (6, False))
         self.assertNotIn("tokens_per_s", entry)
+        # Where an earlier run did time those 6 blocks under 32 GiB, that row is the answer's.
+        timed = {"system": "torch_fsdp_offload", "n_blocks": 6, "gpu_cap_GiB": 32.0, "params": 6, "tokens_per_s": 77,
+                 "step_s": 1.0, "peak_gpu_GiB": 21.0, "host_bytes_per_param": 16.0, "pinned_GiB": 1.0}
+        with mock.patch.object(runner, "remaining", return_value=65.0):
+            found = peers_capacity.capacity(runner, ["torch_fsdp_offload"], [24.0, 32.0], 4, 1 << 40, {},
+                                            log=lambda line: None, previous=dict(found, probes=found["probes"] + [timed]))
+        self.assertEqual(calls, [])
+        entry = next(e for e in found["results"] if e["gpu_cap_GiB"] == 32.0)
+        self.assertEqual((entry["largest_n_blocks"], entry["search_complete"], entry["tokens_per_s"]), (6, False, 77))
 
     def test_a_failure_other_than_memory_stops_the_search(self):
         runner = peers.Runner(argparse.Namespace(row_timeout=10.0, gpu_memory_GiB=140.0), deadline=float("inf"))
