@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
+import subprocess
 import sys
 import threading
 from unittest import mock
@@ -26,12 +28,55 @@ from torch_fsdp_offload._integration.fsdp2_param_group import CoherentFSDPParamG
 from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
 
 
-def _sites() -> list[tuple[str, object, str]]:
-    return [(site, owner, name) for site, owner, name, _, _ in _integration._patch_points()]
+def _sites(*parts: str) -> list[tuple[str, object, str]]:
+    return [
+        (site, owner, name)
+        for part in parts or _integration.PARTS
+        for site, owner, name, _, _ in _integration._patch_points(part)
+    ]
 
 
-def _held() -> dict[str, object]:
-    return {site: getattr(owner, name) for site, owner, name in _sites()}
+def _held(*parts: str) -> dict[str, object]:
+    return {site: getattr(owner, name) for site, owner, name in _sites(*parts)}
+
+
+# Run in a fresh interpreter: every attribute of torch's FSDP modules (and of the torch classes they
+# hold) by identity, before importing the package, after, after a policy and after uninstall().
+_FRESH_PROCESS_CHECK = r"""
+import importlib, json, pkgutil, sys
+import torch.distributed.fsdp as fsdp
+
+def snapshot():
+    names = [fsdp.__name__] + [info.name for info in pkgutil.walk_packages(fsdp.__path__, fsdp.__name__ + ".")]
+    modules = {name: importlib.import_module(name) for name in names}  # all loaded before any is read
+    held = {}
+    for name, module in modules.items():
+        for key, value in list(vars(module).items()):
+            held[f"{name}.{key}"] = id(value)
+            if isinstance(value, type) and value.__module__.startswith("torch."):
+                for attr, member in list(vars(value).items()):
+                    held[f"{name}.{key}.{attr}"] = id(member)
+    return held
+
+def changed(before, after):
+    return sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+
+untouched = snapshot()
+import torch_fsdp_offload
+from torch_fsdp_offload import _integration
+result = {"import": changed(untouched, snapshot()), "installed_at_import": sorted(_integration.installation.installed)}
+torch_fsdp_offload.CoherentOffload(platform="discrete")
+after_policy = snapshot()
+result["policy"] = changed(untouched, after_policy)
+result["fsdp1_sites"] = sorted(site for site, *_ in _integration._patch_points("fsdp1"))
+torch_fsdp_offload.uninstall()
+result["uninstall"] = changed(untouched, snapshot())
+torch_fsdp_offload.install()
+result["install"] = changed(untouched, snapshot())
+torch_fsdp_offload.uninstall()
+result["uninstall_all"] = changed(untouched, snapshot())
+print(json.dumps(result))
+"""
 
 
 class _ProcessGroupTestCase(SingleRankGlooTestCase):
@@ -45,11 +90,33 @@ class _ProcessGroupTestCase(SingleRankGlooTestCase):
 class InstallTest(TestCase):
     def setUp(self):
         super().setUp()
+        torch_fsdp_offload.install()
         self.addCleanup(torch_fsdp_offload.install)
 
-    def test_import_installs(self):
-        self.assertTrue(_integration.is_installed())
-        self.assertIs(_fsdp_param_group.FSDPParamGroup, CoherentFSDPParamGroup)
+    def test_import_changes_nothing_and_uninstall_restores_torch_exactly(self):
+        output = subprocess.run(
+            [sys.executable, "-c", _FRESH_PROCESS_CHECK], capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        ).stdout
+        result = json.loads(output.strip().splitlines()[-1])
+        self.assertEqual(result["import"], [])
+        self.assertEqual(result["installed_at_import"], [])
+        # A policy installs FSDP2's part only: the FSDP1 sites still hold torch's own.
+        self.assertEqual(result["policy"] != [], not _integration._hooks_available())
+        for site in result["fsdp1_sites"]:
+            self.assertNotIn(site, result["policy"])
+        self.assertEqual(result["uninstall"], [])
+        self.assertTrue(set(result["fsdp1_sites"]) <= set(result["install"]), result["install"])
+        self.assertEqual(result["uninstall_all"], [])
+
+    def test_policy_installs_fsdp2_part_on_first_use(self):
+        torch_fsdp_offload.uninstall()
+        self.assertFalse(_integration.is_installed("fsdp2"))
+        CoherentOffload(platform="discrete")
+        self.assertTrue(_integration.is_installed("fsdp2"))
+        self.assertFalse(_integration.is_installed("fsdp1"))
+        if not _integration._hooks_available():
+            self.assertIs(_fsdp_param_group.FSDPParamGroup, CoherentFSDPParamGroup)
 
     def test_round_trip_restores_torch_originals(self):
         installed = _held()
@@ -100,25 +167,23 @@ class InstallTest(TestCase):
         torch_fsdp_offload.uninstall()
         self.assertFalse(_integration.is_installed())
 
-    def test_unsupported_torch_is_refused_by_install(self):
+    def test_unsupported_torch_is_refused_by_install_and_by_a_policy(self):
         torch_fsdp_offload.uninstall()
+        originals = _held()
+        low, high = _integration.SUPPORTED_TORCH
+        supported = rf"supports torch {low[0]}\.{low[1]} through {high[0]}\.{high[1]}"
         with mock.patch.object(torch, "__version__", "2.10.0"):
-            with self.assertRaisesRegex(RuntimeError, r"supports torch 2\.11 through 2\.14"):
+            with self.assertRaisesRegex(RuntimeError, supported):
                 torch_fsdp_offload.install()
-        self.assertFalse(_integration.is_installed())
-
-    def test_policy_construction_after_uninstall_is_refused(self):
-        torch_fsdp_offload.uninstall()
-        with self.assertRaisesRegex(
-            RuntimeError, r"CoherentOffload\(\) needs .* not installed .*Call torch_fsdp_offload\.install\(\)"
-        ):
-            CoherentOffload()
-        module = nn.Linear(4, 4)
-        with self.assertRaisesRegex(RuntimeError, r"FullyShardedDataParallel\(offload_policy=\.\.\.\) needs"):
-            FullyShardedDataParallel(module, offload_policy=CPUOffloadPolicy())
-        self.assertIs(type(module), nn.Linear)
-        torch_fsdp_offload.install()
-        CoherentOffload()
+            with self.assertRaisesRegex(RuntimeError, supported):
+                CoherentOffload()
+            module = nn.Linear(4, 4)
+            with self.assertRaisesRegex(RuntimeError, supported):
+                FullyShardedDataParallel(module, offload_policy=CPUOffloadPolicy())
+            self.assertIs(type(module), nn.Linear)
+        self.assertFalse(_integration.is_installed("fsdp2"))
+        self.assertFalse(_integration.is_installed("fsdp1"))
+        self.assertEqual(_held(), originals)
 
     def test_pin_memory_redirect_is_this_thread_only(self):
         # FSDP1's Tensor.pin_memory() calls are redirected on the initialising thread only;
@@ -175,6 +240,18 @@ class ShardAfterReinstallTest(_ProcessGroupTestCase):
         self.assertIs(offload.grad_capture, GradCapture.IDLE)
         with self.assertRaisesRegex(AssertionError, r"Expected to be in one of \['CAPTURING'\], but got IDLE"):
             offload.end_grad_capture()
+
+    def test_policy_and_front_door_after_uninstall_install_their_part_again(self):
+        torch_fsdp_offload.uninstall()
+        CoherentOffload()
+        self.assertTrue(_integration.is_installed("fsdp2"))
+        self.assertFalse(_integration.is_installed("fsdp1"))
+        model = FullyShardedDataParallel(
+            nn.Sequential(nn.Linear(8, 8)), device_id=torch.device("cpu"), offload_policy=CPUOffloadPolicy(pin_memory=False)
+        )
+        self.assertTrue(_integration.is_installed("fsdp1"))
+        del model
+        gc.collect()  # FSDP1 modules hold reference cycles
 
     def test_uninstall_is_refused_while_an_fsdp1_offload_model_is_alive(self):
         model = FullyShardedDataParallel(

@@ -1,13 +1,13 @@
 """torch_fsdp_offload: CPU offloading for PyTorch FSDP that runs at the speed of the link.
 
-Importing the package installs its FSDP integration once (:func:`install`): the patch points in
-FSDP2 and FSDP1 through which a :class:`CoherentOffload` policy and the FSDP1 front door act, each
-verified. :func:`uninstall` restores torch's originals; while uninstalled, constructing a
-``CoherentOffload`` or ``FullyShardedDataParallel(offload_policy=...)`` raises. See Note:
-[Installing the integration] in docs/design.md.
+Importing the package changes nothing of torch. The FSDP integration installs the part a user needs
+when it is first used: constructing a :class:`CoherentOffload` installs FSDP2's (nothing at all on a
+torch with the offload-policy hooks), the FSDP1 front door FSDP1's. :func:`install` applies every
+part at once and :func:`uninstall` restores torch's originals exactly. See Note: [Installing the
+integration] in docs/design.md.
 """
 
-from torch_fsdp_offload._integration import install, install_on_import as _install_on_import, uninstall
+from torch_fsdp_offload._integration import install, uninstall
 from torch_fsdp_offload.activations import ActivationOffload, get_activation_offload, offload_activations
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
 from torch_fsdp_offload.materialize import materialize_sharded
@@ -54,8 +54,6 @@ __all__ = [
     "TransferTensor",
     "uninstall",
 ]
-
-_install_on_import()
 
 
 def __getattr__(name: str):

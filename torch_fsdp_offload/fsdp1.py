@@ -201,7 +201,7 @@ def _plan(
             "CPUOffloadPolicy and CoherentOffload are understood"
         )
     _integration.check_torch_version()
-    _integration.require_installed("FullyShardedDataParallel(offload_policy=...)")
+    _integration.ensure_installed("fsdp1")
     if not isinstance(offload_policy, CoherentOffload):
         # FSDP1 pins the shard itself (pinned=None) unless asked not to; the handles still carry
         # the plan so that gradient accumulation outside no_sync() is not lost.

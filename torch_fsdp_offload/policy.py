@@ -17,74 +17,19 @@ import torch.utils.checkpoint
 
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from torch_fsdp_offload._integration.installation import require_installed
+from torch_fsdp_offload import _integration
+from torch_fsdp_offload._integration import fsdp2_hooks
+from torch_fsdp_offload.resolved_plan import CastPlacement, ResolvedPlan
 from torch_fsdp_offload.placement import choose_placements, measured_rates
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 
 logger = logging.getLogger(__name__)
 
-CastPlacement = Literal["auto", "host", "device"]
 OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
 CAST_PLACEMENTS = ("host", "device")
 _MIN_CHUNK_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class ResolvedPlan:
-    """What a :class:`CoherentOffload` does on one machine, after ``auto`` is resolved.
-
-    Attributes:
-        platform (PlatformKind): the platform class the plan was made for.
-        memory (str): ``"pinned"`` (exact-size page-locked host memory), ``"device"`` (UNIFIED:
-            the GPU's allocation, which is the one DRAM) or ``"host"`` (no accelerator).
-        copies (bool): whether shards cross a link at all (False on UNIFIED and HOST_ONLY
-            unless a copy path was forced for tests).
-        offload_params (bool), offload_grads (bool), offload_optimizer_state (bool): as asked.
-        optimizer (str): where the optimizer step of the offloaded groups runs: ``"host"``
-            (fused, all cores, overlapped with backward), ``"stream"`` (every offloaded group
-            streamed through the GPU), ``"split"`` (``optimizer_gpu_fraction`` of them streamed,
-            the rest on the host, both at once) or ``"device"`` (nothing is offloaded for the
-            step: UNIFIED memory, or ``offload_params=False``).
-        optimizer_gpu_fraction (float): fraction of the offloaded groups whose step is streamed
-            through the GPU (0.0 for "host" and "device", 1.0 for "stream").
-        cast_on (str): where the fp32 master is cast to the compute dtype for the copy-in:
-            ``"host"`` (into a pinned mirror after each step; compute-dtype bytes cross the link)
-            or ``"device"`` (the master's bytes cross the link and are cast on arrival).
-        prefetch_depth (int), chunk_bytes (int), module_fraction (float): as asked.
-        activations (float): fraction of the FSDP-wrapped blocks whose saved activations are
-            offloaded (1.0 for ``activations=True``); 0.0 when off, and on UNIFIED and HOST_ONLY
-            platforms, where activations already live in the one memory.
-        reason (str): one line saying why ``auto`` choices were made.
-    """
-
-    platform: PlatformKind
-    memory: str
-    copies: bool
-    offload_params: bool
-    offload_grads: bool
-    offload_optimizer_state: bool
-    optimizer: str
-    optimizer_gpu_fraction: float
-    cast_on: CastPlacement
-    prefetch_depth: int
-    chunk_bytes: int
-    module_fraction: float
-    activations: float
-    reason: str
-
-    def describe(self) -> str:
-        return (
-            f"CoherentOffload plan on {self.platform.value}: memory={self.memory}, "
-            f"copies={'yes' if self.copies else 'none'}, params={self.offload_params}, "
-            f"grads={self.offload_grads}, optimizer state={self.offload_optimizer_state}, "
-            f"optimizer step={self.optimizer} ({self.optimizer_gpu_fraction:.2f} on the GPU), "
-            f"cast to the compute dtype on the {self.cast_on}, prefetch depth={self.prefetch_depth}, "
-            f"chunk={self.chunk_bytes >> 20} MiB, modules offloaded={self.module_fraction:.2f}, "
-            f"activations offloaded={self.activations:.2f} of the blocks. "
-            f"Why: {self.reason}"
-        )
 
 
 @dataclass(eq=False)
@@ -200,9 +145,9 @@ class CoherentOffload(CPUOffloadPolicy):
             not fit (``MemAvailable``, ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES``, ``ulimit -l``).
         TypeError: ``memory=``, a knob that was removed (the platform decides the memory).
         AttributeError: an assignment to an attribute that is not a knob.
-        RuntimeError: at construction, when torch_fsdp_offload's FSDP integration is not
-            installed (after ``torch_fsdp_offload.uninstall()``, or on an unsupported torch): call
-            ``torch_fsdp_offload.install()``.
+        RuntimeError: at construction, on a torch whose FSDP internals the integration does not
+            support, or when another library patched a site the integration needs (constructing
+            the first policy installs FSDP2's part of the integration; importing installs nothing).
 
     Every refusal by ``fully_shard`` comes before any parameter is converted and leaves the
     module as it was: it can be sharded again, with or without a policy, or run as it is.
@@ -331,8 +276,8 @@ class CoherentOffload(CPUOffloadPolicy):
                 f"of {', '.join(repr(k.value) for k in PlatformKind)}, or None to detect it."
             )
         # The integration applies the policy inside FSDP; without it FSDP would run its own CPU
-        # offload with this policy, silently.
-        require_installed("CoherentOffload()")
+        # offload with this policy, silently. Installed here, on first use, never at import.
+        _integration.ensure_installed("fsdp2")
 
     def _check_placements_need_copies(self, why: str, otherwise: str) -> None:
         """Refuse an ``optimizer`` or ``cast_on`` placement where ``why`` says nothing is copied;
@@ -439,6 +384,35 @@ class CoherentOffload(CPUOffloadPolicy):
         """
         return dataclasses.replace(self, **changes)
 
+    # FSDP2's offload-policy hooks (docs/upstream/fsdp2_offload_hooks.patch, docs/upstream.md): FSDP
+    # calls them on a torch that has them, never on one without; the integration implements each.
+    def offloads_group(self, params, modules, mesh_info, mp_policy, shard_placement_fn) -> bool:
+        return fsdp2_hooks.offloads_group(self, params, modules, mesh_info, mp_policy, shard_placement_fn)
+
+    def init_group(self, group: Any) -> Any:
+        return fsdp2_hooks.init_group(self, group)
+
+    def place_shards(self, group: Any) -> list[torch.Tensor] | None:
+        return fsdp2_hooks.place_shards(self, group)
+
+    def on_shard_reset(self, fsdp_param: Any) -> None:
+        fsdp2_hooks.on_shard_reset(self, fsdp_param)
+
+    def copy_in(self, fsdp_param: Any, stream: Any) -> tuple[torch.Tensor, None] | None:
+        return fsdp2_hooks.copy_in(self, fsdp_param, stream)
+
+    def on_copy_in_read(self, group: Any) -> None:
+        fsdp2_hooks.on_copy_in_read(self, group)
+
+    def before_compute(self, group: Any, backward: bool) -> None:
+        fsdp2_hooks.before_compute(self, group, backward)
+
+    def copy_out_grads(self, fsdp_params: list[Any], grads: list[torch.Tensor], stream: Any) -> Any:
+        return fsdp2_hooks.copy_out_grads(self, fsdp_params, grads, stream)
+
+    def on_grads_ready(self, group: Any, is_last_backward: bool) -> None:
+        fsdp2_hooks.on_grads_ready(self, group, is_last_backward)
+
 
 def fully_shard_with_policy(
     model: nn.Module,
@@ -536,13 +510,6 @@ def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # copy of the block binds to the copy.
     forward = functools.partial(type(block).forward, block)
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def spread_group_offloaded(index: int, module_fraction: float) -> bool:
-    """Whether group ``index`` (from 0, in the order ``fully_shard`` builds the groups of one
-    policy) is offloaded under ``CoherentOffload(module_fraction=...)``: the offloaded groups are
-    spread evenly (0.5 offloads groups 1, 3, 5, ...; 0.625 of 8 offloads 1, 3, 4, 6, 7)."""
-    return math.floor((index + 1) * module_fraction + 1e-9) > math.floor(index * module_fraction + 1e-9)
 
 
 def _is_fraction(value) -> bool:

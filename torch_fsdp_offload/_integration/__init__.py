@@ -16,10 +16,10 @@ Modules, named by what they patch or read:
 * ``fsdp1_handles``: the seven FSDP1 ``FlatParamHandle`` / ``_runtime_utils`` patch points;
 * ``tensors``: DTensor, autograd and allocator internals, each behind one function;
 * ``dtensor_grads``: watching a gradient DTensor for in-place changes (the optimizer's);
-* ``installation``: whether :func:`install` is in effect, for the code that must refuse without it.
+* ``installation``: which parts of the integration are in effect.
 
-``import torch_fsdp_offload`` calls :func:`install` once (see Note: [Installing the integration] in
-docs/design.md).
+Importing the package patches nothing: each part installs itself when first needed (see Note:
+[Installing the integration] in docs/design.md).
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ from typing import Any
 import torch
 
 from torch_fsdp_offload._integration import installation
-from torch_fsdp_offload._integration.installation import require_installed
 
 __all__ = [
     "attach_fsdp1_offload",
     "check_torch_version",
+    "ensure_installed",
     "fsdp2_shards_on_host",
     "install",
     "is_installed",
-    "require_installed",
     "set_fsdp1_prefetch_limit",
     "SUPPORTED_TORCH",
     "torch_version",
@@ -49,9 +48,12 @@ __all__ = [
 # (docs/design.md, "Patch points per torch version"), lowest and highest (major, minor).
 SUPPORTED_TORCH = ((2, 11), (2, 14))
 
-# (site, owner, name, torch's original, replacement) of every patch point, while installed.
-_applied: list[tuple[str, Any, str, Any, Any]] = []
-# Whether install() took FSDP2's offload-policy hooks instead of patching FSDP2.
+# The integration's parts, each installed on its own when first needed: FSDP2's (the policy) and
+# FSDP1's (the front door).
+PARTS = ("fsdp2", "fsdp1")
+# (site, owner, name, torch's original, replacement) of every patch point applied, per part.
+_applied: dict[str, list[tuple[str, Any, str, Any, Any]]] = {part: [] for part in PARTS}
+# Whether FSDP2's part took the offload-policy hooks instead of patching FSDP2.
 _fsdp2_hooks = False
 
 
@@ -77,15 +79,24 @@ def check_torch_version() -> None:
         )
 
 
-def _patch_points(fsdp2_hooks: bool | None = None) -> list[tuple[str, Any, str, Any, Any]]:
-    """Every patch point of the path ``fsdp2_hooks`` chooses (default: the path in use)."""
-    from torch_fsdp_offload._integration import fsdp1_handles
+def _patch_points(part: str, fsdp2_hooks: bool | None = None) -> list[tuple[str, Any, str, Any, Any]]:
+    """Every patch point of ``part`` on the path ``fsdp2_hooks`` chooses (default: this torch's):
+    none of FSDP2's on a torch with the offload-policy hooks."""
+    if part == "fsdp1":
+        from torch_fsdp_offload._integration import fsdp1_handles
 
-    if fsdp2_hooks if fsdp2_hooks is not None else _fsdp2_hooks:
         return fsdp1_handles.patches()
+    if fsdp2_hooks if fsdp2_hooks is not None else _hooks_available():
+        return []
     from torch_fsdp_offload._integration import fsdp2_param_group, fsdp2_sharding
 
-    return [*fsdp2_param_group.patches(), *fsdp2_sharding.patches(), *fsdp1_handles.patches()]
+    return [*fsdp2_param_group.patches(), *fsdp2_sharding.patches()]
+
+
+def _hooks_available() -> bool:
+    from torch_fsdp_offload._integration import fsdp2_hooks
+
+    return fsdp2_hooks.available()
 
 
 def _site_error(site: str, holds: Any, expected: str) -> RuntimeError:
@@ -101,14 +112,55 @@ def _is_torch_own(value: Any) -> bool:
     return getattr(value, "__module__", "").startswith("torch.")
 
 
-def install() -> None:
-    """Apply every patch point (FSDP2 and FSDP1), each verified, once per process. On a torch whose
-    ``OffloadPolicy`` has the offload hooks (docs/upstream/fsdp2_offload_hooks.patch), FSDP2 is
-    not patched: ``CoherentOffload`` implements the hooks (:func:`uses_fsdp2_hooks`).
+def _install_part(part: str) -> None:
+    """Apply ``part``'s patch points, each verified; all or none."""
+    global _fsdp2_hooks
+    if part in installation.installed:
+        return
+    check_torch_version()
+    hooks = _hooks_available() if part == "fsdp2" else False
+    points = _patch_points(part, hooks)
+    for site, owner, name, original, _ in points:
+        current = getattr(owner, name, None)
+        if current is not original or not _is_torch_own(original):
+            raise _site_error(site, current, f"torch's own {getattr(original, '__qualname__', original)}")
+    applied = _applied[part]
+    try:
+        for point in points:
+            site, owner, name, _, replacement = point
+            setattr(owner, name, replacement)
+            applied.append(point)
+            if getattr(owner, name, None) is not replacement:
+                raise _site_error(site, getattr(owner, name, None), "torch_fsdp_offload's replacement after patching")
+    except BaseException:
+        _restore(part)
+        raise
+    if part == "fsdp2":
+        _fsdp2_hooks = hooks
+    installation.installed.add(part)
 
+
+def ensure_installed(part: str) -> None:
+    """Install ``part`` (``"fsdp2"`` or ``"fsdp1"``) of the integration unless it is in effect: what
+    a policy or the FSDP1 front door calls when first used, so that a process that never builds one
+    runs torch unchanged.
+
+    Raises:
+        RuntimeError: as :func:`install`.
+    """
+    _install_part(part)
+
+
+def install() -> None:
+    """Apply every patch point this torch needs, FSDP2's and FSDP1's, each verified; a no-op for a
+    part already installed. It is called for you: constructing a ``CoherentOffload`` installs
+    FSDP2's part, the FSDP1 front door FSDP1's; importing the package installs nothing.
+
+    On a torch whose ``OffloadPolicy`` has the offload hooks (docs/upstream/fsdp2_offload_hooks.patch)
+    FSDP2 is not patched at all: FSDP calls ``CoherentOffload``'s hooks (:func:`uses_fsdp2_hooks`).
     Before patching, each site must hold torch's own object, the one the replacement subclasses or
-    delegates to; after patching, each site is read back. Nothing stays patched when a check fails.
-    Calling it again while installed does nothing.
+    delegates to; after patching, each site is read back. Nothing of a part stays patched when one
+    of its checks fails.
 
     Raises:
         RuntimeError: on an unsupported torch (see :func:`check_torch_version`), or naming the
@@ -117,77 +169,61 @@ def install() -> None:
     Example::
 
         >>> import torch_fsdp_offload
-        >>> torch_fsdp_offload.uninstall()
         >>> torch_fsdp_offload.install()
+        >>> torch_fsdp_offload.uninstall()  # torch's FSDP modules are as they were
     """
-    global _fsdp2_hooks
-    if installation.installed:
-        return
-    check_torch_version()
-    from torch_fsdp_offload._integration import fsdp2_hooks
-
-    hooks = fsdp2_hooks.available()
-    points = _patch_points(hooks)
-    for site, owner, name, original, _ in points:
-        current = getattr(owner, name, None)
-        if current is not original or not _is_torch_own(original):
-            raise _site_error(site, current, f"torch's own {getattr(original, '__qualname__', original)}")
-    try:
-        for point in points:
-            site, owner, name, _, replacement = point
-            setattr(owner, name, replacement)
-            _applied.append(point)
-            if getattr(owner, name, None) is not replacement:
-                raise _site_error(site, getattr(owner, name, None), "torch_fsdp_offload's replacement after patching")
-    except BaseException:
-        _restore()
-        raise
-    if hooks:
-        fsdp2_hooks.attach()
-    _fsdp2_hooks = hooks
-    installation.installed = True
+    for part in PARTS:
+        _install_part(part)
 
 
-def _restore() -> None:
-    while _applied:
-        _, owner, name, original, _ = _applied.pop()
+def _restore(part: str) -> None:
+    applied = _applied[part]
+    while applied:
+        _, owner, name, original, _ = applied.pop()
         setattr(owner, name, original)
 
 
 def uninstall() -> None:
-    """Restore torch's original at every patch point, each verified; a no-op when not installed.
+    """Restore torch's original at every patch point, each verified, so that torch's FSDP modules
+    hold exactly what they held before; a no-op for a part not installed.
 
     FSDP2 models already sharded with a ``CoherentOffload`` keep their offload (their groups were
-    built as ``CoherentFSDPParamGroup``); new policies and FSDP1 front doors with an offload policy
-    are refused until :func:`install` is called again.
+    built as ``CoherentFSDPParamGroup``). A ``CoherentOffload`` or FSDP1 front door constructed
+    later installs its part again.
 
     Raises:
         RuntimeError: a live FSDP1 front-door model offloads through the patches (it would fall
             back to stock FSDP1 offload; delete it first), or a patch site no longer holds our
             replacement (another library patched over it), naming the site. Nothing is restored then.
-    """
-    if not installation.installed:
-        return
-    from torch_fsdp_offload._integration import fsdp1_handles
 
-    live = fsdp1_handles.live_offloaded_handles()
-    if live:
-        raise RuntimeError(
-            f"torch_fsdp_offload.uninstall(): {live} FSDP1 handle(s) of FullyShardedDataParallel("
-            "offload_policy=...) models are alive and offload through the patches, which would fall "
-            "back to stock FSDP1 offload. Delete those models first. Nothing was restored."
-        )
-    for site, owner, name, _, replacement in _applied:
-        current = getattr(owner, name, None)
-        if current is not replacement:
-            raise _site_error(site, current, "torch_fsdp_offload's replacement (it was patched over)")
-    points = list(_applied)
-    _restore()
-    for site, owner, name, original, _ in points:
-        if getattr(owner, name, None) is not original:
-            raise _site_error(site, getattr(owner, name, None), f"torch's own {original!r} after restoring")
-    installation.installed = False
-    installation.reason = "torch_fsdp_offload.uninstall() was called"
+    Example::
+
+        >>> import torch_fsdp_offload
+        >>> policy = torch_fsdp_offload.CoherentOffload()  # installs FSDP2's part
+        >>> torch_fsdp_offload.uninstall()
+    """
+    if "fsdp1" in installation.installed:
+        from torch_fsdp_offload._integration import fsdp1_handles
+
+        live = fsdp1_handles.live_offloaded_handles()
+        if live:
+            raise RuntimeError(
+                f"torch_fsdp_offload.uninstall(): {live} FSDP1 handle(s) of FullyShardedDataParallel("
+                "offload_policy=...) models are alive and offload through the patches, which would fall "
+                "back to stock FSDP1 offload. Delete those models first. Nothing was restored."
+            )
+    for part in PARTS:
+        for site, owner, name, _, replacement in _applied[part]:
+            current = getattr(owner, name, None)
+            if current is not replacement:
+                raise _site_error(site, current, "torch_fsdp_offload's replacement (it was patched over)")
+    for part in PARTS:
+        points = list(_applied[part])
+        _restore(part)
+        for site, owner, name, original, _ in points:
+            if getattr(owner, name, None) is not original:
+                raise _site_error(site, getattr(owner, name, None), f"torch's own {original!r} after restoring")
+        installation.installed.discard(part)
 
 
 def uses_fsdp2_hooks() -> bool:
@@ -196,10 +232,10 @@ def uses_fsdp2_hooks() -> bool:
     return _fsdp2_hooks
 
 
-def is_installed() -> bool:
-    """Whether :func:`install` has applied every patch point (and :func:`uninstall` has not
-    restored them)."""
-    return installation.installed
+def is_installed(part: str | None = None) -> bool:
+    """Whether ``part`` of the integration (every part when None) is in effect: installed and not
+    restored by :func:`uninstall` since."""
+    return set(PARTS if part is None else (part,)) <= installation.installed
 
 
 def attach_fsdp1_offload(
@@ -217,7 +253,7 @@ def attach_fsdp1_offload(
     """
     from torch_fsdp_offload._integration import fsdp1_handles
 
-    require_installed("FullyShardedDataParallel(offload_policy=...)")
+    ensure_installed("fsdp1")
     fsdp1_handles.attach_handle_offload(root, pinned, engine, chunk_bytes, cast_on_device)
 
 
@@ -236,13 +272,3 @@ def set_fsdp1_prefetch_limit(root: Any, depth: int) -> None:
     from torch_fsdp_offload._integration import fsdp1_handles
 
     fsdp1_handles.set_prefetch_limit(root, depth)
-
-
-def install_on_import() -> None:
-    """:func:`install`, as ``import torch_fsdp_offload`` calls it: where it fails (an unsupported
-    torch, a site patched by another library), the package still imports, and the error is what
-    ``CoherentOffload()`` and the FSDP1 front door raise."""
-    try:
-        install()
-    except RuntimeError as error:
-        installation.reason = f"install() failed: {error}"

@@ -11,7 +11,20 @@ import torch.nn as nn
 
 from torch_fsdp_offload._integration.fsdp2_sharding import ModelSharding
 from torch_fsdp_offload.memory import check_host_capacity
-from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan, spread_group_offloaded
+from torch_fsdp_offload.resolved_plan import ResolvedPlan, spread_group_offloaded
+
+
+# The hooks the patch adds to OffloadPolicy, all of which CoherentOffload implements.
+HOOKS = (
+    "offloads_group", "init_group", "place_shards", "on_shard_reset", "copy_in", "on_copy_in_read",
+    "before_compute", "copy_out_grads", "on_grads_ready",
+)
+
+
+def implements_offload_hooks(policy: Any) -> bool:
+    """Whether ``policy`` is one this integration runs (it implements every offload hook and
+    resolves to a :class:`ResolvedPlan`), as opposed to FSDP's own offload policies."""
+    return callable(getattr(policy, "resolve", None)) and all(callable(getattr(policy, name, None)) for name in HOOKS)
 
 
 def host_bytes(numel: int, master_dtype: torch.dtype, param_dtype: torch.dtype | None, cast_on: str) -> int:
@@ -36,7 +49,7 @@ def padded_shard_numel(param: nn.Parameter, mesh_info: Any, shard_placement_fn: 
 
 
 def plan_group(
-    policy: CoherentOffload, model: ModelSharding, call: dict[str, Any], *, pending_host_bytes: int
+    policy: Any, model: ModelSharding, call: dict[str, Any], *, pending_host_bytes: int
 ) -> tuple[ResolvedPlan, bool]:
     """The policy's plan for the group ``fully_shard`` is about to build from ``call`` (the base
     constructor's arguments) and whether it is offloaded, raising every refusal the policy makes,

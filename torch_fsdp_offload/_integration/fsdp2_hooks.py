@@ -1,8 +1,8 @@
 """``CoherentOffload`` through FSDP2's offload-policy hooks, where torch has them.
 
 ``docs/upstream/fsdp2_offload_hooks.patch`` gives ``OffloadPolicy`` the hooks of the RFC
-(docs/upstream.md). On a torch with them, :func:`attach` makes them methods of ``CoherentOffload``
-and the integration patches nothing of FSDP2: FSDP calls the policy, and the policy runs the same
+(docs/upstream.md). On a torch with them, ``CoherentOffload``'s hook methods call the functions
+here, and the integration patches nothing of FSDP2: FSDP calls the policy, and the policy runs the same
 data path as ``CoherentFSDPParamGroup`` (its :class:`GroupOffload` and :class:`RootSchedule`):
 shards in one exact-size pinned buffer per group, one coalesced copy-in on the transfer engine's
 stream, prefetched ``prefetch_depth`` groups ahead, reduced gradients going down coalesced into
@@ -25,21 +25,15 @@ from torch.distributed.fsdp import OffloadPolicy
 from torch_fsdp_offload import optim
 from torch_fsdp_offload._integration import fsdp2_sharding as sharding
 from torch_fsdp_offload._integration import installation
-from torch_fsdp_offload._integration.fsdp2_group_plan import plan_group
+from torch_fsdp_offload._integration.fsdp2_group_plan import HOOKS, plan_group
 from torch_fsdp_offload._integration.fsdp2_group_state import GroupPlacement
 from torch_fsdp_offload._integration.fsdp2_param_group import _is_host_grad, GroupOffload, RootSchedule
 from torch_fsdp_offload._integration.tensors import in_backward, local_tensor
 from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
 from torch_fsdp_offload.memory import pinned_empty
-from torch_fsdp_offload.policy import CoherentOffload
 
 logger = logging.getLogger(__name__)
 
-# The hooks the patch adds to OffloadPolicy, all of which CoherentOffload implements.
-HOOKS = (
-    "offloads_group", "init_group", "place_shards", "on_shard_reset", "copy_in", "on_copy_in_read",
-    "before_compute", "copy_out_grads", "on_grads_ready",
-)
 
 
 def available() -> bool:
@@ -107,8 +101,8 @@ def _active(offload: HookedGroupOffload | None) -> bool:
     return offload is not None and offload.active
 
 
-def offloads_group(policy: CoherentOffload, params, modules, mesh_info, mp_policy, shard_placement_fn) -> bool:
-    if not installation.installed:
+def offloads_group(policy: Any, params, modules, mesh_info, mp_policy, shard_placement_fn) -> bool:
+    if "fsdp2" not in installation.installed:
         return True  # as CPUOffloadPolicy, the way FSDP2 runs it without the integration
     sharding.note_fully_shard(modules)
     model = sharding.model_sharding(policy, modules)
@@ -124,7 +118,7 @@ def offloads_group(policy: CoherentOffload, params, modules, mesh_info, mp_polic
     return offloaded
 
 
-def init_group(policy: CoherentOffload, group: Any) -> HookedGroupOffload | None:
+def init_group(policy: Any, group: Any) -> HookedGroupOffload | None:
     if not _building or _building[0][0] is not group.modules:
         return None  # built without the integration
     (_, model, plan, offloaded), = _building
@@ -145,7 +139,7 @@ def init_group(policy: CoherentOffload, group: Any) -> HookedGroupOffload | None
     return offload
 
 
-def place_shards(policy: CoherentOffload, group: Any) -> list[torch.Tensor] | None:
+def place_shards(policy: Any, group: Any) -> list[torch.Tensor] | None:
     offload = group.offload_state
     if offload is None:
         return None
@@ -158,7 +152,7 @@ def place_shards(policy: CoherentOffload, group: Any) -> list[torch.Tensor] | No
     return offload.host_shards()
 
 
-def on_shard_reset(policy: CoherentOffload, fsdp_param: Any) -> None:
+def on_shard_reset(policy: Any, fsdp_param: Any) -> None:
     offload = fsdp_param.offload_state
     if offload is not None:
         # Module._apply (to_empty, .to) makes new parameter objects: still the group's.
@@ -167,7 +161,7 @@ def on_shard_reset(policy: CoherentOffload, fsdp_param: Any) -> None:
         offload.mark_stale()
 
 
-def copy_in(policy: CoherentOffload, fsdp_param: Any, stream: Any) -> tuple[torch.Tensor, None] | None:
+def copy_in(policy: Any, fsdp_param: Any, stream: Any) -> tuple[torch.Tensor, None] | None:
     offload = fsdp_param.offload_state
     if offload is None:
         return None
@@ -177,14 +171,14 @@ def copy_in(policy: CoherentOffload, fsdp_param: Any, stream: Any) -> tuple[torc
     return offload.take_input(fsdp_param), None  # take_input made the current stream wait
 
 
-def on_copy_in_read(policy: CoherentOffload, group: Any) -> None:
+def on_copy_in_read(policy: Any, group: Any) -> None:
     offload = group.offload_state
     if _active(offload):
         offload.copy_in_read = not group.is_unsharded
         offload.release_staging()
 
 
-def before_compute(policy: CoherentOffload, group: Any, backward: bool) -> None:
+def before_compute(policy: Any, group: Any, backward: bool) -> None:
     offload = group.offload_state
     if not _active(offload):
         return
@@ -195,7 +189,7 @@ def before_compute(policy: CoherentOffload, group: Any, backward: bool) -> None:
         schedule.on_compute(offload, backward=backward or in_backward(), depth=offload.plan.prefetch_depth)
 
 
-def copy_out_grads(policy: CoherentOffload, fsdp_params: list[Any], grads: list[torch.Tensor], stream: Any):
+def copy_out_grads(policy: Any, fsdp_params: list[Any], grads: list[torch.Tensor], stream: Any):
     offload = fsdp_params[0].offload_state
     if not _active(offload):
         return None
@@ -211,7 +205,7 @@ def copy_out_grads(policy: CoherentOffload, fsdp_params: list[Any], grads: list[
 
 
 @torch.no_grad()
-def on_grads_ready(policy: CoherentOffload, group: Any, is_last_backward: bool) -> None:
+def on_grads_ready(policy: Any, group: Any, is_last_backward: bool) -> None:
     offload = group.offload_state
     if not _active(offload):
         return
@@ -224,10 +218,3 @@ def on_grads_ready(policy: CoherentOffload, group: Any, is_last_backward: bool) 
             slot.copy_(local_tensor(grad))
             fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(slot)
     optim.notify_grads_ready(offload, is_last_backward=is_last_backward)
-
-
-def attach() -> None:
-    """Make the hooks methods of ``CoherentOffload`` (FSDP calls them on the policy object)."""
-    for name in HOOKS:
-        setattr(CoherentOffload, name, globals()[name])
-

@@ -34,11 +34,11 @@ from torch_fsdp_offload._integration.fsdp2_group_state import (
     GroupPlacement,
     SourceFreshness,
 )
-from torch_fsdp_offload._integration.fsdp2_group_plan import host_bytes, plan_group
+from torch_fsdp_offload._integration.fsdp2_group_plan import host_bytes, implements_offload_hooks, plan_group
 from torch_fsdp_offload._integration.tensors import in_backward
 from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
 from torch_fsdp_offload.memory import pinned_empty
-from torch_fsdp_offload.policy import CoherentOffload, ResolvedPlan
+from torch_fsdp_offload.resolved_plan import ResolvedPlan
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
 
 logger = logging.getLogger(__name__)
@@ -501,7 +501,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         policy = kwargs["offload_policy"] if "offload_policy" in kwargs else args[-1]
-        if not isinstance(policy, CoherentOffload):
+        if not implements_offload_hooks(policy):
             self._offload = None
             super().__init__(*args, **kwargs)
             return

@@ -51,7 +51,15 @@ __all__ = ["OffloadOptimizer"]
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
-@atexit.register
+def _track_until_exit(optimizer: "OffloadOptimizer") -> None:
+    """Make the interpreter wait for ``optimizer``'s steps at exit; the exit handler is registered
+    with the first optimizer, never at import."""
+    if not _live:
+        atexit.unregister(_finish_steps_at_exit)  # registered once however often the set empties
+        atexit.register(_finish_steps_at_exit)
+    _live.add(optimizer)
+
+
 def _finish_steps_at_exit() -> None:
     for optimizer in list(_live):
         try:
@@ -208,7 +216,7 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         self.skipped_steps = 0
         self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
         self.overlap_next_forward = overlap_next_forward
-        _live.add(self)
+        _track_until_exit(self)
         mark_internal(self)
         # Host steps still running after step() returned (overlap_next_forward), and the
         # zero_grad() calls deferred until they finish: key group, value set_to_none.

@@ -7,7 +7,7 @@ rather than copies of them.
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_PREFETCH_BLOCKS
 from torch_fsdp_offload.optim import STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
 from torch_fsdp_offload.policy import CAST_PLACEMENTS
-from torch_fsdp_offload.policy import spread_group_offloaded
+from torch_fsdp_offload.resolved_plan import spread_group_offloaded
 
 __all__ = [
     "ACTIVATION_PREFETCH_BLOCKS",
