@@ -20,7 +20,7 @@ from torch.testing._internal.common_utils import instantiate_parametrized_tests,
 
 from common_offload import GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
-from torch_fsdp_offload._integration import dtensor_grads
+from torch_fsdp_offload.optimizer import dtensor_grads
 from torch_fsdp_offload.optimizer import offload_optimizer
 from torch_fsdp_offload.transfer import get_transfer_engine, TransferEngine
 

@@ -26,7 +26,7 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload.optimizer import step_worker, streamed_steps
-from torch_fsdp_offload._integration.fsdp2_param_group import GroupOffload
+from torch_fsdp_offload.data_path.group_offload import GroupOffload
 from torch_fsdp_offload.memory import empty_cache, memory_stats
 from torch_fsdp_offload.planner.report import Recommendation
 from torch_fsdp_offload.transfer import get_transfer_engine, TransferEngine

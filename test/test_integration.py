@@ -23,7 +23,7 @@ import torch_fsdp_offload
 from common_offload import SingleRankGlooTestCase
 from torch_fsdp_offload import _integration, CoherentOffload, FullyShardedDataParallel, OffloadOptimizer
 from torch_fsdp_offload._integration import fsdp1_handles
-from torch_fsdp_offload._integration.fsdp2_group_state import GradCapture, GroupPlacement
+from torch_fsdp_offload.data_path.group_state import GradCapture, GroupPlacement
 from torch_fsdp_offload._integration.fsdp2_param_group import CoherentFSDPParamGroup
 from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
 
@@ -102,7 +102,7 @@ class InstallTest(TestCase):
         self.assertEqual(result["import"], [])
         self.assertEqual(result["installed_at_import"], [])
         # A policy installs FSDP2's part only: the FSDP1 sites still hold torch's own.
-        self.assertEqual(result["policy"] != [], not _integration._hooks_available())
+        self.assertEqual(result["policy"] != [], not _integration.uses_fsdp2_hooks())
         for site in result["fsdp1_sites"]:
             self.assertNotIn(site, result["policy"])
         self.assertEqual(result["uninstall"], [])
@@ -115,7 +115,7 @@ class InstallTest(TestCase):
         CoherentOffload(platform="discrete")
         self.assertTrue(_integration.is_installed("fsdp2"))
         self.assertFalse(_integration.is_installed("fsdp1"))
-        if not _integration._hooks_available():
+        if not _integration.uses_fsdp2_hooks():
             self.assertIs(_fsdp_param_group.FSDPParamGroup, CoherentFSDPParamGroup)
 
     def test_round_trip_restores_torch_originals(self):

@@ -24,7 +24,7 @@ from torch.testing._internal.common_utils import run_tests
 import test_fsdp2_offload as parity
 from common_offload import GlooMultiProcessTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
-from torch_fsdp_offload._integration import dtensor_grads
+from torch_fsdp_offload.optimizer import dtensor_grads
 from torch_fsdp_offload.optimizer import streamed_steps
 
 STEPS = 4

@@ -1,5 +1,5 @@
 """Tests for platform detection and bandwidth measurement (torch_fsdp_offload.platform and the
-platform_kinds, platform_readers and platform_bandwidth modules it is built from)."""
+kinds, readers and bandwidth modules it is built from)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
-from torch_fsdp_offload import platform as platform_module, platform_readers
+from torch_fsdp_offload import platform as platform_module
+from torch_fsdp_offload.platform import readers as platform_readers
 from torch_fsdp_offload.platform import (
     CUDA_DEVICE_ATTRIBUTES,
     ENV_PLATFORM,

@@ -1,4 +1,4 @@
-"""Tests for ``python -m torch_fsdp_offload platform`` (torch_fsdp_offload.platform_cli)."""
+"""Tests for ``python -m torch_fsdp_offload platform`` (torch_fsdp_offload.platform.cli)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_fsdp_offload import platform as platform_module
-from torch_fsdp_offload import platform_cli
+from torch_fsdp_offload.platform import cli as platform_cli
 from torch_fsdp_offload.platform import ENV_PLATFORM, BandwidthReport, BandwidthRow
 
 HAS_CUDA = torch.cuda.is_available()

@@ -13,7 +13,7 @@ import sys
 
 # name -> (module, one-line help)
 _SUBCOMMANDS = {
-    "platform": ("torch_fsdp_offload.platform_cli", "report this machine's CPU-GPU memory platform"),
+    "platform": ("torch_fsdp_offload.platform.cli", "report this machine's CPU-GPU memory platform"),
     "plan": ("torch_fsdp_offload.planner.cli", "should I offload, and how much?"),
 }
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_fsdp_offload.host_step import measure_host_step
-from torch_fsdp_offload.platform_bandwidth import measure_bandwidth
+from torch_fsdp_offload.platform.bandwidth import measure_bandwidth
 
 __all__ = ["LinkRates", "choose_placements", "measured_rates", "step_seconds_per_param"]
 

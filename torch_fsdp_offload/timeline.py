@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_fsdp_offload._integration.profiling import all_threads_config
+from torch_fsdp_offload._helpers.profiling import all_threads_config
 
 __all__ = [
     "HOST_OPTIMIZER_LABELS", "KINDS", "TimelineEvent", "draw_timeline", "lane_counts", "load_trace", "step_profiler",

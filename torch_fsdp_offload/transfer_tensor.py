@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from torch_fsdp_offload._integration.tensors import (
+from torch_fsdp_offload._helpers.tensors import (
     disable_torch_function_subclass,
     make_subclass,
     parse_to_device,

@@ -10,7 +10,7 @@ Modules, named by what they patch or read:
 * ``fsdp2_param_group``: otherwise ``CoherentFSDPParamGroup``, the ``FSDPParamGroup`` subclass
   installed at the sites FSDP2 constructs it, and the ``FSDPParam`` subclass its parameters are
   re-classed to (the data path both share is its ``GroupOffload``);
-* ``fsdp2_group_state``: the states of an offloaded group, with asserted transitions;
+* ``group_state``: the states of an offloaded group, with asserted transitions;
 * ``fsdp2_sharding``: the ``FSDPState.init`` wrap that sees every ``fully_shard`` call, and the
   undoing of a call the policy refused;
 * ``fsdp1_handles``: the seven FSDP1 ``FlatParamHandle`` / ``_runtime_utils`` patch points;
@@ -53,8 +53,6 @@ SUPPORTED_TORCH = ((2, 11), (2, 14))
 PARTS = ("fsdp2", "fsdp1")
 # (site, owner, name, torch's original, replacement) of every patch point applied, per part.
 _applied: dict[str, list[tuple[str, Any, str, Any, Any]]] = {part: [] for part in PARTS}
-# Whether FSDP2's part took the offload-policy hooks instead of patching FSDP2.
-_fsdp2_hooks = False
 
 
 def torch_version() -> tuple[int, int]:
@@ -79,24 +77,18 @@ def check_torch_version() -> None:
         )
 
 
-def _patch_points(part: str, fsdp2_hooks: bool | None = None) -> list[tuple[str, Any, str, Any, Any]]:
-    """Every patch point of ``part`` on the path ``fsdp2_hooks`` chooses (default: this torch's):
-    none of FSDP2's on a torch with the offload-policy hooks."""
+def _patch_points(part: str) -> list[tuple[str, Any, str, Any, Any]]:
+    """Every patch point of ``part`` on this torch: none of FSDP2's on a torch with the
+    offload-policy hooks."""
     if part == "fsdp1":
         from torch_fsdp_offload._integration import fsdp1_handles
 
         return fsdp1_handles.patches()
-    if fsdp2_hooks if fsdp2_hooks is not None else _hooks_available():
+    if uses_fsdp2_hooks():
         return []
     from torch_fsdp_offload._integration import fsdp2_param_group, fsdp2_sharding
 
     return [*fsdp2_param_group.patches(), *fsdp2_sharding.patches()]
-
-
-def _hooks_available() -> bool:
-    from torch_fsdp_offload._integration import fsdp2_hooks
-
-    return fsdp2_hooks.available()
 
 
 def _site_error(site: str, holds: Any, expected: str) -> RuntimeError:
@@ -114,12 +106,10 @@ def _is_torch_own(value: Any) -> bool:
 
 def _install_part(part: str) -> None:
     """Apply ``part``'s patch points, each verified; all or none."""
-    global _fsdp2_hooks
     if part in installation.installed:
         return
     check_torch_version()
-    hooks = _hooks_available() if part == "fsdp2" else False
-    points = _patch_points(part, hooks)
+    points = _patch_points(part)
     for site, owner, name, original, _ in points:
         current = getattr(owner, name, None)
         if current is not original or not _is_torch_own(original):
@@ -135,8 +125,6 @@ def _install_part(part: str) -> None:
     except BaseException:
         _restore(part)
         raise
-    if part == "fsdp2":
-        _fsdp2_hooks = hooks
     installation.installed.add(part)
 
 
@@ -227,9 +215,11 @@ def uninstall() -> None:
 
 
 def uses_fsdp2_hooks() -> bool:
-    """Whether :func:`install` took FSDP2's offload-policy hooks (no FSDP2 patch point applied)
-    rather than the ``FSDPParamGroup`` class swap."""
-    return _fsdp2_hooks
+    """Whether FSDP2's part of the integration runs through FSDP2's offload-policy hooks on this
+    torch (it then applies no FSDP2 patch point) rather than the ``FSDPParamGroup`` class swap."""
+    from torch_fsdp_offload._integration import fsdp2_hooks
+
+    return fsdp2_hooks.available()
 
 
 def is_installed(part: str | None = None) -> bool:

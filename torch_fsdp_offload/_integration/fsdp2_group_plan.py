@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from torch_fsdp_offload._integration.fsdp2_sharding import ModelSharding
+from torch_fsdp_offload.data_path.group_offload import host_bytes
 from torch_fsdp_offload.memory import check_host_capacity
 from torch_fsdp_offload.resolved_plan import ResolvedPlan, spread_group_offloaded
 
@@ -25,14 +25,6 @@ def implements_offload_hooks(policy: Any) -> bool:
     """Whether ``policy`` is one this integration runs (it implements every offload hook and
     resolves to a :class:`ResolvedPlan`), as opposed to FSDP's own offload policies."""
     return callable(getattr(policy, "resolve", None)) and all(callable(getattr(policy, name, None)) for name in HOOKS)
-
-
-def host_bytes(numel: int, master_dtype: torch.dtype, param_dtype: torch.dtype | None, cast_on: str) -> int:
-    """Host bytes an offloaded group of ``numel`` padded shard elements pins: master, gradient
-    buffer and, when the copy-in reads one (``cast_on="host"`` with a compute dtype other than the
-    master's), a mirror."""
-    mirrored = cast_on == "host" and param_dtype is not None and param_dtype != master_dtype
-    return numel * master_dtype.itemsize * 2 + (numel * param_dtype.itemsize if mirrored else 0)
 
 
 def padded_shard_numel(param: nn.Parameter, mesh_info: Any, shard_placement_fn: Any) -> int:

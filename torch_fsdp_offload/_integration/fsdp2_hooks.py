@@ -26,9 +26,10 @@ from torch_fsdp_offload import optim
 from torch_fsdp_offload._integration import fsdp2_sharding as sharding
 from torch_fsdp_offload._integration import installation
 from torch_fsdp_offload._integration.fsdp2_group_plan import HOOKS, plan_group
-from torch_fsdp_offload._integration.fsdp2_group_state import GroupPlacement
-from torch_fsdp_offload._integration.fsdp2_param_group import _is_host_grad, GroupOffload, RootSchedule
-from torch_fsdp_offload._integration.tensors import in_backward, local_tensor
+from torch_fsdp_offload.data_path.group_state import GroupPlacement
+from torch_fsdp_offload.data_path.group_offload import GroupOffload, is_host_grad
+from torch_fsdp_offload.data_path.prefetch_schedule import RootSchedule
+from torch_fsdp_offload._helpers.tensors import in_backward, local_tensor
 from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
 from torch_fsdp_offload.memory import pinned_empty
 
@@ -68,12 +69,6 @@ class HookedGroupOffload(GroupOffload):
 
     def reduce_output_stream(self) -> None:
         return None  # FSDP does not say which stream allocated the reduce output: mark it used
-
-    def forward_index(self) -> int:
-        schedule = self.schedule()
-        if schedule is None or self not in schedule.order:
-            return len(schedule.order) if schedule is not None else 0
-        return schedule.order.index(self)
 
     @torch.no_grad()
     def host_shards(self) -> list[torch.Tensor] | None:
@@ -211,7 +206,7 @@ def on_grads_ready(policy: Any, group: Any, is_last_backward: bool) -> None:
         return
     for fsdp_param in group.fsdp_params:
         grad = fsdp_param.sharded_param.grad
-        if grad is not None and not _is_host_grad(offload, fsdp_param):
+        if grad is not None and not is_host_grad(offload, fsdp_param):
             # Landed outside the persistent buffer (a parameter first given a gradient in a later
             # micro-batch): FSDP waited for it; the optimizer reads the buffer.
             slot = offload.host_grad_view(fsdp_param)

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from torch_fsdp_offload._integration.tensors import current_graph_task_id, in_backward
+from torch_fsdp_offload._helpers.tensors import current_graph_task_id, in_backward
 from torch_fsdp_offload.activations._ownership import MadeBy, check_can_hook, forget_owner, record_owner
 from torch_fsdp_offload.activations._copies import ActivationOffloadStats, DEFAULT_MAX_INFLIGHT_BYTES, StorageCopies
 from torch_fsdp_offload.activations._saved_tensors import (

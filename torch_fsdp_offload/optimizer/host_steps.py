@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload._integration.dtensor_grads import apply_scales
-from torch_fsdp_offload._integration.pending_updates import stepping
-from torch_fsdp_offload._integration.tensors import local_tensor
+from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales
+from torch_fsdp_offload.optimizer.pending_updates import stepping
+from torch_fsdp_offload._helpers.tensors import local_tensor
 from torch_fsdp_offload.optimizer.groups import mark_internal, OffloadedGroup
 from torch_fsdp_offload.optimizer import hyperparameters
 from torch_fsdp_offload.optimizer.step_worker import start_worker, StepWorker

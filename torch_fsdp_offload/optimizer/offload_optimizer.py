@@ -27,9 +27,9 @@ import torch.nn as nn
 
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload._integration.dtensor_grads import apply_scales, compute_norms, expect_norms, NORM_READS
-from torch_fsdp_offload._integration.pending_updates import in_step, PendingUpdate
-from torch_fsdp_offload._integration.tensors import local_tensor
+from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, compute_norms, expect_norms, NORM_READS
+from torch_fsdp_offload.optimizer.pending_updates import in_step, PendingUpdate
+from torch_fsdp_offload._helpers.tensors import local_tensor
 from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr, fused_by_default
 from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, mark_internal, OffloadedGroup, offloaded_group
 from torch_fsdp_offload.optimizer.host_steps import HostSteps

@@ -16,8 +16,8 @@ from collections import defaultdict
 
 import torch
 
-from torch_fsdp_offload._integration.dtensor_grads import unwatch_grad, watch_grad
-from torch_fsdp_offload._integration.tensors import local_tensor, version_counter
+from torch_fsdp_offload.optimizer.dtensor_grads import unwatch_grad, watch_grad
+from torch_fsdp_offload._helpers.tensors import local_tensor, version_counter
 from torch_fsdp_offload.optimizer.groups import OffloadedGroup
 
 __all__ = [

@@ -13,9 +13,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from torch_fsdp_offload._integration.dtensor_grads import apply_scales, take_scales
-from torch_fsdp_offload._integration.pending_updates import stepping
-from torch_fsdp_offload._integration.tensors import local_tensor
+from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, take_scales
+from torch_fsdp_offload.optimizer.pending_updates import stepping
+from torch_fsdp_offload._helpers.tensors import local_tensor
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.optimizer.groups import StreamedGroup
 from torch_fsdp_offload.optimizer.hyperparameters import copy_hyperparameters

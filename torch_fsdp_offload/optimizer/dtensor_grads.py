@@ -30,7 +30,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torch_fsdp_offload._integration.pending_updates import in_step
+from torch_fsdp_offload.optimizer.pending_updates import in_step
 
 __all__ = [
     "apply_scales",

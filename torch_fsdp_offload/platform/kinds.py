@@ -1,7 +1,7 @@
 """The four kinds of CPU-GPU memory, and how a machine's device attributes decide its kind.
 
 This module only interprets attribute values; reading them from a machine is
-:mod:`torch_fsdp_offload.platform_readers`, and :mod:`torch_fsdp_offload.platform` combines the two
+:mod:`torch_fsdp_offload.platform.readers`, and :mod:`torch_fsdp_offload.platform` combines the two
 into a :class:`~torch_fsdp_offload.platform.Platform`. The rule is laid out in ``docs/platforms.md``.
 """
 

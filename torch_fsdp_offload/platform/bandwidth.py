@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from torch_fsdp_offload._integration.tensors import host_empty_cache
-from torch_fsdp_offload.platform_readers import resolve_device
+from torch_fsdp_offload._helpers.tensors import host_empty_cache
+from torch_fsdp_offload.platform.readers import resolve_device
 
 __all__ = [
     "BandwidthReport",

@@ -2,7 +2,7 @@
 
 What cannot be read is recorded as unknown (None), never as 0: :func:`read_device_attributes` and the
 capacity readers do not raise when a driver, ``cuda.bindings`` or NVML is missing, so such a machine
-is still classified, by :func:`~torch_fsdp_offload.platform_kinds.classify`, which takes unknown as
+is still classified, by :func:`~torch_fsdp_offload.platform.kinds.classify`, which takes unknown as
 no evidence.
 """
 
@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from torch_fsdp_offload.platform_kinds import (
+from torch_fsdp_offload.platform.kinds import (
     CUDA_DEVICE_ATTRIBUTES,
     DEVICE_COUNT,
     NVML_ADDRESSING_MODE,

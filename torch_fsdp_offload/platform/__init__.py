@@ -12,11 +12,11 @@ the link and the GPU's own DRAM, whose ratio says how much offload can pay (see
 This module holds :class:`Platform` and its detection, and is where the rest of the library
 imports every platform name from. The parts live beside it:
 
-- :mod:`torch_fsdp_offload.platform_kinds`: :class:`PlatformKind`, the attribute names and
+- :mod:`torch_fsdp_offload.platform.kinds`: :class:`PlatformKind`, the attribute names and
   :func:`classify`, the rule from attribute values to a kind;
-- :mod:`torch_fsdp_offload.platform_readers`: reading this machine (the CUDA attributes through
+- :mod:`torch_fsdp_offload.platform.readers`: reading this machine (the CUDA attributes through
   ``cuda.bindings`` or ``libcuda``, NVML, GPU and host memory, ``ulimit -l``);
-- :mod:`torch_fsdp_offload.platform_bandwidth`: :func:`measure_bandwidth` and what the GPU-DRAM :
+- :mod:`torch_fsdp_offload.platform.bandwidth`: :func:`measure_bandwidth` and what the GPU-DRAM :
   link ratio means.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torch_fsdp_offload.platform_bandwidth import (
+from torch_fsdp_offload.platform.bandwidth import (
     BandwidthReport,
     BandwidthRow,
     clear_bandwidth_cache,
@@ -38,7 +38,7 @@ from torch_fsdp_offload.platform_bandwidth import (
     interpret_link_ratio,
     measure_bandwidth,
 )
-from torch_fsdp_offload.platform_kinds import (
+from torch_fsdp_offload.platform.kinds import (
     check_attribute_values,
     Classification,
     classify,
@@ -48,7 +48,7 @@ from torch_fsdp_offload.platform_kinds import (
     parse_kind,
     PlatformKind,
 )
-from torch_fsdp_offload.platform_readers import (
+from torch_fsdp_offload.platform.readers import (
     read_device_attributes,
     read_gpu_memory,
     read_host_available_bytes,
