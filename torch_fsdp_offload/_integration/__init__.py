@@ -47,7 +47,7 @@ __all__ = [
 
 # The torch releases whose FSDP2 and FSDP1 internals the patch points were read against
 # (docs/design.md, "Patch points per torch version"), lowest and highest (major, minor).
-SUPPORTED_TORCH = ((2, 11), (2, 14))
+SUPPORTED_TORCH = ((2, 11), (2, 15))
 
 # (site, owner, name, torch's original, replacement) of every patch point, while installed.
 _applied: list[tuple[str, Any, str, Any, Any]] = []

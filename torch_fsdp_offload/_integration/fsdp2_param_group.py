@@ -139,9 +139,10 @@ class GroupOffload:
 
     def host_bytes(self) -> int:
         """Host bytes this group will pin (see :func:`~torch_fsdp_offload._integration.fsdp2_group_plan.host_bytes`)."""
-        master_dtype = self.group.fsdp_params[0].sharded_param.dtype
-        # Read from the policy: FSDPParam.param_dtype is set only at lazy init.
-        return host_bytes(self.numel, master_dtype, self.group.mp_policy.param_dtype, self.plan.cast_on)
+        first = self.group.fsdp_params[0]
+        # Read from the parameter's policy: FSDPParam.param_dtype is set only at lazy init (the
+        # group keeps no policy on torch 2.15, where each parameter has its own, resolved).
+        return host_bytes(self.numel, first.sharded_param.dtype, first.mp_policy.param_dtype, self.plan.cast_on)
 
     def _param_dtype_to_cast(self) -> torch.dtype | None:
         """The compute dtype the master is cast to for the copy-in, None if it needs no cast."""
