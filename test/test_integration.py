@@ -103,7 +103,7 @@ class InstallTest(TestCase):
     def test_unsupported_torch_is_refused_by_install(self):
         torch_fsdp_offload.uninstall()
         with mock.patch.object(torch, "__version__", "2.10.0"):
-            with self.assertRaisesRegex(RuntimeError, r"supports torch 2\.11 through 2\.14"):
+            with self.assertRaisesRegex(RuntimeError, r"supports torch 2\.11 through 2\.15"):
                 torch_fsdp_offload.install()
         self.assertFalse(_integration.is_installed())
 
