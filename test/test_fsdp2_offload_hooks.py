@@ -1,7 +1,8 @@
-"""The upstream patch (docs/upstream/fsdp2_offload_hooks.patch) against the torch CI installs: it
-applies to a scratch copy of this torch, and there the FSDP2 parity tests pass with CoherentOffload
-running through the hooks, the class swap unused (fsdp2_hooks_checks.py asserts it in every rank).
-The installed torch is never written: the scratch copy links to it except for FSDP2's package."""
+"""The upstream patch (docs/upstream/fsdp2_offload_hooks.patch, or its port to the running torch
+release) against the installed torch: it applies to a scratch copy of this torch, and there the FSDP2
+parity tests pass with CoherentOffload running through the hooks, the class swap unused
+(fsdp2_hooks_checks.py asserts it in every rank). The installed torch is never written: the scratch
+copy links to it except for FSDP2's package."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ import torch
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATCH = os.path.join(ROOT, "docs", "upstream", "fsdp2_offload_hooks.patch")
+# The patch for each torch release it is written against: the RFC's against the newest, and the same
+# hooks on 2.13 (the CPU torch of this machine), whose foreach_reduce precedes 2.15's restructuring.
+PATCHES = {
+    (2, 15): os.path.join(ROOT, "docs", "upstream", "fsdp2_offload_hooks.patch"),
+    (2, 13): os.path.join(ROOT, "docs", "upstream", "fsdp2_offload_hooks_2.13.patch"),
+}
 PATCHED_PACKAGE = ("torch", "distributed", "fsdp", "_fully_shard")
 # What runs against the patched torch: the hooks-path checks, the parity tests at world sizes 1
 # and 2 (checkpoint load included: the shards go back home through the hooks); ~1.5 min on 2 cores.
@@ -51,15 +57,17 @@ def _apply(patch: str, directory: str) -> subprocess.CompletedProcess:
 class OffloadHooksPatchTest(TestCase):
     def setUp(self) -> None:
         super().setUp()
-        release = torch.__version__.split("+")[0].split(".")[:2]
-        if release != ["2", "13"]:
-            self.skipTest(f"the patch is written against torch 2.13.0; this is torch {torch.__version__}")
+        release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+        if release not in PATCHES:
+            written = ", ".join(f"{major}.{minor}" for major, minor in sorted(PATCHES))
+            self.skipTest(f"the patch is written against torch {written}; this is torch {torch.__version__}")
+        self.patch = PATCHES[release]
 
     def test_parity_suite_runs_through_the_hooks_on_a_patched_torch(self):
         site = os.path.dirname(os.path.dirname(torch.__file__))
         with tempfile.TemporaryDirectory() as scratch:
             _link_all_but(os.path.join(site, "torch"), os.path.join(scratch, "torch"), PATCHED_PACKAGE[1:])
-            applied = _apply(PATCH, scratch)
+            applied = _apply(self.patch, scratch)
             self.assertEqual(applied.returncode, 0, applied.stdout + applied.stderr)
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([scratch, ROOT, os.path.join(ROOT, "test")]))
             env.setdefault("OMP_NUM_THREADS", "1")

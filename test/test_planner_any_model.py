@@ -13,7 +13,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -289,6 +289,32 @@ class TestApplyEverything(SingleRankGlooTestCase):
                                      torch.randn(result.recommended.micro_batch_size, 16, DIM),
                                      lambda output: output.square().mean())
         self.assertTrue(torch.isfinite(loss))
+
+
+@instantiate_parametrized_tests
+class TestReducedBytesCounted(SingleRankGlooTestCase):
+    """The plan counts the bytes FSDP2 of this torch reduces gradients in, and those a reduced
+    gradient keeps: ``MixedPrecisionPolicy(reduce_dtype=None)`` reduces bf16 compute in bf16
+    through torch 2.14 and in the fp32 master's dtype from 2.15."""
+
+    @parametrize("reduce_dtype", [None, torch.float32, torch.bfloat16])
+    def test_plan_and_shard_counts_the_reduce_dtype_fsdp_runs(self, reduce_dtype):
+        torch.manual_seed(0)
+        model = PlainBlocks()
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        result = plan_and_shard(
+            model, example_input=torch.randn(2, 16, DIM), platform="h200-pcie", measure=False,
+            fully_shard_kwargs={"mesh": init_device_mesh("cpu", (1,)), "mp_policy": mp_policy},
+        )
+        self.assertIsNone(result.recommended.kwargs)  # plain FSDP2: what it reduces in is torch's own
+        reduced = []
+        # The root's group (the head): the hook sees the reduce-scatter's output, in the reduce dtype.
+        model.set_all_reduce_hook(lambda output: reduced.append(output.dtype))
+        model(torch.randn(2, 16, DIM)).float().square().mean().backward()
+        profile = result.training.profiles[0][1]
+        self.assertEqual(len(reduced), 1)
+        self.assertEqual(profile.reduce_bytes, reduced[0].itemsize)
+        self.assertEqual(profile.grad_bytes, model.head.weight.grad.to_local().element_size())
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ class CoherentOffloadKnobsTest(TestCase):
 
     def test_unsupported_torch_is_refused_with_the_range(self):
         with mock.patch.object(torch, "__version__", "2.10.0"):
-            with self.assertRaisesRegex(RuntimeError, r"supports torch 2\.11 through 2\.14"):
+            with self.assertRaisesRegex(RuntimeError, r"supports torch 2\.11 through 2\.15"):
                 fsdp2_integration.check_torch_version()
 
 

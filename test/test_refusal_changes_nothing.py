@@ -1,10 +1,10 @@
 """A ``fully_shard`` that CoherentOffload refuses leaves the model as it was.
 
 Every check the policy makes at sharding time (host capacity and its environment override, one
-dtype per offloaded group, platform resolution, placements on a platform that copies nothing) runs
-before FSDP converts a parameter, and FSDP's marks on the module are taken back: the model then
-runs as it is, or is sharded again, with or without the policy, and trains like a model that was
-never refused.
+dtype and one compute dtype per offloaded group, platform resolution, placements on a platform that
+copies nothing) runs before FSDP converts a parameter, and FSDP's marks on the module are taken
+back: the model then runs as it is, or is sharded again, with or without the policy, and trains like
+a model that was never refused.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -105,6 +105,27 @@ class RefusalChangesNothingTest(SingleRankGlooTestCase):
         plain = copy.deepcopy(reference)
         fully_shard(plain.head)
         fully_shard(plain)
+        self.assertEqual(self._train_step(model), self._train_step(plain))
+
+    def test_refused_group_of_two_compute_dtypes_shards_with_one(self) -> None:
+        if not hasattr(MixedPrecisionPolicy, "param_dtype_override_fn"):
+            self.skipTest(f"per-parameter compute dtypes came with torch 2.15; this is torch {torch.__version__}")
+        torch.manual_seed(0)
+        model = _Blocks()
+        reference = copy.deepcopy(model)
+        policy = CoherentOffload(platform="discrete")
+        head = {id(param) for param in model.head.parameters()}
+        fp32_head = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float32 if id(p) in head else None
+        )
+        with self.assertRaisesRegex(ValueError, "param_dtype_override_fn gives this group's parameters torch.bfloat16, torch.float32"):
+            fully_shard(model, mp_policy=fp32_head, offload_policy=policy)
+        self._assert_untouched(model, reference)
+        # The fix the message gives: one compute dtype for every parameter of the group.
+        one_dtype = MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: None)
+        fully_shard(model, mp_policy=one_dtype, offload_policy=policy)
+        plain = copy.deepcopy(reference)
+        fully_shard(plain, mp_policy=one_dtype)
         self.assertEqual(self._train_step(model), self._train_step(plain))
 
     def test_root_refused_after_its_blocks_were_sharded(self) -> None:

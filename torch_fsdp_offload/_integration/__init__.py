@@ -46,7 +46,7 @@ __all__ = [
 
 # The torch releases whose FSDP2 and FSDP1 internals the patch points were read against
 # (docs/design.md, "Patch points per torch version"), lowest and highest (major, minor).
-SUPPORTED_TORCH = ((2, 11), (2, 14))
+SUPPORTED_TORCH = ((2, 11), (2, 15))
 
 # The integration's parts, each installed on its own when first needed: FSDP2's (the policy) and
 # FSDP1's (the front door).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from torch_fsdp_offload._integration.fsdp2_sharding import ModelSharding
@@ -58,9 +59,10 @@ def plan_group(
     if offloaded:
         params = call["params"]
         check_one_dtype(params)
+        compute_dtype = one_compute_dtype(call["mp_policy"], params)
         numel = sum(padded_shard_numel(p, call["mesh_info"], call.get("shard_placement_fn")) for p in params)
         check_host_capacity(
-            pending_host_bytes + host_bytes(numel, params[0].dtype, call["mp_policy"].param_dtype, plan.cast_on),
+            pending_host_bytes + host_bytes(numel, params[0].dtype, compute_dtype, plan.cast_on),
             pinned=plan.memory == "pinned",
             what="CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')",
         )
@@ -78,3 +80,23 @@ def check_one_dtype(params: list[nn.Parameter]) -> None:
             "call fully_shard (with the policy) on the submodules of each dtype first, so that each "
             "dtype gets its own group"
         )
+
+
+def one_compute_dtype(mp_policy: Any, params: list[nn.Parameter]) -> torch.dtype | None:
+    """The compute dtype an offloaded group's one coalesced copy-in casts to: ``param_dtype``, or
+    where ``param_dtype_override_fn`` (torch 2.15) gives parameters their own, the one they all get
+    (``None`` where there is none to cast to). A group whose parameters get different ones is refused,
+    before FSDP shards: one staging buffer cannot hold them."""
+    override = getattr(mp_policy, "param_dtype_override_fn", None)
+    if override is None:
+        return mp_policy.param_dtype
+    dtypes = {override(param) or mp_policy.param_dtype or param.dtype for param in params}
+    if len(dtypes) > 1:
+        raise ValueError(
+            "CoherentOffload copies an FSDP group in as one buffer of one compute dtype, but "
+            f"MixedPrecisionPolicy.param_dtype_override_fn gives this group's parameters "
+            f"{', '.join(sorted(str(dtype) for dtype in dtypes))}. Return one dtype for all parameters "
+            "of a group, or call fully_shard (with the policy) on the submodules of each compute dtype "
+            "first, so that each gets its own group"
+        )
+    return dtypes.pop()

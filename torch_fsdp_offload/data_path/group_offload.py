@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -26,11 +26,6 @@ from torch_fsdp_offload.data_path.group_state import assert_in_states, GradCaptu
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.resolved_plan import ResolvedPlan
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
-    from torch_fsdp_offload.data_path.prefetch_schedule import RootSchedule
 
 __all__ = ["GroupOffload", "host_bytes", "is_host_grad"]
 
@@ -61,15 +56,15 @@ class GroupOffload:
         self.mirror: torch.Tensor | None = None  # param-dtype copy of master (mixed precision)
         self.lock = threading.Lock()
         self.grads: torch.Tensor | None = None  # reduced gradient shards, orig dtype
-        self.offsets: dict[FSDPParam, tuple[int, int]] = {}
+        self.offsets: dict[Any, tuple[int, int]] = {}
         self.numel = 0
         self._inflight: Transfer | None = None
-        self._inputs_left: set[FSDPParam] = set()
+        self._inputs_left: set[Any] = set()
         # Streams that read views of the staging buffer without marking it used (record_stream):
         # the H2D stream waits for them before the buffer is dropped (_drop_staging).
         self._staging_readers: list[torch.cuda.Stream] = []
         self.grad_transfer: Transfer | None = None
-        self.captured_grads: dict[FSDPParam, torch.Tensor] = {}
+        self.captured_grads: dict[Any, torch.Tensor] = {}
         # The group's host optimizer step when it may still be running after step() returned
         # (OffloadOptimizer(overlap_next_forward=True)); copy-in waits for it.
         self.update_pending: Any = None
@@ -93,9 +88,10 @@ class GroupOffload:
 
     def host_bytes(self) -> int:
         """Host bytes this group will pin (see :func:`host_bytes`)."""
-        master_dtype = self.group.fsdp_params[0].sharded_param.dtype
-        # Read from the policy: FSDPParam.param_dtype is set only at lazy init.
-        return host_bytes(self.numel, master_dtype, self.group.mp_policy.param_dtype, self.plan.cast_on)
+        first = self.group.fsdp_params[0]
+        # Read from the parameter's policy: FSDPParam.param_dtype is set only at lazy init (the
+        # group keeps no policy on torch 2.15, where each parameter has its own, resolved).
+        return host_bytes(self.numel, first.sharded_param.dtype, first.mp_policy.param_dtype, self.plan.cast_on)
 
     def _param_dtype_to_cast(self) -> torch.dtype | None:
         """The compute dtype the master is cast to for the copy-in, None if it needs no cast."""
@@ -178,7 +174,7 @@ class GroupOffload:
             )
             self._inputs_left = set(self.group.fsdp_params)
 
-    def take_input(self, fsdp_param: FSDPParam) -> torch.Tensor:
+    def take_input(self, fsdp_param: Any) -> torch.Tensor:
         """``fsdp_param``'s padded shard on the device, in param dtype, ready on this stream."""
         self.release_staging()  # a copy whose every view was taken served an earlier unshard
         self.issue_h2d()  # no-op when prefetched and still current
@@ -222,7 +218,7 @@ class GroupOffload:
         assert_in_states(self.grad_capture, GradCapture.CAPTURING)
         self.grad_capture = GradCapture.IDLE
 
-    def host_grad_view(self, fsdp_param: FSDPParam) -> torch.Tensor:
+    def host_grad_view(self, fsdp_param: Any) -> torch.Tensor:
         """``fsdp_param``'s slot in the persistent host gradient buffer."""
         if self.grads is None:
             self.grads = pinned_empty((self.numel,), self.master.dtype)
@@ -271,7 +267,7 @@ class GroupOffload:
             p.grad_offload_event = self.grad_transfer
         return True
 
-    def _reduce_output_as_flat(self, captured: dict[FSDPParam, torch.Tensor]) -> torch.Tensor | None:
+    def _reduce_output_as_flat(self, captured: dict[Any, torch.Tensor]) -> torch.Tensor | None:
         """FSDP's reduce output itself, when it holds every parameter's reduced shard at the
         padded offset our host buffer uses (the usual case: FSDP lays both out the same way).
         It then goes down in one copy, with no device staging copy and no extra memory; None
@@ -300,7 +296,7 @@ class GroupOffload:
         # tensor later reuses that id on another stream.
         return first.as_strided((self.numel,), (1,), base)
 
-    def _padded_view(self, flat: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
+    def _padded_view(self, flat: torch.Tensor, fsdp_param: Any) -> torch.Tensor:
         offset, _ = self.offsets[fsdp_param]
         return flat[offset : offset + fsdp_param.sharded_size.numel()].view(fsdp_param.sharded_size)
 
@@ -334,7 +330,7 @@ class GroupOffload:
         """The group's name in traces and logs."""
         raise NotImplementedError
 
-    def schedule(self) -> "RootSchedule | None":
+    def schedule(self) -> Any:
         """The prefetch schedule of the group's root, once its lazy init made it."""
         raise NotImplementedError
 
@@ -382,7 +378,7 @@ class GroupOffload:
             schedule.prefetch_first(self.plan.prefetch_depth)
 
 
-def is_host_grad(offload: GroupOffload, fsdp_param: FSDPParam) -> bool:
+def is_host_grad(offload: GroupOffload, fsdp_param: Any) -> bool:
     """Whether the gradient FSDP holds for ``fsdp_param`` is a view of the group's host buffer."""
     if offload.grads is None:
         return False

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torch_fsdp_offload.planner.block_timing import measure_block_timings
 from torch_fsdp_offload.host_step import host_GBps_from_link_busy, measure_host_step
@@ -19,7 +20,7 @@ from torch_fsdp_offload.planner.scenario_cost import Candidate
 from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN, search_scenario, search_training
 from torch_fsdp_offload.planner.step_time import predict_step, StepPrediction
 from torch_fsdp_offload.planner.training_config import TrainingConfig
-from torch_fsdp_offload.planner.training_profile import training_profile
+from torch_fsdp_offload.planner.training_profile import fsdp2_reduce_dtype, training_profile
 
 __all__ = ["plan", "plan_and_shard", "predict_per_gpu"]
 
@@ -122,6 +123,7 @@ def _plan_model(
     seq_len: int,
     microbatch_factors: Sequence[int],
     compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
     measure: bool,
     world_size: int,
     capacity_bytes: float | None,
@@ -190,6 +192,7 @@ def _plan_model(
                 timing=None if timings is None else timings[i],
                 host_GBps=host_GBps,
                 host_rates=host_rates,
+                reduce_dtype=reduce_dtype,
             ),
         )
         for i, f in enumerate(factors)
@@ -209,7 +212,7 @@ def _plan_model(
     scenario = Scenario(
         name=f"{breakdown.name}, micro-batch {batch_size} x {seq_len}",
         weights_GB=params * base.param_bytes / 1e9,
-        grads_GB=params * base.reduce_bytes / 1e9,
+        grads_GB=params * base.grad_bytes / 1e9,
         optimizer_state_GB=params * base.optimizer_state_bytes / 1e9,
         activations_GB=activations / 1e9,
         other_GB=unsharded / 1e9,
@@ -339,6 +342,7 @@ def plan(
     seq_len: int | None = None,
     microbatch_factors: Sequence[int] = (1, 2, 4, 8),
     compute_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
     measure: bool | None = None,
     world_size: int = 1,
     gpu_memory_GiB: float | None = None,
@@ -371,7 +375,11 @@ def plan(
         seq_len (int | None): tokens per sequence, for a model (default 2048, or the second
             dimension of ``example_input``).
         microbatch_factors: micro-batch multiples to time, for a model.
-        compute_dtype (torch.dtype): forward dtype, for a model.
+        compute_dtype (torch.dtype): forward dtype (``MixedPrecisionPolicy.param_dtype``), for a model.
+        reduce_dtype (torch.dtype | None): ``MixedPrecisionPolicy.reduce_dtype``, for a model: the
+            dtype the reduce-scatter moves. None counts what this torch does without one
+            (:func:`~torch_fsdp_offload.planner.training_profile.fsdp2_reduce_dtype`: the compute
+            dtype through torch 2.14, the fp32 master's from 2.15).
         measure (bool | None): time the block on the GPU (default: when CUDA is available and
             ``platform`` is not given, i.e. the plan is for this machine).
         world_size (int): GPUs of one host FSDP shards over, for a model; every figure of the plan
@@ -449,6 +457,7 @@ def plan(
         seq_len=seq_len,
         microbatch_factors=microbatch_factors,
         compute_dtype=compute_dtype,
+        reduce_dtype=fsdp2_reduce_dtype(MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)),
         measure=measure,
         world_size=world_size,
         capacity_bytes=capacity_bytes,
@@ -499,7 +508,8 @@ def plan_and_shard(
         example_input: what the model is called with (see :func:`plan`).
         blocks: its blocks in forward order (default: found).
         fully_shard_kwargs (Mapping | None): passed to every ``fully_shard`` call (``mesh``,
-            ``mp_policy``, ...), never ``offload_policy``.
+            ``mp_policy``, ...), never ``offload_policy``. Its ``mp_policy`` gives the plan's
+            ``compute_dtype`` and ``reduce_dtype`` where ``plan_kwargs`` do not.
         **plan_kwargs: :func:`plan`'s other arguments (``platform``, ``batch_size``, ``seq_len``,
             ``gpu_memory_GiB``, ...).
 
@@ -518,6 +528,11 @@ def plan_and_shard(
         >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
         >>> result.recommended.micro_batch_size
     """
+    mp_policy = (fully_shard_kwargs or {}).get("mp_policy")
+    if mp_policy is not None:
+        # Plan what FSDP will run: its compute dtype and the dtype it reduces in on this torch.
+        plan_kwargs.setdefault("compute_dtype", mp_policy.param_dtype or torch.float32)
+        plan_kwargs.setdefault("reduce_dtype", fsdp2_reduce_dtype(mp_policy))
     result = plan(model, example_input=example_input, blocks=blocks, **plan_kwargs)
     result.recommended.apply(model, blocks=blocks, **dict(fully_shard_kwargs or {}))
     return result

@@ -70,7 +70,7 @@ def phase_peaks(
     """
     n_blocks = profile.n_blocks
     shard = profile.block_params / world_size
-    grad_shard = shard * profile.reduce_bytes
+    grad_shard = shard * profile.grad_bytes
     resident_blocks = n_blocks - offloaded_blocks
     resident_params = (profile.total_params - offloaded_blocks * profile.block_params) / world_size
     resident_state = resident_params * (profile.param_bytes + profile.optimizer_state_bytes)
@@ -109,12 +109,12 @@ def phase_peaks(
         backward = max(backward, saved_here + reloaded + grads + recompute + kept_params)
     backward += resident_state + unsharded + staging + profile.other_activation_bytes
 
-    resident_grads = resident_params * profile.reduce_bytes
+    resident_grads = resident_params * profile.grad_bytes
     optimizer = resident_state + resident_grads
     if streamed_blocks and copies:
         # Streamed gradients went down in backward like the host groups'; each run uploads its
         # parameters, gradients and optimizer state.
-        run_bytes = shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes)
+        run_bytes = shard * (profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes)
         optimizer += min(streamed_blocks * run_bytes, (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES)
     elif streamed_blocks:
         optimizer += streamed_blocks * grad_shard

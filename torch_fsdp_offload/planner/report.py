@@ -135,7 +135,7 @@ class Recommendation:
             >>> rec = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14).recommended
             >>> rec.last_blocks
             (4, 8)
-            >>> rec.apply(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            >>> rec.apply(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
             >>> optim = rec.optimizer(model, lr=1e-4, fused=True)
         """
         from torch_fsdp_offload.activations import offload_activations

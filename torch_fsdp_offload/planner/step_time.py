@@ -137,7 +137,8 @@ def predict_step(
     Per step the offloaded blocks' parameter shards cross host-to-device twice in the compute
     dtype (forward and the backward re-gather; once for blocks kept unsharded after forward,
     ``config.keep_unsharded``), or in the master's dtype with ``config.cast_on="device"``;
-    gradients of offloaded groups cross device-to-host in the reduce dtype; streamed parameters
+    gradients of offloaded groups cross device-to-host in the parameter's dtype (FSDP casts the
+    reduce output to it; the reduce-scatter moves ``reduce_bytes``); streamed parameters
     then move their fp32 parameter, gradient and moments up and parameter, moments and (with
     ``cast_on="host"``) mirror down as one pipeline over runs of parameters, both directions at
     once, after one run's upload fills it. Offloaded activations go down in forward
@@ -216,8 +217,8 @@ def predict_step(
     copy_in = copy_in_bytes_per_param(profile, config.cast_on)
     weight_bytes = offloaded_blocks * shard * copy_in * copies
     backward_weight_bytes = regathered_offloaded * shard * copy_in * copies
-    grad_down = offloaded_blocks * shard * profile.reduce_bytes * copies
-    stream_up = streamed_blocks * shard * (profile.param_bytes + profile.reduce_bytes + profile.optimizer_state_bytes) * copies
+    grad_down = offloaded_blocks * shard * profile.grad_bytes * copies
+    stream_up = streamed_blocks * shard * (profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes) * copies
     # The streamed step brings back the master and moments, and with cast_on="host" the mirror.
     mirror_down = profile.compute_bytes if host_cast_bytes_per_param(profile, config.cast_on) else 0
     stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + mirror_down) * copies
@@ -295,7 +296,7 @@ def predict_step(
         # One bandwidth for the host step's bytes and the DMA's: the parameters' copies in, the
         # streamed state and the activations both ways (the host groups' gradients landing are
         # already in host_step_bytes_per_param).
-        streamed_grads_down = streamed_blocks * shard * profile.reduce_bytes * copies
+        streamed_grads_down = streamed_blocks * shard * profile.grad_bytes * copies
         link_dram_bytes = (weight_bytes + backward_weight_bytes + streamed_grads_down + stream_up + stream_down
                            + act_forward + act_in_flight + reloaded)
         host_bytes = host_blocks * shard * host_step_bytes_per_param(profile, config.cast_on, config.clipping) + link_dram_bytes
@@ -304,7 +305,7 @@ def predict_step(
     if host_blocks:
         # From the start of backward: block i's gradients land after the backward of the blocks
         # behind it; one worker steps the host groups (see the docstring for the order).
-        grad_copy = shard * profile.reduce_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
+        grad_copy = shard * profile.grad_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
         landed = {index: backward * (n_blocks - index) / n_blocks + grad_copy for index in host_indices}
         done = _host_step_ends(landed, host_time / host_blocks, from_step=None if config.steps_early else backward)
         # The next forward copies each host group in, in forward order, once its step has ended.

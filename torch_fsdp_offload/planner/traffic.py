@@ -17,7 +17,7 @@ __all__ = [
 
 def _adamw_bytes(profile: TrainingProfile) -> int:
     # Fused AdamW reads the parameter, gradient and both moments and writes parameter and moments.
-    return 2 * profile.param_bytes + profile.reduce_bytes + 2 * profile.optimizer_state_bytes
+    return 2 * profile.param_bytes + profile.grad_bytes + 2 * profile.optimizer_state_bytes
 
 
 def host_cast_bytes_per_param(profile: TrainingProfile, cast_on: str) -> int:
@@ -46,8 +46,8 @@ def host_step_bytes_per_param(profile: TrainingProfile, cast_on: str = "host", c
         >>> host_step_bytes_per_param(profile, clipping=True)
         46
     """
-    scaling = 2 * profile.reduce_bytes if clipping else 0
-    return _adamw_bytes(profile) + host_cast_bytes_per_param(profile, cast_on) + profile.reduce_bytes + scaling
+    scaling = 2 * profile.grad_bytes if clipping else 0
+    return _adamw_bytes(profile) + host_cast_bytes_per_param(profile, cast_on) + profile.grad_bytes + scaling
 
 
 def clip_scaling_seconds_per_param(profile: TrainingProfile, host_seconds_per_param: float) -> float:
@@ -60,7 +60,7 @@ def clip_scaling_seconds_per_param(profile: TrainingProfile, host_seconds_per_pa
         >>> round(clip_scaling_seconds_per_param(profile, 0.28e-9) * 1e9, 3)  # 8 of AdamW's 28 bytes
         0.08
     """
-    return host_seconds_per_param * 2 * profile.reduce_bytes / _adamw_bytes(profile)
+    return host_seconds_per_param * 2 * profile.grad_bytes / _adamw_bytes(profile)
 
 
 def copy_in_bytes_per_param(profile: TrainingProfile, cast_on: str = "host") -> int:

@@ -12,12 +12,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 from torch_fsdp_offload.planner.block_timing import BlockTiming
 from torch_fsdp_offload.host_step import HostStepRates
 from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 
-__all__ = ["TrainingProfile", "training_profile"]
+__all__ = ["fsdp2_reduce_dtype", "TrainingProfile", "training_profile"]
 
 # Used only where no block was timed on the GPU. Share of the dense bf16 peak a transformer step
 # reaches (measured on an H200, see docs/planner.md, "Calibration").
@@ -53,7 +56,9 @@ class TrainingProfile:
             :attr:`~torch_fsdp_offload.planner.profiles.PlatformProfile.host_GBps`).
         param_bytes (int): bytes per sharded (master) parameter, 4 for fp32.
         compute_bytes (int): bytes per parameter in the compute dtype, 2 for bf16.
-        reduce_bytes (int): bytes per gradient element in the reduce dtype.
+        reduce_bytes (int): bytes per gradient element in the dtype FSDP reduces in: what a
+            reduce-scatter moves per element and its buffers hold (:func:`fsdp2_reduce_dtype`).
+            The reduced shard is then cast to the parameter's dtype: :attr:`grad_bytes`.
         optimizer_state_bytes (int): optimizer state bytes per parameter (8 for AdamW).
         fixed_bytes (int): GPU memory that does not depend on the plan (workspaces, allocator
             slack; the calibration residual of a measured resident peak, may be negative).
@@ -113,8 +118,43 @@ class TrainingProfile:
     def total_params(self) -> int:
         return self.n_blocks * self.block_params + self.other_params
 
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of a reduced gradient shard, on the GPU or on its way to the host:
+        FSDP casts the reduce output to the parameter's (the master's) dtype, whatever it reduced in."""
+        return self.param_bytes
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def fsdp2_reduce_dtype(mp_policy: MixedPrecisionPolicy, param_dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype FSDP2 of the running torch reduces the gradients of ``param_dtype`` parameters in
+    under ``mp_policy``: its ``reduce_dtype`` when set. With ``reduce_dtype=None``, torch 2.11
+    through 2.14 reduce in ``mp_policy.param_dtype`` (the compute dtype, bf16 for a bf16 run);
+    from 2.15 the reduction follows the parameter's ``grad_dtype``, its own dtype unless set, so an
+    fp32 master reduces in fp32 (twice the bytes of a bf16 reduce-scatter).
+
+    Args:
+        mp_policy (MixedPrecisionPolicy): the policy passed to ``fully_shard``.
+        param_dtype (torch.dtype): the sharded (master) parameters' dtype.
+
+    Returns:
+        torch.dtype: the reduce-scatter's dtype.
+
+    Example::
+
+        >>> fsdp2_reduce_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        torch.float32
+        >>> fsdp2_reduce_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # torch 2.15
+        torch.float32
+    """
+    if mp_policy.reduce_dtype is not None:
+        return mp_policy.reduce_dtype
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if release >= (2, 15):
+        return param_dtype
+    return mp_policy.param_dtype or param_dtype
 
 
 def training_profile(
@@ -124,6 +164,7 @@ def training_profile(
     timing: BlockTiming | None = None,
     host_GBps: float | None = None,
     host_rates: HostStepRates | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> TrainingProfile:
     """Build the training-level model input from a breakdown and, if available, a block timing.
 
@@ -138,7 +179,8 @@ def training_profile(
     part of the host step
     (what ``cast_on="device"`` takes off it) comes with those rates when they time it on its own,
     else from the platform profile (``host_alone_cast_s_per_param``,
-    ``host_link_busy_cast_s_per_param``; None for a profile without them).
+    ``host_link_busy_cast_s_per_param``; None for a profile without them). ``reduce_dtype`` is the
+    dtype FSDP reduces gradients in (:func:`fsdp2_reduce_dtype`).
     """
     # A checkpointed backward reruns each block's forward up to its last saved tensor: timed where
     # the block was (a checkpointed step pays the rerun's memory-bound ops and checkpointing's own
@@ -175,6 +217,7 @@ def training_profile(
         gpu_optimizer_s=params * _GPU_ADAMW_BYTES_PER_PARAM / (platform.gpu_dram_GBps * 1e9 * _GPU_ADAMW_DRAM_FRACTION),
         host_GBps=host_GBps or platform.host_GBps,
         compute_bytes=breakdown.compute_bytes,
+        reduce_bytes=reduce_dtype.itemsize,
         source=source,
         recompute_fraction=recompute,
         **(
