@@ -254,6 +254,9 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"), step_during_backward=True)
         for step in range(2):  # overlap starts once a step showed the gradients' pattern
             self._step(model, optim, step)
+        # The last step's host steps run on under the next forward: let them end, so that only a
+        # step started in this backward can set the flag.
+        optim.synchronize()
         _events.clear()
         _RecordingAdamW.started.clear()
         started_in_backward = []
