@@ -95,9 +95,9 @@ class HostStepGate:
         self.assertTrue(gate.holds_a_step())  # step() returned before that host step ended
         gate.open()
 
-    A step held for ``timeout_s`` raises in its thread, and ``step()`` (or a read that waited for
-    it) raises that error: only code that waits for a held step before the test opens the gate gets
-    there.
+    A step held for ``timeout_s`` raises in its thread, and whatever waited for it (``step()``, a
+    copy-in, a read) raises that error: only code that waits for a held step before the test opens
+    the gate gets there.
     """
 
     def __init__(self, timeout_s: float = 30.0) -> None:
@@ -146,9 +146,9 @@ class HostStepGate:
         self._held.set()
         if not self._open.wait(self.timeout_s):
             raise AssertionError(
-                f"a host step was held at the closed gate for {self.timeout_s} s: the caller waited for "
-                "it (step() returned only after its host steps ended, or a read waited for one) before "
-                "the test opened the gate"
+                f"a host step was held at the closed gate for {self.timeout_s} s: something waited for it "
+                "before the test opened the gate (step() returning only once its host steps ended, or a "
+                "copy-in or a read waiting for a step other than its own)"
             )
 
 

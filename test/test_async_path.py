@@ -278,10 +278,12 @@ class AsyncPathTest(GlooMultiProcessTestCase):
 
     def test_next_forward_computes_while_a_later_groups_host_step_runs(self):
         # step() returns while the host steps run, and each group's copy-in waits for its own step
-        # only: the next forward computes the first blocks while the last block's step is held.
+        # only: the next forward computes the first blocks while the last block's step is held,
+        # and the last block's copy-in (prefetched by the block before it) waits for that step.
         self.init_gloo()
         gate = HostStepGate()
-        model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"), gate.optimizer_class(_RecordingAdamW))
+        policy = CoherentOffload(platform="discrete", optimizer="host", prefetch_depth=1)
+        model, optim = self._build(policy, gate.optimizer_class(_RecordingAdamW))
         for step in range(2):  # the first forward learns the order
             self._step(model, optim, step)
         optim.synchronize()
@@ -301,13 +303,17 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         # Before FSDP's pre-forward unshard of the last block, which waits for its step.
         hook = last.register_forward_pre_hook(open_gate, prepend=True)
         try:
-            model(torch.randn(3, DIM, generator=generator)).backward()
+            with self._record_issues():
+                model(torch.randn(3, DIM, generator=generator)).backward()
         finally:
             hook.remove()
             gate.open()
         optim.synchronize()
-        computed = [group for kind, group in _events[: _events.index(("open", None))] if kind == "forward"]
+        held = _events[: _events.index(("open", None))]
+        computed = [group for kind, group in held if kind == "forward"]
         self.assertEqual(computed, [f"blocks.{index}" for index in range(BLOCKS - 1)], _events)
+        self.assertNotIn(("issue", last.name), held, _events)
+        self.assertIn(("issue", last.name), _events)
 
     def test_host_steps_after_step_run_in_forward_order(self):
         # By default the host steps start in step(), all gradients landed; the next forward needs
