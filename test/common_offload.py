@@ -11,11 +11,14 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import FILE_SCHEMA, TestCase
 
@@ -77,6 +80,76 @@ class GlooMultiProcessTestCase(MultiProcessTestCase):
             rank=self.rank,
             world_size=self.world_size,
         )
+
+
+class HostStepGate:
+    """Holds the optimizer steps that run off the main thread at their start while closed, so a test
+    sees, with no timing, that ``OffloadOptimizer.step()`` returned while a host step still ran.
+
+    ``OffloadOptimizer`` runs its host steps (and its streamed groups' pipeline) in threads of its
+    own, with the class it was given: pass it :meth:`optimizer_class`. Steps on the main thread
+    (the parameters no group offloads) never wait at the gate. Around one ``step()``::
+
+        gate.close()
+        optim.step()
+        self.assertTrue(gate.holds_a_step())  # step() returned before that host step ended
+        gate.open()
+
+    A step held for ``timeout_s`` raises in its thread, and whatever waited for it (``step()``, a
+    copy-in, a read) raises that error: only code that waits for a held step before the test opens
+    the gate gets there.
+    """
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self._open = threading.Event()
+        self._open.set()
+        self._held = threading.Event()
+        # The data pointers of the tensors whose steps close(only=...) holds; None: every step.
+        self._only: set[int] | None = None
+
+    def optimizer_class(self, base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+        """``base`` whose steps off the main thread wait at this gate while it is closed."""
+        gate = self
+
+        class Gated(base):
+            def step(self, closure=None):
+                gate._wait(p for group in self.param_groups for p in group["params"])
+                return super().step(closure)
+
+        return Gated
+
+    def close(self, only: Iterable[torch.Tensor] | None = None) -> None:
+        """Hold every step that starts off the main thread from now on, until :meth:`open`; with
+        ``only`` (local shards), only the steps of parameters that alias one of them."""
+        self._only = None if only is None else {tensor.data_ptr() for tensor in only}
+        self._held.clear()
+        self._open.clear()
+
+    def open(self) -> None:
+        """Let the held steps, and every later one, run."""
+        self._open.set()
+
+    def holds_a_step(self) -> bool:
+        """Whether a step reached the closed gate (waiting up to ``timeout_s`` for one to): it
+        started, and cannot end before :meth:`open`."""
+        return self._held.wait(self.timeout_s)
+
+    def _wait(self, params: Iterable[torch.Tensor]) -> None:
+        if threading.current_thread() is threading.main_thread() or self._open.is_set():
+            return
+        if self._only is not None:
+            # A DTensor's local shard (a first step, on the parameters themselves), or its alias.
+            local = (param.to_local() if isinstance(param, DTensor) else param for param in params)
+            if not any(tensor.data_ptr() in self._only for tensor in local):
+                return
+        self._held.set()
+        if not self._open.wait(self.timeout_s):
+            raise AssertionError(
+                f"a host step was held at the closed gate for {self.timeout_s} s: something waited for it "
+                "before the test opened the gate (step() returning only once its host steps ended, or a "
+                "copy-in or a read waiting for a step other than its own)"
+            )
 
 
 # NVLink multicast (NVLS) objects are refused on some lent multi-GPU VMs and hang NCCL's init there;

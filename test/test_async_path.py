@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
 
-from common_offload import GlooMultiProcessTestCase
+from common_offload import GlooMultiProcessTestCase, HostStepGate
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload.optimizer import dtensor_grads
 from torch_fsdp_offload.optimizer import offload_optimizer
@@ -133,11 +133,13 @@ def _issue_label(label: str) -> str | None:
 class AsyncPathTest(GlooMultiProcessTestCase):
     WORLD_SIZE = 2
 
-    def _build(self, policy: CoherentOffload, **optimizer_kwargs) -> tuple[nn.Module, OffloadOptimizer]:
+    def _build(
+        self, policy: CoherentOffload, optimizer_class: type = _RecordingAdamW, **optimizer_kwargs
+    ) -> tuple[nn.Module, OffloadOptimizer]:
         torch.manual_seed(0)
         model = _Net()
         fully_shard_with_policy(model, model.blocks, policy, mesh=init_device_mesh("cpu", (self.world_size,)))
-        return model, OffloadOptimizer(model, _RecordingAdamW, lr=1e-2, **optimizer_kwargs)
+        return model, OffloadOptimizer(model, optimizer_class, lr=1e-2, **optimizer_kwargs)
 
     def _step(self, model: nn.Module, optim: OffloadOptimizer, step: int) -> None:
         generator = torch.Generator().manual_seed(100 * step + self.rank)
@@ -254,6 +256,9 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"), step_during_backward=True)
         for step in range(2):  # overlap starts once a step showed the gradients' pattern
             self._step(model, optim, step)
+        # The last step's host steps run on under the next forward: let them end, so that only a
+        # step started in this backward can set the flag.
+        optim.synchronize()
         _events.clear()
         _RecordingAdamW.started.clear()
         started_in_backward = []
@@ -270,6 +275,45 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         optim.synchronize()
         self.assertEqual(started_in_backward, [True], _events)
         self.assertLess(_events.index(("host_step", None)), _events.index(("backward", "first")))
+
+    def test_next_forward_computes_while_a_later_groups_host_step_runs(self):
+        # step() returns while the host steps run, and each group's copy-in waits for its own step
+        # only: the next forward computes the first blocks while the last block's step is held,
+        # and the last block's copy-in (prefetched by the block before it) waits for that step.
+        self.init_gloo()
+        gate = HostStepGate()
+        policy = CoherentOffload(platform="discrete", optimizer="host", prefetch_depth=1)
+        model, optim = self._build(policy, gate.optimizer_class(_RecordingAdamW))
+        for step in range(2):  # the first forward learns the order
+            self._step(model, optim, step)
+        optim.synchronize()
+        last = model.blocks[-1]
+        gate.close(only=[param.to_local() for param in last.parameters()])
+        generator = torch.Generator().manual_seed(200 + self.rank)
+        model(torch.randn(3, DIM, generator=generator)).backward()
+        optim.step()
+        self.assertTrue(gate.holds_a_step())
+        optim.zero_grad()
+        _events.clear()
+
+        def open_gate(module, args):
+            _events.append(("open", None))
+            gate.open()
+
+        # Before FSDP's pre-forward unshard of the last block, which waits for its step.
+        hook = last.register_forward_pre_hook(open_gate, prepend=True)
+        try:
+            with self._record_issues():
+                model(torch.randn(3, DIM, generator=generator)).backward()
+        finally:
+            hook.remove()
+            gate.open()
+        optim.synchronize()
+        held = _events[: _events.index(("open", None))]
+        computed = [group for kind, group in held if kind == "forward"]
+        self.assertEqual(computed, [f"blocks.{index}" for index in range(BLOCKS - 1)], _events)
+        self.assertNotIn(("issue", last.name), held, _events)
+        self.assertIn(("issue", last.name), _events)
 
     def test_host_steps_after_step_run_in_forward_order(self):
         # By default the host steps start in step(), all gradients landed; the next forward needs

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests, TestCase
 
-from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
+from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase, HostStepGate
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload.optimizer import step_worker, streamed_steps
 from torch_fsdp_offload.data_path.group_offload import GroupOffload
@@ -123,24 +123,22 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
         # Dropped while a host step still runs (no synchronize()): the step holds the optimizer
         # until it ends; then the optimizer goes by reference count and the model at the next
         # collection.
-        class SlowHostAdamW(torch.optim.AdamW):
-            def step(self, closure=None):
-                if threading.current_thread() is not threading.main_thread():
-                    time.sleep(0.3)
-                return super().step(closure)
-
+        gate = HostStepGate()
         model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), None, MixedPrecisionPolicy())
-        optim = OffloadOptimizer(model, SlowHostAdamW, lr=1e-2, overlap_next_forward=True)
+        optim = OffloadOptimizer(model, gate.optimizer_class(torch.optim.AdamW), lr=1e-2, overlap_next_forward=True)
         for step in range(3):
             _loss(model, _batch(step, 0)).backward()
+            if step == 2:
+                gate.close()
             optim.step()
             optim.zero_grad()
-        still_running = any(not future.done() for future in optim._finishing.values())
+        still_running = gate.holds_a_step()
         model_ref, optim_ref = weakref.ref(model), weakref.ref(optim)
         del model, optim
         gc.collect()
         self.assertTrue(still_running)
         self.assertIsNotNone(optim_ref())
+        gate.open()
         deadline = time.monotonic() + 10
         while optim_ref() is not None and time.monotonic() < deadline:
             time.sleep(0.05)

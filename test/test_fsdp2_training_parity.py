@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.common_fsdp import check_sharded_parity, MLP
 from torch.testing._internal.common_utils import run_tests
 
-from common_offload import GlooMultiProcessTestCase
+from common_offload import GlooMultiProcessTestCase, HostStepGate
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 
 ITERATIONS = 4
@@ -43,15 +43,15 @@ def _each_setting(names: tuple[str, ...], settings, run) -> None:
             raise AssertionError(f"{dict(zip(names, setting))}: {error}") from None
 
 
-def _train_in_parity(case, reference, reference_optim, model, optim, *, batch_shape, set_flags,
-                     reduce_reference, set_to_none) -> int:
+def _train_in_parity(case, reference, reference_optim, model, optim, gate, *, batch_shape, set_flags,
+                     reduce_reference, set_to_none) -> None:
     """Train ``reference`` and ``model`` on the same micro-batches; ``check_sharded_parity`` before
-    and after every ``step()``. ``set_flags(last)`` sets the accumulation flags before each
-    micro-batch, ``reduce_reference`` averages the reference's gradients over the ranks (one not
-    replicated by DDP), ``set_to_none(iteration)`` is ``zero_grad``'s argument. Returns how many
-    host steps were still running when ``step()`` returned."""
+    and after every ``step()``, and assert that a host step (``optim``'s class passes ``gate``)
+    still ran when ``step()`` returned, and when ``zero_grad()`` came. ``set_flags(last)`` sets the
+    accumulation flags before each micro-batch, ``reduce_reference`` averages the reference's
+    gradients over the ranks (one not replicated by DDP), ``set_to_none(iteration)`` is
+    ``zero_grad``'s argument."""
     torch.manual_seed(42 + case.rank + 1)
-    overlapped = 0
     for iteration in range(ITERATIONS):
         for micro in range(MICRO_BATCHES):
             set_flags(micro == MICRO_BATCHES - 1)
@@ -65,14 +65,16 @@ def _train_in_parity(case, reference, reference_optim, model, optim, *, batch_sh
                 if param.grad is not None:
                     dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
         check_sharded_parity(case, reference, model)  # before step(): nothing stepped early
+        gate.close()
         for o in (reference_optim, optim):
             o.step()
-        overlapped += len(optim._finishing)
+        # The host steps outlive step(): the reads below are the ones the contract is about.
+        case.assertTrue(gate.holds_a_step(), f"iteration {iteration}: step() returned after every host step")
         for o in (reference_optim, optim):
             o.zero_grad(set_to_none=set_to_none(iteration))
+        gate.open()
         check_sharded_parity(case, reference, model)  # after step(): the reads wait for the steps
     optim.synchronize()
-    return overlapped
 
 
 class HSDPTrainingParityTest(GlooMultiProcessTestCase):
@@ -105,18 +107,16 @@ class HSDPTrainingParityTest(GlooMultiProcessTestCase):
                 checkpoint(mlp)
             shard(mlp)
         shard(model)
-        optim = OffloadOptimizer(model, torch.optim.Adam, lr=1e-2)
+        gate = HostStepGate()
+        optim = OffloadOptimizer(model, gate.optimizer_class(torch.optim.Adam), lr=1e-2)
         check_sharded_parity(self, reference, model)
 
         def set_flags(last: bool) -> None:
             if sync_at_last:
                 model.set_requires_gradient_sync(last)
 
-        overlapped = _train_in_parity(self, reference, reference_optim, model, optim, batch_shape=(8, mlp_dim),
-                                      set_flags=set_flags, reduce_reference=False,
-                                      set_to_none=lambda iteration: iteration % 2 == 0)
-        # The host steps did outlive step(): the reads above are the ones the contract is about.
-        self.assertGreater(overlapped, 0)
+        _train_in_parity(self, reference, reference_optim, model, optim, gate, batch_shape=(8, mlp_dim),
+                         set_flags=set_flags, reduce_reference=False, set_to_none=lambda iteration: iteration % 2 == 0)
 
 
 class HSDPTrainingParityWorldSize2Test(HSDPTrainingParityTest):
@@ -143,7 +143,8 @@ class GradientAccumulationParityTest(GlooMultiProcessTestCase):
             shard(mlp)
         shard(model)  # the root holds the first linear
         reference_optim = torch.optim.Adam(reference.parameters(), lr=1e-2, fused=True)
-        optim = OffloadOptimizer(model, torch.optim.Adam, lr=1e-2)
+        gate = HostStepGate()
+        optim = OffloadOptimizer(model, gate.optimizer_class(torch.optim.Adam), lr=1e-2)
         targets = {"all": [(model, True)], "some_mlps": [(mlp, True) for mlp in model[1:3]], "root_only": [(model, False)]}
 
         def set_flags(last: bool) -> None:
@@ -153,8 +154,8 @@ class GradientAccumulationParityTest(GlooMultiProcessTestCase):
                     module.set_reshard_after_backward(last, recurse=recurse)
 
         # set_to_none=False at even iterations mixes accumulation with and without the reduction.
-        _train_in_parity(self, reference, reference_optim, model, optim, batch_shape=(2, 32), set_flags=set_flags,
-                         reduce_reference=True, set_to_none=lambda iteration: bool(iteration % 2))
+        _train_in_parity(self, reference, reference_optim, model, optim, gate, batch_shape=(2, 32),
+                         set_flags=set_flags, reduce_reference=True, set_to_none=lambda iteration: bool(iteration % 2))
 
 
 if __name__ == "__main__":

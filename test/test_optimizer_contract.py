@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests
 
 import test_fsdp2_offload as parity
-from common_offload import GlooMultiProcessTestCase
+from common_offload import GlooMultiProcessTestCase, HostStepGate
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload.optimizer import dtensor_grads
 from torch_fsdp_offload.optimizer import streamed_steps
@@ -84,15 +84,15 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
         parity._shard(reference, None, mesh, mp_policy)
         parity._shard(model, CoherentOffload(platform="discrete", optimizer=optimizer), mesh, mp_policy)
         reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+        gate = HostStepGate()
         optim = OffloadOptimizer(
             model,
-            optimizer_class,
+            gate.optimizer_class(optimizer_class),
             lr=1e-2,
             fused=True,
             max_grad_norm=max_grad_norm,
             skip_nonfinite=nonfinite_step is not None,
         )
-        waited = 0
         for step in range(STEPS):
             for micro in range(grad_accum):
                 last = micro == grad_accum - 1
@@ -113,16 +113,18 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
                 if max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
                 reference_optim.step()
+            gate.close()
             optim.step()
-            waited += len(optim._finishing)
+            if step != nonfinite_step:
+                # The reads below come while host steps still run, and must wait for them.
+                self.assertTrue(gate.holds_a_step(), f"step {step}: step() returned after every host step")
             if zero_before_reads:
                 for o in (reference_optim, optim):
                     o.zero_grad(set_to_none=set_to_none)
+            gate.open()
             self._assert_as_plain(model, reference, optim, reference_optim, f"step {step}, after step()")
             for o in (reference_optim, optim):
                 o.zero_grad(set_to_none=set_to_none)
-        # The reads above came while host steps still ran: they waited for them.
-        self.assertGreater(waited, 0)
         return optim
 
     def test_before_and_after_step_as_plain_fsdp2(self):

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.testing._internal.common_utils import run_tests, TestCase
 
-from common_offload import GlooMultiProcessTestCase, SingleRankGlooTestCase
+from common_offload import GlooMultiProcessTestCase, HostStepGate, SingleRankGlooTestCase
 from test_fsdp2_offload import _batch, _loss, _shard, STEPS, TiedBlocksModel
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload.optimizer import groups
@@ -180,7 +180,7 @@ class PlainOptimizerOnOffloadedModelTest(SingleRankGlooTestCase):
 class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
     WORLD_SIZE = 2
 
-    def _models(self, step_during_backward: bool = False):
+    def _models(self, step_during_backward: bool = False, gate: HostStepGate | None = None):
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (self.world_size,))
         reference = TiedBlocksModel()
@@ -189,8 +189,9 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _shard(model, CoherentOffload(platform="discrete", optimizer="host"), mesh, MixedPrecisionPolicy())
+            optimizer_class = torch.optim.AdamW if gate is None else gate.optimizer_class(torch.optim.AdamW)
             optim = OffloadOptimizer(
-                model, torch.optim.AdamW, lr=1e-2, fused=True, step_during_backward=step_during_backward
+                model, optimizer_class, lr=1e-2, fused=True, step_during_backward=step_during_backward
             )
         # Groups are offloaded here: no nothing-offloaded warning.
         self.assertFalse(any(NOTHING_OFFLOADED in str(w.message) for w in caught))
@@ -201,16 +202,21 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
         # (the default), so training matches FSDP2 with the same clip, and the groups' steps
         # still run after step() returned (finishing under the next forward).
         self.init_gloo()
-        reference, model, reference_optim, optim = self._models()
+        gate = HostStepGate()
+        reference, model, reference_optim, optim = self._models(gate=gate)
         for step in range(STEPS):
             max_norm = 1e6 if step == 0 else 0.05
-            for m, o in ((reference, reference_optim), (model, optim)):
+            for m in (reference, model):
                 _loss(m, _batch(step, self.rank)).backward()
                 torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
-                o.step()
-                o.zero_grad()
             self.assertEqual(optim._pending, {})
-            self.assertGreater(len(optim._finishing), 0)
+            reference_optim.step()
+            reference_optim.zero_grad()
+            gate.close()
+            optim.step()
+            self.assertTrue(gate.holds_a_step(), f"step {step}: step() returned after every host step")
+            optim.zero_grad()
+            gate.open()
         for (name, param), (_, reference_param) in zip(model.named_parameters(), reference.named_parameters()):
             self.assertEqual(param.full_tensor(), reference_param.full_tensor(), atol=0, rtol=0, msg=name)
 
