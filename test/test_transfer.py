@@ -41,7 +41,7 @@ from torch_fsdp_offload.transfer import (
     TransferStats,
     get_transfer_engine,
 )
-from torch_fsdp_offload.transfer_streams import InFlight
+from torch_fsdp_offload.transfer_streams import CopyRequest, InFlight
 
 HAS_CUDA = torch.cuda.is_available()
 MiB = 1 << 20
@@ -378,11 +378,11 @@ class _HeldStream:
     copy until :meth:`run`."""
 
     def __init__(self) -> None:
-        self.issued: list[dict] = []  # the arguments of each issue, with its "event"
+        self.issued: list[CopyRequest] = []
+        self.events: list[_HeldEvent] = []  # of each issued copy
         self.handed_over: list[tuple] = []  # (event, destination, consumer, mark_used)
         self.entered = 0  # times the engine ran something on the stream (allocations)
-        self._held: list[tuple] = []
-        self._keep_alive: list = []
+        self._held: list[tuple] = []  # (run, event) of each copy not run yet
 
     @contextlib.contextmanager
     def as_current(self):
@@ -392,11 +392,11 @@ class _HeldStream:
     def at_issue(self, tensors, *, written):
         return list(tensors)
 
-    def issue(self, copy, **kwargs):
+    def issue(self, copy: CopyRequest) -> _HeldEvent:
         event = _HeldEvent(self)
-        self.issued.append(dict(kwargs, event=event))
-        self._held.append((copy, event))
-        self._keep_alive.append(kwargs["keep_alive"])
+        self.issued.append(copy)
+        self.events.append(event)
+        self._held.append((copy.run, event))
         return event
 
     def hand_over(self, event, destination, consumer, *, mark_used):
@@ -404,11 +404,11 @@ class _HeldStream:
         self.run()
 
     def run(self) -> None:
-        """Land every held copy, in issue order, and drop the host tensors kept for them."""
-        for copy, event in self._held:
-            copy()
+        """Land every held copy, in issue order."""
+        for run, event in self._held:
+            run()
             event.is_landed = True
-        self._held, self._keep_alive = [], []
+        self._held = []
 
 
 class _HeldStreams:
@@ -433,25 +433,24 @@ class TestTransferEngineOnAnyStreams(TestCase):
         up = self.engine.h2d(host, label="up")
         back = torch.zeros(4)
         down = self.engine.d2h(torch.ones(4), back, label="down", mark_src_used=False)
-        self.assertEqual([c["label"] for c in self.streams.h2d.issued], ["up"])
-        self.assertEqual([c["label"] for c in self.streams.d2h.issued], ["down"])
+        self.assertEqual([c.label for c in self.streams.h2d.issued], ["up"])
+        self.assertEqual([c.label for c in self.streams.d2h.issued], ["down"])
         self.assertEqual(self.streams.h2d.entered, 1)  # the engine allocated the destination there
         self.assertFalse(up.done())  # held by the stream: not landed, whatever the CPU did
         self.assertEqual(self.engine.stats, TransferStats(16, 16, 1, 1))
 
-        uploaded = self.streams.h2d.issued[0]
-        self.assertIsNone(uploaded["device_tensor"])  # allocated for the copy: nothing to wait for
-        self.assertIs(uploaded["keep_alive"][0], host)
-        downloaded = self.streams.d2h.issued[0]
-        self.assertEqual(downloaded["device_tensor"], torch.ones(4))  # the caller's: ordered after its producer
-        self.assertFalse(downloaded["mark_used"])
+        (uploaded,), (downloaded,) = self.streams.h2d.issued, self.streams.d2h.issued
+        self.assertIsNone(uploaded.device_tensor)  # allocated for the copy: nothing to wait for
+        self.assertTrue(len(uploaded.keep_alive) == 1 and uploaded.keep_alive[0] is host)
+        self.assertEqual(downloaded.device_tensor, torch.ones(4))  # the caller's: ordered after its producer
+        self.assertFalse(downloaded.mark_used)
 
         consumer = object()  # passed through to the stream untouched
         self.assertEqual(up.wait(consumer), host)
-        self.assertEqual(self.streams.h2d.handed_over, [(uploaded["event"], up.tensor, consumer, True)])
+        self.assertEqual(self.streams.h2d.handed_over, [(self.streams.h2d.events[0], up.tensor, consumer, True)])
         self.assertTrue(up.done())
         self.assertIs(down.wait_unmarked(), back)
-        self.assertEqual(self.streams.d2h.handed_over, [(downloaded["event"], back, None, False)])
+        self.assertEqual(self.streams.d2h.handed_over, [(self.streams.d2h.events[0], back, None, False)])
         self.assertEqual(back, torch.ones(4))
 
     def test_a_copy_follows_the_unfinished_copies_of_its_memory_on_other_streams(self) -> None:
@@ -460,21 +459,21 @@ class TestTransferEngineOnAnyStreams(TestCase):
         self.engine.h2d(host)  # same stream, reads only: no conflict
         self.engine.d2h(torch.ones(4), host)  # writes what both uploads read
         self.engine.h2d(host)  # reads what the download writes
-        first, second, third = self.streams.h2d.issued
-        (download,) = self.streams.d2h.issued
-        self.assertEqual(second["in_flight"], InFlight([], False, False))
-        self.assertEqual(download["in_flight"], InFlight([first["event"], second["event"]], True, False))
-        self.assertEqual(third["in_flight"], InFlight([download["event"]], False, True))
+        (first, second, third), (download,) = self.streams.h2d.events, self.streams.d2h.events
+        uploads, (downloaded,) = self.streams.h2d.issued, self.streams.d2h.issued
+        self.assertEqual(uploads[1].in_flight, InFlight([], False, False))
+        self.assertEqual(downloaded.in_flight, InFlight([first, second], True, False))
+        self.assertEqual(uploads[2].in_flight, InFlight([download], False, True))
         self.streams.h2d.run()
         self.streams.d2h.run()
         self.engine.h2d(host)  # landed copies are forgotten: nothing to follow
-        self.assertEqual(self.streams.h2d.issued[-1]["in_flight"], InFlight([], False, False))
+        self.assertEqual(self.streams.h2d.issued[-1].in_flight, InFlight([], False, False))
 
     def test_synchronize_waits_on_every_unfinished_event(self) -> None:
         transfers = [self.engine.h2d(torch.full((2,), float(n))) for n in range(3)]
         transfers.append(self.engine.d2h(torch.ones(2), torch.zeros(2)))
         self.engine.synchronize()
-        events = [c["event"] for c in self.streams.h2d.issued + self.streams.d2h.issued]
+        events = self.streams.h2d.events + self.streams.d2h.events
         self.assertEqual([e.synchronized for e in events], [1, 1, 1, 1])
         self.assertTrue(all(t.done() for t in transfers))
         self.engine.synchronize()  # forgotten once waited on
@@ -483,7 +482,7 @@ class TestTransferEngineOnAnyStreams(TestCase):
         self.streams.h2d.run()
         self.engine.h2d(torch.ones(2))  # the landed copy is forgotten here
         self.engine.synchronize()
-        self.assertEqual([c["event"].synchronized for c in self.streams.h2d.issued[-2:]], [0, 1])
+        self.assertEqual([e.synchronized for e in self.streams.h2d.events[-2:]], [0, 1])
 
     def test_engine_modules_check_no_stream_or_event_type(self) -> None:
         # transfer_streams' implementations answer for themselves: the engine never asks which it holds.

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from torch_fsdp_offload.transfer_bookkeeping import byte_range, overlaps
-from torch_fsdp_offload.transfer_streams import SYNCHRONOUS, CopyStream, InFlight
+from torch_fsdp_offload.transfer_streams import SYNCHRONOUS, CopyRequest, CopyStream
 
 __all__ = [
     "ENV_CPU_ASYNC_COPIES",
@@ -236,37 +236,28 @@ class CpuCopyStream:
         """See :func:`versioned_at_issue`."""
         return versioned_at_issue(tensors, written=written)
 
-    def issue(
-        self,
-        copy: Callable[[], None],
-        *,
-        label: str,
-        sources: Sequence[torch.Tensor],
-        targets: Sequence[torch.Tensor],
-        in_flight: InFlight,
-        keep_alive: Sequence[torch.Tensor],
-        device_tensor: torch.Tensor | None,
-        mark_used: bool,
-    ) -> CpuCopyEvent:
-        """Queue ``copy``: it runs after the copies queued before it here and after ``in_flight.after``.
+    def issue(self, copy: CopyRequest) -> CpuCopyEvent:
+        """Queue ``copy``: it runs after the copies queued before it here and after those it must follow.
 
-        ``sources`` and ``targets`` are flat uint8 views of the bytes the copy reads and writes. The
-        targets are filled with poison now and must still hold it when the copy lands, unless an
-        unfinished copy or this copy's own sources also touch them. The sources are snapshotted
+        The targets are filled with poison now and must still hold it when the copy lands, unless
+        an unfinished copy or this copy's own sources also touch them. The sources are snapshotted
         now, or, if an unfinished copy writes them, once the copies before this one have landed.
-        The job holds ``keep_alive`` until it ran. ``device_tensor`` and ``mark_used`` ask nothing
-        more: the calling thread's work on a CPU "device" has run, and the job holds its memory."""
-        event = CpuCopyEvent(label)
-        snapshots = [(source, None if in_flight.sources_in_flight else source.clone()) for source in sources]
-        reads, writes = [byte_range(t) for t in sources], [byte_range(t) for t in targets]
+        The job holds ``copy.keep_alive`` until it ran. ``device_tensor`` and ``mark_used`` ask
+        nothing more: the calling thread's work on a CPU "device" has run, and the job holds its
+        memory."""
+        event = CpuCopyEvent(copy.label)
+        in_flight = copy.in_flight
+        snapshots = [(source, None if in_flight.sources_in_flight else source.clone()) for source in copy.sources]
+        reads, writes = [byte_range(t) for t in copy.sources], [byte_range(t) for t in copy.targets]
         # Not where another copy or this copy's own source (a CPU "device" tensor aliasing its host
         # copy) touches the targets: the poison would corrupt what they read.
         poison = not in_flight.targets_in_use and not overlaps(reads, writes)
         if poison:
-            for destination in targets:
+            for destination in copy.targets:
                 destination.fill_(_POISON)
-        poisoned = list(targets) if poison else []
-        self._jobs.put(_Job(label, copy, tuple(in_flight.after), snapshots, poisoned, list(keep_alive), event))
+        poisoned = list(copy.targets) if poison else []
+        job = _Job(copy.label, copy.run, tuple(in_flight.after), snapshots, poisoned, list(copy.keep_alive), event)
+        self._jobs.put(job)
         return event
 
     def hand_over(self, event: CpuCopyEvent, destination: torch.Tensor, consumer: object, *, mark_used: bool) -> None:

@@ -38,7 +38,7 @@ import torch
 from torch_fsdp_offload.cpu_copy_stream import CpuCopyStreams
 from torch_fsdp_offload.platform import resolve_device
 from torch_fsdp_offload.transfer_bookkeeping import IssuedCopy, PendingCopies, byte_range
-from torch_fsdp_offload.transfer_streams import CopyStream, CopyStreams, CudaCopyStreams
+from torch_fsdp_offload.transfer_streams import CopyRequest, CopyStream, CopyStreams, CudaCopyStreams
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -475,14 +475,16 @@ class TransferEngine:
         ``mark_used``: see ``d2h``'s ``mark_src_used``."""
         reads, writes = [byte_range(t) for t in sources], [byte_range(t) for t in targets]
         event = stream.issue(
-            copy,
-            label=label,
-            sources=sources,
-            targets=targets,
-            in_flight=self._pending.in_flight(stream, reads, writes),
-            keep_alive=(host_tensor,),
-            device_tensor=None if allocated else device_tensor,
-            mark_used=mark_used,
+            CopyRequest(
+                copy,
+                label,
+                sources,
+                targets,
+                in_flight=self._pending.in_flight(stream, reads, writes),
+                keep_alive=(host_tensor,),
+                device_tensor=None if allocated else device_tensor,
+                mark_used=mark_used,
+            )
         )
         self._count(to_device, nbytes)
         issued = IssuedCopy(event, stream, reads, writes)

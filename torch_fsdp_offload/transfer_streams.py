@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "SYNCHRONOUS",
     "CopyEvent",
+    "CopyRequest",
     "CopyStream",
     "CopyStreams",
     "CudaCopyEvent",
@@ -62,6 +63,35 @@ class InFlight:
     sources_in_flight: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class CopyRequest:
+    """A copy for a :class:`CopyStream` to issue.
+
+    Attributes:
+        run (Callable[[], None]): copies the bytes (all chunks), on the stream it is run on.
+        label (str): the copy's profiler label.
+        sources (Sequence[torch.Tensor]): flat uint8 views of the bytes it reads (from
+            :meth:`CopyStream.at_issue`).
+        targets (Sequence[torch.Tensor]): flat uint8 views of the bytes it writes (likewise).
+        in_flight (InFlight): what it meets of the unfinished copies before it.
+        keep_alive (Sequence[torch.Tensor]): host tensors that must stay allocated until it finished.
+        device_tensor (torch.Tensor | None): the device tensor the caller gave (None: allocated for
+            the copy on its stream). The copy follows the work queued on the device's current
+            stream, which may have produced it or still use it.
+        mark_used (bool): with ``device_tensor``: its memory is not reused before the copy
+            finished, even if the caller frees it.
+    """
+
+    run: Callable[[], None]
+    label: str
+    sources: Sequence[torch.Tensor]
+    targets: Sequence[torch.Tensor]
+    in_flight: InFlight
+    keep_alive: Sequence[torch.Tensor]
+    device_tensor: torch.Tensor | None
+    mark_used: bool
+
+
 class CopyStream(Protocol):
     """One direction's copies, run in issue order."""
 
@@ -71,26 +101,8 @@ class CopyStream(Protocol):
     def at_issue(self, tensors: Sequence[torch.Tensor], *, written: Sequence[bool]) -> list[torch.Tensor]:
         """The tensors that a copy issued now reads and writes through (``written``: which it writes)."""
 
-    def issue(
-        self,
-        copy: Callable[[], None],
-        *,
-        label: str,
-        sources: Sequence[torch.Tensor],
-        targets: Sequence[torch.Tensor],
-        in_flight: InFlight,
-        keep_alive: Sequence[torch.Tensor],
-        device_tensor: torch.Tensor | None,
-        mark_used: bool,
-    ) -> CopyEvent:
-        """Run ``copy`` on this stream, after ``in_flight.after``, and return the event that ends it.
-
-        ``sources`` and ``targets`` are flat uint8 views of the bytes it reads and writes (from
-        :meth:`at_issue`); ``keep_alive`` the host tensors that must stay allocated until it
-        finished. ``device_tensor``: the device tensor the caller gave (None: allocated for the
-        copy on this stream); the copy follows the work queued on the device's current stream,
-        which may have produced it or still use it, and with ``mark_used`` its memory is not
-        reused before the copy finished, even if the caller frees it."""
+    def issue(self, copy: CopyRequest) -> CopyEvent:
+        """Run ``copy`` on this stream, after ``copy.in_flight.after``; return the event that ends it."""
 
     def hand_over(
         self, event: CopyEvent, destination: torch.Tensor, consumer: torch.cuda.Stream | None, *, mark_used: bool
@@ -131,8 +143,8 @@ class _Synchronous:
     def at_issue(self, tensors: Sequence[torch.Tensor], *, written: Sequence[bool]) -> list[torch.Tensor]:
         return list(tensors)
 
-    def issue(self, copy: Callable[[], None], **_: object) -> CopyEvent:
-        copy()
+    def issue(self, copy: CopyRequest) -> CopyEvent:
+        copy.run()
         return self._LANDED
 
     def hand_over(self, event: CopyEvent, destination: torch.Tensor, consumer: object, *, mark_used: bool) -> None:
@@ -187,29 +199,18 @@ class CudaCopyStream:
     def at_issue(self, tensors: Sequence[torch.Tensor], *, written: Sequence[bool]) -> list[torch.Tensor]:
         return list(tensors)
 
-    def issue(
-        self,
-        copy: Callable[[], None],
-        *,
-        label: str,
-        sources: Sequence[torch.Tensor],
-        targets: Sequence[torch.Tensor],
-        in_flight: InFlight,
-        keep_alive: Sequence[torch.Tensor],
-        device_tensor: torch.Tensor | None,
-        mark_used: bool,
-    ) -> CudaCopyEvent:
-        if device_tensor is not None:
+    def issue(self, copy: CopyRequest) -> CudaCopyEvent:
+        if copy.device_tensor is not None:
             # The current stream produced the device tensor or may still use it.
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        for earlier in in_flight.after:
+        for earlier in copy.in_flight.after:
             self.stream.wait_event(earlier.event)
-        if device_tensor is not None and mark_used:
+        if copy.device_tensor is not None and copy.mark_used:
             # Memory the caller may free while the copy runs must not be reused under it.
-            device_tensor.record_stream(self.stream)
+            copy.device_tensor.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
-            copy()
-        return CudaCopyEvent(self.stream, keep_alive)
+            copy.run()
+        return CudaCopyEvent(self.stream, copy.keep_alive)
 
     def hand_over(
         self, event: CudaCopyEvent, destination: torch.Tensor, consumer: torch.cuda.Stream | None, *, mark_used: bool
