@@ -8,6 +8,8 @@ tests add the streams, events and the buffer-lifetime rules; they are meant to p
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,6 +41,7 @@ from torch_fsdp_offload.transfer import (
     TransferStats,
     get_transfer_engine,
 )
+from torch_fsdp_offload.transfer_streams import CopyRequest, InFlight
 
 HAS_CUDA = torch.cuda.is_available()
 MiB = 1 << 20
@@ -349,6 +352,157 @@ class TestAsyncCopiesOnCPU(TestCase):
                 with cpu_async_copies(**kwargs):
                     pass
         self.gate.open()
+
+
+class _HeldEvent:
+    """A :class:`_HeldStream`'s event: the copy lands when the test runs the stream."""
+
+    def __init__(self, stream: "_HeldStream") -> None:
+        self.stream = stream
+        self.is_landed = False
+        self.synchronized = 0
+
+    def query(self) -> bool:
+        return self.is_landed
+
+    def landed(self) -> bool:
+        return self.is_landed
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.stream.run()
+
+
+class _HeldStream:
+    """A stream of the engine's interface that records what the engine asks of it and holds every
+    copy until :meth:`run`."""
+
+    def __init__(self) -> None:
+        self.issued: list[CopyRequest] = []
+        self.events: list[_HeldEvent] = []  # of each issued copy
+        self.handed_over: list[tuple] = []  # (event, destination, consumer, mark_used)
+        self.entered = 0  # times the engine ran something on the stream (allocations)
+        self._held: list[tuple] = []  # (run, event) of each copy not run yet
+
+    @contextlib.contextmanager
+    def as_current(self):
+        self.entered += 1
+        yield
+
+    def at_issue(self, tensors, *, written):
+        return list(tensors)
+
+    def issue(self, copy: CopyRequest) -> _HeldEvent:
+        event = _HeldEvent(self)
+        self.issued.append(copy)
+        self.events.append(event)
+        self._held.append((copy.run, event))
+        return event
+
+    def hand_over(self, event, destination, consumer, *, mark_used):
+        self.handed_over.append((event, destination, consumer, mark_used))
+        self.run()
+
+    def run(self) -> None:
+        """Land every held copy, in issue order."""
+        for run, event in self._held:
+            run()
+            event.is_landed = True
+        self._held = []
+
+
+class _HeldStreams:
+    def __init__(self) -> None:
+        self.h2d, self.d2h = _HeldStream(), _HeldStream()
+
+    def stream(self, to_device: bool) -> _HeldStream:
+        return self.h2d if to_device else self.d2h
+
+
+class TestTransferEngineOnAnyStreams(TestCase):
+    """The engine reaches its streams through transfer_streams' interface only: on streams of the
+    test's own, the same calls order, keep alive, hand over and count copies."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.engine = TransferEngine("cpu")
+        self.streams = self.engine._streams = _HeldStreams()
+
+    def test_copies_run_on_the_direction_stream_and_are_handed_over(self) -> None:
+        host = torch.arange(4, dtype=torch.float32)
+        up = self.engine.h2d(host, label="up")
+        back = torch.zeros(4)
+        down = self.engine.d2h(torch.ones(4), back, label="down", mark_src_used=False)
+        self.assertEqual([c.label for c in self.streams.h2d.issued], ["up"])
+        self.assertEqual([c.label for c in self.streams.d2h.issued], ["down"])
+        self.assertEqual(self.streams.h2d.entered, 1)  # the engine allocated the destination there
+        self.assertFalse(up.done())  # held by the stream: not landed, whatever the CPU did
+        self.assertEqual(self.engine.stats, TransferStats(16, 16, 1, 1))
+
+        (uploaded,), (downloaded,) = self.streams.h2d.issued, self.streams.d2h.issued
+        self.assertIsNone(uploaded.device_tensor)  # allocated for the copy: nothing to wait for
+        self.assertTrue(len(uploaded.keep_alive) == 1 and uploaded.keep_alive[0] is host)
+        self.assertEqual(downloaded.device_tensor, torch.ones(4))  # the caller's: ordered after its producer
+        self.assertFalse(downloaded.mark_used)
+
+        consumer = object()  # passed through to the stream untouched
+        self.assertEqual(up.wait(consumer), host)
+        self.assertEqual(self.streams.h2d.handed_over, [(self.streams.h2d.events[0], up.tensor, consumer, True)])
+        self.assertTrue(up.done())
+        self.assertIs(down.wait_unmarked(), back)
+        self.assertEqual(self.streams.d2h.handed_over, [(self.streams.d2h.events[0], back, None, False)])
+        self.assertEqual(back, torch.ones(4))
+
+    def test_a_copy_follows_the_unfinished_copies_of_its_memory_on_other_streams(self) -> None:
+        host = torch.full((4,), 2.0)
+        self.engine.h2d(host)
+        self.engine.h2d(host)  # same stream, reads only: no conflict
+        self.engine.d2h(torch.ones(4), host)  # writes what both uploads read
+        self.engine.h2d(host)  # reads what the download writes
+        (first, second, third), (download,) = self.streams.h2d.events, self.streams.d2h.events
+        uploads, (downloaded,) = self.streams.h2d.issued, self.streams.d2h.issued
+        self.assertEqual(uploads[1].in_flight, InFlight([], False, False))
+        self.assertEqual(downloaded.in_flight, InFlight([first, second], True, False))
+        self.assertEqual(uploads[2].in_flight, InFlight([download], False, True))
+        self.streams.h2d.run()
+        self.streams.d2h.run()
+        self.engine.h2d(host)  # landed copies are forgotten: nothing to follow
+        self.assertEqual(self.streams.h2d.issued[-1].in_flight, InFlight([], False, False))
+
+    def test_synchronize_waits_on_every_unfinished_event(self) -> None:
+        transfers = [self.engine.h2d(torch.full((2,), float(n))) for n in range(3)]
+        transfers.append(self.engine.d2h(torch.ones(2), torch.zeros(2)))
+        self.engine.synchronize()
+        events = self.streams.h2d.events + self.streams.d2h.events
+        self.assertEqual([e.synchronized for e in events], [1, 1, 1, 1])
+        self.assertTrue(all(t.done() for t in transfers))
+        self.engine.synchronize()  # forgotten once waited on
+        self.assertEqual([e.synchronized for e in events], [1, 1, 1, 1])
+        self.engine.h2d(torch.ones(2))
+        self.streams.h2d.run()
+        self.engine.h2d(torch.ones(2))  # the landed copy is forgotten here
+        self.engine.synchronize()
+        self.assertEqual([e.synchronized for e in self.streams.h2d.events[-2:]], [0, 1])
+
+    def test_engine_modules_check_no_stream_or_event_type(self) -> None:
+        # transfer_streams' implementations answer for themselves: the engine never asks which it holds.
+        for name in ("transfer.py", "transfer_bookkeeping.py"):
+            path = os.path.join(REPO_ROOT, "torch_fsdp_offload", name)
+            with open(path, encoding="utf-8") as source:
+                tree = ast.parse(source.read())
+            checks = [
+                ast.unparse(node)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass", "type")
+                and any(
+                    (n.id if isinstance(n, ast.Name) else n.attr).endswith(("Stream", "Streams", "Event"))
+                    for n in ast.walk(node)
+                    if isinstance(n, (ast.Name, ast.Attribute))
+                )
+            ]
+            self.assertEqual(checks, [], msg=name)
 
 
 @unittest.skipIf(not HAS_CUDA, "needs a GPU")

@@ -40,11 +40,15 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from torch_fsdp_offload.transfer_bookkeeping import byte_range, overlaps
+from torch_fsdp_offload.transfer_streams import SYNCHRONOUS, CopyRequest, CopyStream
+
 __all__ = [
     "ENV_CPU_ASYNC_COPIES",
     "CpuAsyncCopies",
     "CpuCopyEvent",
     "CpuCopyStream",
+    "CpuCopyStreams",
     "cpu_async_copies",
     "current_cpu_async_copies",
     "misuses_detected",
@@ -159,7 +163,7 @@ def versioned_at_issue(tensors: Sequence[torch.Tensor], *, written: Sequence[boo
 
 
 class CpuCopyEvent:
-    """Completion of one asynchronous CPU copy (the CPU counterpart of a ``torch.cuda.Event``)."""
+    """Completion of one asynchronous CPU copy (a :class:`~torch_fsdp_offload.transfer_streams.CopyEvent`)."""
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -201,11 +205,13 @@ class _Job:
     after: Sequence[CpuCopyEvent]
     sources: list[tuple[torch.Tensor, torch.Tensor | None]]  # (live bytes, snapshot; None: take it late)
     poisoned: list[torch.Tensor]
+    keep_alive: list[torch.Tensor]
     event: CpuCopyEvent
 
 
 class CpuCopyStream:
-    """One direction's copies, run in issue order by one worker thread, each after a random delay.
+    """One direction's copies, run in issue order by one worker thread, each after a random delay
+    (a :class:`~torch_fsdp_offload.transfer_streams.CopyStream`).
 
     Args:
         name (str): the direction (``"h2d"`` or ``"d2h"``), in the thread's name and the delays' seed.
@@ -222,35 +228,75 @@ class CpuCopyStream:
         )
         self._thread.start()
 
-    def submit(
-        self,
-        label: str,
-        copy: Callable[[], None],
-        *,
-        after: Sequence[CpuCopyEvent],
-        sources: Sequence[torch.Tensor],
-        destinations: Sequence[torch.Tensor],
-        poison: bool,
-        sources_in_flight: bool,
-    ) -> CpuCopyEvent:
-        """Queue ``copy``: it runs after the copies queued before it here and after ``after``.
+    def as_current(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to enter: a CPU "device" allocates and computes on the calling thread."""
+        return contextlib.nullcontext()
 
-        ``sources`` and ``destinations`` are flat uint8 views of the bytes the copy reads and writes;
-        with ``poison`` the destinations are filled with poison now and must still hold it when the
-        copy lands (False where an unfinished copy also touches them). The sources are snapshotted
-        now, or, with ``sources_in_flight`` (an unfinished copy writes them), once the copies before
-        this one have landed."""
-        event = CpuCopyEvent(label)
-        snapshots = [(source, None if sources_in_flight else source.clone()) for source in sources]
+    def at_issue(self, tensors: Sequence[torch.Tensor], *, written: Sequence[bool]) -> list[torch.Tensor]:
+        """See :func:`versioned_at_issue`."""
+        return versioned_at_issue(tensors, written=written)
+
+    def issue(self, copy: CopyRequest) -> CpuCopyEvent:
+        """Queue ``copy``: it runs after the copies queued before it here and after those it must follow.
+
+        The targets are filled with poison now and must still hold it when the copy lands, unless
+        an unfinished copy or this copy's own sources also touch them. The sources are snapshotted
+        now, or, if an unfinished copy writes them, once the copies before this one have landed.
+        The job holds ``copy.keep_alive`` until it ran. ``device_tensor`` and ``mark_used`` ask
+        nothing more: the calling thread's work on a CPU "device" has run, and the job holds its
+        memory."""
+        event = CpuCopyEvent(copy.label)
+        in_flight = copy.in_flight
+        snapshots = [(source, None if in_flight.sources_in_flight else source.clone()) for source in copy.sources]
+        reads, writes = [byte_range(t) for t in copy.sources], [byte_range(t) for t in copy.targets]
+        # Not where another copy or this copy's own source (a CPU "device" tensor aliasing its host
+        # copy) touches the targets: the poison would corrupt what they read.
+        poison = not in_flight.targets_in_use and not overlaps(reads, writes)
         if poison:
-            for destination in destinations:
+            for destination in copy.targets:
                 destination.fill_(_POISON)
-        self._jobs.put(_Job(label, copy, tuple(after), snapshots, list(destinations) if poison else [], event))
+        poisoned = list(copy.targets) if poison else []
+        job = _Job(copy.label, copy.run, tuple(in_flight.after), snapshots, poisoned, list(copy.keep_alive), event)
+        self._jobs.put(job)
         return event
+
+    def hand_over(self, event: CpuCopyEvent, destination: torch.Tensor, consumer: object, *, mark_used: bool) -> None:
+        """Block the calling thread, the consumer of a CPU copy in both directions, until it landed."""
+        event.synchronize()
 
     def close(self) -> None:
         """End the thread once the copies already queued have run."""
         self._jobs.put(None)
+
+
+class CpuCopyStreams:
+    """The copy streams of a CPU "device" (a
+    :class:`~torch_fsdp_offload.transfer_streams.CopyStreams`): synchronous copies, or, while
+    asynchronous CPU copies are on (:func:`current_cpu_async_copies`), a :class:`CpuCopyStream` per
+    direction, made on first use.
+
+    Args:
+        drain (Callable[[], None]): waits for every copy issued so far, raising the first misuse
+            found; called before the mode changes, so that the copies of the new mode do not
+            overtake those of the old.
+    """
+
+    def __init__(self, drain: Callable[[], None]) -> None:
+        self._drain = drain
+        self._streams: tuple[CpuCopyStream, CpuCopyStream] | None = None
+
+    def stream(self, to_device: bool) -> CopyStream:
+        mode = current_cpu_async_copies()
+        if self._streams is not None and (mode is None or self._streams[0].mode != mode):
+            self._drain()
+            for stream in self._streams:
+                stream.close()
+            self._streams = None
+        if mode is None:
+            return SYNCHRONOUS
+        if self._streams is None:
+            self._streams = (CpuCopyStream("h2d", mode), CpuCopyStream("d2h", mode))
+        return self._streams[0 if to_device else 1]
 
 
 def _run_jobs(jobs: queue.SimpleQueue, delays: random.Random, max_delay_ms: float) -> None:

@@ -17,27 +17,28 @@ finished:
 * a copy whose memory overlaps that of an unfinished copy on the other stream waits for it first.
 
 On a CPU "device" (HOST_ONLY, or a platform forced to another kind in CPU tests) the same API runs
-with synchronous copies and no streams, and still counts every byte, so callers can prove what they
-copy. For CI, the CPU copies can instead run late on one worker thread per direction, ending in
+with synchronous copies and no CUDA streams, and still counts every byte, so callers can prove what
+they copy. For CI, the CPU copies can instead run late on one worker thread per direction, ending in
 events, with destinations poisoned until they land and sources checked for changes while in flight
 (:mod:`torch_fsdp_offload.cpu_copy_stream`; ``TORCH_FSDP_OFFLOAD_CPU_ASYNC_COPIES=<max delay ms>``,
-set by the test suite, or :func:`~torch_fsdp_offload.cpu_copy_stream.cpu_async_copies`). Every copy
-runs under ``torch.profiler.record_function("torch_fsdp_offload::<label>")``. What the engine
+set by the test suite, or :func:`~torch_fsdp_offload.cpu_copy_stream.cpu_async_copies`). The engine
+sees every kind of stream through one interface (:mod:`torch_fsdp_offload.transfer_streams`). Every
+copy runs under ``torch.profiler.record_function("torch_fsdp_offload::<label>")``. What the engine
 remembers of the copies it issued lives in :mod:`torch_fsdp_offload.transfer_bookkeeping`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
-from torch_fsdp_offload.cpu_copy_stream import CpuCopyStream, current_cpu_async_copies, versioned_at_issue
+from torch_fsdp_offload.cpu_copy_stream import CpuCopyStreams
 from torch_fsdp_offload.platform import resolve_device
-from torch_fsdp_offload.transfer_bookkeeping import IssuedCopy, PendingCopies, byte_range, overlaps
+from torch_fsdp_offload.transfer_bookkeeping import IssuedCopy, PendingCopies, byte_range
+from torch_fsdp_offload.transfer_streams import CopyRequest, CopyStream, CopyStreams, CudaCopyStreams
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -155,7 +156,7 @@ class Transfer:
             >>> while not transfer.done():
             ...     pass
         """
-        return self._copy is None or self._copy.done()
+        return self._copy is None or self._copy.event.query()
 
     def synchronize(self) -> None:
         """Block the calling thread until the copy has finished.
@@ -169,7 +170,7 @@ class Transfer:
             >>> host_grad.sum()  # the host sees the gradient
         """
         if self._copy is not None:
-            self._copy.synchronize()
+            self._copy.event.synchronize()
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """Make the consumer wait for the copy (not for the whole copy stream); return ``tensor``.
@@ -195,17 +196,8 @@ class Transfer:
             >>> weights = get_transfer_engine("cuda").h2d(host_weights).wait()
             >>> out = inputs @ weights  # ordered after the copy on the current stream
         """
-        if self._copy is None:
-            return self.tensor
-        destination_on_host = self.tensor.device.type == "cpu"
-        if isinstance(self._copy.stream, CpuCopyStream) or (stream is None and destination_on_host):
-            self.synchronize()
-            return self.tensor
-        if stream is None:
-            stream = torch.cuda.current_stream(self.tensor.device)
-        stream.wait_event(self._copy.event)
-        if not destination_on_host and stream != self._copy.stream:
-            self.tensor.record_stream(stream)
+        if self._copy is not None:
+            self._copy.stream.hand_over(self._copy.event, self.tensor, stream, mark_used=True)
         return self.tensor
 
     def wait_unmarked(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
@@ -231,14 +223,8 @@ class Transfer:
             >>> engine.h2d_stream.wait_stream(torch.cuda.current_stream())
             >>> del transfer  # free now for the H2D stream, whose later copies follow the read
         """
-        if self._copy is None:
-            return self.tensor
-        if not isinstance(self._copy.stream, torch.cuda.Stream):
-            self.synchronize()  # a CPU copy: its consumer is the calling thread
-            return self.tensor
-        if stream is None:
-            stream = torch.cuda.current_stream(self.tensor.device)
-        stream.wait_event(self._copy.event)
+        if self._copy is not None:
+            self._copy.stream.hand_over(self._copy.event, self.tensor, stream, mark_used=False)
         return self.tensor
 
 
@@ -276,15 +262,16 @@ class TransferEngine:
         _check_chunk_bytes(chunk_bytes)
         self.chunk_bytes = chunk_bytes
         self.stats = TransferStats()
-        if self.device.type == "cuda":
-            self.h2d_stream = torch.cuda.Stream(self.device, priority=_COPY_STREAM_PRIORITY)
-            self.d2h_stream = torch.cuda.Stream(self.device, priority=_COPY_STREAM_PRIORITY)
-        else:
-            self.h2d_stream = self.d2h_stream = None
         self._pending = PendingCopies()
         self._lock = threading.RLock()
-        # Asynchronous CPU copies (h2d, d2h), made on first use; see _copy_stream.
-        self._cpu_streams: tuple[CpuCopyStream, CpuCopyStream] | None = None
+        self._streams: CopyStreams
+        if self.device.type == "cuda":
+            self._streams = CudaCopyStreams(self.device, priority=_COPY_STREAM_PRIORITY)
+            self.h2d_stream, self.d2h_stream = self._streams.h2d.stream, self._streams.d2h.stream
+        else:
+            # Synchronous copies, or late ones on worker threads while asynchronous CPU copies are on.
+            self._streams = CpuCopyStreams(drain=self.synchronize)
+            self.h2d_stream = self.d2h_stream = None
 
     # ---------------------------------------------------------------------------------------- API
 
@@ -415,20 +402,18 @@ class TransferEngine:
         allocate it (host to device only). ``mark_used``: see ``d2h``'s ``mark_src_used``."""
         nbytes = _nbytes(host_tensor)
         with self._lock, torch.profiler.record_function(_PROFILER_PREFIX + label), torch.no_grad():
-            stream = self._copy_stream(to_device)
+            stream = self._streams.stream(to_device)
             allocated = device_tensor is None
             if allocated:
-                with _on_stream(stream):
+                with stream.as_current():
                     device_tensor = torch.empty(host_tensor.shape, dtype=host_tensor.dtype, device=self.device)
             destination = device_tensor if to_device else host_tensor
             if nbytes == 0:
                 return Transfer(destination, label=label, nbytes=0)
 
-            device_bytes, host_bytes = _as_bytes(device_tensor), _as_bytes(host_tensor)
-            if isinstance(stream, CpuCopyStream):
-                device_bytes, host_bytes = versioned_at_issue(
-                    [device_bytes, host_bytes], written=[to_device, not to_device]
-                )
+            device_bytes, host_bytes = stream.at_issue(
+                [_as_bytes(device_tensor), _as_bytes(host_tensor)], written=[to_device, not to_device]
+            )
             source, target = (host_bytes, device_bytes) if to_device else (device_bytes, host_bytes)
 
             def copy() -> None:
@@ -446,18 +431,16 @@ class TransferEngine:
         of ``src``'s dtype, reused for every chunk (the stream orders them), and is cast into ``dst``."""
         nbytes = _nbytes(src)
         with self._lock, torch.profiler.record_function(_PROFILER_PREFIX + label), torch.no_grad():
-            stream = self._copy_stream(True)
+            stream = self._streams.stream(True)
             allocated = dst is None
             if allocated:
-                with _on_stream(stream):
+                with stream.as_current():
                     dst = torch.empty(src.shape, dtype=dtype, device=self.device)
             if nbytes == 0:
                 return Transfer(dst, label=label, nbytes=0)
-            flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
-            if isinstance(stream, CpuCopyStream):
-                flat_src, flat_dst = versioned_at_issue([flat_src, flat_dst], written=[False, True])
+            flat_src, flat_dst = stream.at_issue([src.reshape(-1), dst.reshape(-1)], written=[False, True])
             chunks = _chunks(src.numel(), max(1, chunk_bytes // src.element_size()))
-            with _on_stream(stream):
+            with stream.as_current():
                 # Allocated on the copy stream and only used there: when it is dropped, the
                 # allocator hands it out again only to later work of this stream, which runs after
                 # these casts.
@@ -472,28 +455,10 @@ class TransferEngine:
             sources, targets = [_as_bytes(flat_src)], [_as_bytes(flat_dst)]
             return self._launch(copy, stream, True, sources, targets, dst, allocated, src, dst, label, nbytes)
 
-    def _copy_stream(self, to_device: bool) -> torch.cuda.Stream | CpuCopyStream | None:
-        """The stream a copy runs on: this engine's CUDA stream of that direction; on a CPU device, a
-        :class:`CpuCopyStream` when asynchronous CPU copies are on, else None (a synchronous copy,
-        issued once the asynchronous ones before it have finished)."""
-        if self.device.type == "cuda":
-            return self.h2d_stream if to_device else self.d2h_stream
-        mode = current_cpu_async_copies()
-        if self._cpu_streams is not None and (mode is None or self._cpu_streams[0].mode != mode):
-            self.synchronize()  # the new streams (or synchronous copies) must not overtake these
-            for stream in self._cpu_streams:
-                stream.close()
-            self._cpu_streams = None
-        if mode is None:
-            return None
-        if self._cpu_streams is None:
-            self._cpu_streams = (CpuCopyStream("h2d", mode), CpuCopyStream("d2h", mode))
-        return self._cpu_streams[0 if to_device else 1]
-
     def _launch(
         self,
         copy: Callable[[], None],
-        stream: torch.cuda.Stream | CpuCopyStream | None,
+        stream: CopyStream,
         to_device: bool,
         sources: Sequence[torch.Tensor],
         targets: Sequence[torch.Tensor],
@@ -506,42 +471,23 @@ class TransferEngine:
         mark_used: bool = True,
     ) -> Transfer:
         """Run ``copy`` (reading the byte views ``sources``, writing ``targets``) on ``stream``,
-        ordered after what it must follow, count it, and end it in an event the engine tracks.
+        ordered after what it must follow, count it, and track the event that ends it.
         ``mark_used``: see ``d2h``'s ``mark_src_used``."""
-        if stream is None:
-            copy()
-            self._count(to_device, nbytes)
-            return Transfer(destination, label=label, nbytes=nbytes)
         reads, writes = [byte_range(t) for t in sources], [byte_range(t) for t in targets]
-        conflicting, writes_in_use, reads_in_flight = self._pending.unfinished_conflicts(stream, reads, writes)
-        if isinstance(stream, CpuCopyStream):
-            event = stream.submit(
-                label,
+        event = stream.issue(
+            CopyRequest(
                 copy,
-                after=[earlier.event for earlier in conflicting],
-                sources=sources,
-                destinations=targets,
-                # Nor where the copy reads what it writes (a CPU "device" tensor aliasing its host copy).
-                poison=not writes_in_use and not overlaps(reads, writes),
-                sources_in_flight=reads_in_flight,
+                label,
+                sources,
+                targets,
+                in_flight=self._pending.in_flight(stream, reads, writes),
+                keep_alive=(host_tensor,),
+                device_tensor=None if allocated else device_tensor,
+                mark_used=mark_used,
             )
-        else:
-            if not allocated:
-                # The current stream produced the device tensor or may still use it.
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-            for earlier in conflicting:
-                stream.wait_event(earlier.event)
-            if not allocated and mark_used:
-                # Memory the caller may free while the copy runs must not be reused under it.
-                device_tensor.record_stream(stream)
-            with torch.cuda.stream(stream):
-                copy()
-            event = torch.cuda.Event()
-            event.record(stream)
+        )
         self._count(to_device, nbytes)
-        # A CPU copy's job holds its buffers itself and drops them as it lands.
-        keep_alive = () if isinstance(stream, CpuCopyStream) else (host_tensor,)
-        issued = IssuedCopy(event, stream, reads, writes, keep_alive=keep_alive)
+        issued = IssuedCopy(event, stream, reads, writes)
         self._pending.add(issued)
         return Transfer(destination, label=label, nbytes=nbytes, copy=issued)
 
@@ -579,10 +525,6 @@ def _check_same(dst: torch.Tensor, src: torch.Tensor, fn: str, dtype: torch.dtyp
             f"{fn}: dst ({dst.dtype}, {dst.numel()} elements) must match src ({src.dtype}, "
             f"{src.numel()} elements){cast}; give a dst of that dtype and size{hint}"
         )
-
-
-def _on_stream(stream: torch.cuda.Stream | CpuCopyStream | None):
-    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
 
 
 _engines: dict[torch.device, TransferEngine] = {}
