@@ -67,7 +67,7 @@ def _train_in_parity(case, reference, reference_optim, model, optim, *, batch_sh
         check_sharded_parity(case, reference, model)  # before step(): nothing stepped early
         for o in (reference_optim, optim):
             o.step()
-        overlapped += len(optim._finishing)
+        overlapped += len(optim._finishing_steps.pending)
         for o in (reference_optim, optim):
             o.zero_grad(set_to_none=set_to_none(iteration))
         check_sharded_parity(case, reference, model)  # after step(): the reads wait for the steps

@@ -101,7 +101,7 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
                     m.set_requires_gradient_sync(last)
                     loss = parity._loss(m, tokens)
                     (loss * math.inf if step == nonfinite_step and last else loss).backward()
-            for early_step in optim._pending.values():  # a group stepping during backward shows now
+            for early_step in optim._host_steps.during_backward.values():  # a group stepping during backward shows now
                 early_step.result()
             self._assert_as_plain(model, reference, optim, reference_optim, f"step {step}, before step()")
             for m in (reference, model):
@@ -114,7 +114,7 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
                     torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
                 reference_optim.step()
             optim.step()
-            waited += len(optim._finishing)
+            waited += len(optim._finishing_steps.pending)
             if zero_before_reads:
                 for o in (reference_optim, optim):
                     o.zero_grad(set_to_none=set_to_none)
