@@ -293,7 +293,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return loss
         # Taken before any step is submitted: a first step adds the state it creates meanwhile.
         offloaded = self._inner.offloaded_groups()
-        guarded = {owner: changed_by_step(owner, self.state) for owner in offloaded} if self.overlap_next_forward else {}
+        guarded = {}
+        if self.overlap_next_forward:
+            guarded = {owner: changed_by_step(owner, self.state) for owner in offloaded}
         running = self._start_steps()
         # The gradients are plain DTensors again (a clip still to apply stays recorded).
         self._end_cycle(learned_safe)
@@ -310,8 +312,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _check_steps_during_backward(self) -> bool:
-        """Refuse the step if a group that stepped during backward would step otherwise now;
-        return whether the gradients arrived in the pattern that makes overlap safe."""
+        """Refuse the step where a group that stepped during backward did so with other
+        hyperparameters or gradients than this step has; return whether the gradients arrived in
+        the pattern that makes overlap safe."""
         stepped = self._host_steps.during_backward
         if any(self._inner.hyperparameters_changed(owner) for owner in stepped):
             self._refuse_step(HYPERPARAMETERS_CHANGED)
@@ -399,8 +402,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         step raised.
 
         Call it also before dropping the model and the optimizer: a step still running holds the
-        optimizer, and through it the groups' memory, until it ends (and the model, whose FSDP
-        state holds reference cycles, then waits for the next garbage collection).
+        optimizer's parts (its inner optimizers and their state), and through them the groups'
+        memory, until it ends (and the model, whose FSDP state holds reference cycles, then waits
+        for the next garbage collection).
 
         Example::
 
