@@ -140,8 +140,8 @@ class _LandedNorm:
         self.versions: tuple[int, int] | None = None
 
     def __reduce__(self) -> tuple:
-        # A copy of the gradient (deepcopy, torch.save) is another tensor, whose norm nobody
-        # computed: it holds None instead (and an event cannot be copied).
+        # A pickled gradient (torch.save) carries its attributes; the tensor loaded is another,
+        # whose norm nobody computed: it holds None instead (and an event cannot be pickled).
         return type(None), ()
 
 
