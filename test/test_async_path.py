@@ -21,7 +21,7 @@ from torch.testing._internal.common_utils import instantiate_parametrized_tests,
 from common_offload import GlooMultiProcessTestCase, HostStepGate
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload.optimizer import dtensor_grads
-from torch_fsdp_offload.optimizer import offload_optimizer
+from torch_fsdp_offload.optimizer import host_steps
 from torch_fsdp_offload.transfer import get_transfer_engine, TransferEngine
 
 DIM = 8
@@ -234,16 +234,16 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         started = threading.Event()
         compute_norms = dtensor_grads.compute_norms
 
-        def recording_compute_norms(grads):
+        def recording_compute_norms(grads, pool):
             started.set()
-            return compute_norms(grads)
+            return compute_norms(grads, pool)
 
         started_in_backward = []
         _on_backward_of_first_layer.append(
             lambda: started_in_backward.append((started.wait(_HOST_STEP_TIMEOUT_S), _RecordingAdamW.started.is_set()))
         )
         try:
-            with mock.patch.object(offload_optimizer, "compute_norms", recording_compute_norms):
+            with mock.patch.object(host_steps, "compute_norms", recording_compute_norms):
                 self._step(model, optim, 1)
         finally:
             _on_backward_of_first_layer.clear()
@@ -324,18 +324,18 @@ class AsyncPathTest(GlooMultiProcessTestCase):
             self._step(model, optim, step)
         optim.synchronize()
         stepped = []
-        host_step = offload_optimizer.OffloadOptimizer._host_step
+        step_group = host_steps.HostSteps._step_group
 
-        def recording_host_step(self_, owner, inner):
+        def recording_step_group(self_, owner, inner):
             stepped.append(owner.label())
-            return host_step(self_, owner, inner)
+            return step_group(self_, owner, inner)
 
         generator = torch.Generator().manual_seed(200 + self.rank)
         model(torch.randn(3, DIM, generator=generator)).backward()
-        groups = sorted((owner for owner in optim._inner if owner is not None), key=lambda owner: owner.forward_index())
+        groups = sorted(optim._inner.offloaded_groups(), key=lambda owner: owner.forward_index())
         for owner in groups:
             owner.wait_grads()
-        with mock.patch.object(offload_optimizer.OffloadOptimizer, "_host_step", recording_host_step):
+        with mock.patch.object(host_steps.HostSteps, "_step_group", recording_step_group):
             optim.step()
             optim.synchronize()
         optim.zero_grad()

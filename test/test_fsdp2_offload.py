@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -26,12 +29,15 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase, HostStepGate
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload.optimizer import step_worker, streamed_steps
+from torch_fsdp_offload.optimizer.host_steps import HostSteps
+from torch_fsdp_offload.optimizer.streamed_steps import StreamedSteps
 from torch_fsdp_offload.data_path.group_offload import GroupOffload
 from torch_fsdp_offload.memory import empty_cache, memory_stats
 from torch_fsdp_offload.planner.report import Recommendation
 from torch_fsdp_offload.transfer import get_transfer_engine, TransferEngine
 
 STEPS = 10
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class TiedBlocksModel(nn.Module):
@@ -120,9 +126,9 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
             engine.synchronize()  # a copy in flight (the next forward's prefetch) holds its buffer
             empty_cache()
             self.assertEqual(memory_stats()["host_bytes"], 0)
-        # Dropped while a host step still runs (no synchronize()): the step holds the optimizer
-        # until it ends; then the optimizer goes by reference count and the model at the next
-        # collection.
+        # Dropped while a host step still runs (no synchronize()): the optimizer goes by reference
+        # count at once, while the step holds the parts it runs (inner optimizers, state) until it
+        # ends; then nothing may keep the model alive past the next collection.
         gate = HostStepGate()
         model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer="host"), None, MixedPrecisionPolicy())
         optim = OffloadOptimizer(model, gate.optimizer_class(torch.optim.AdamW), lr=1e-2, overlap_next_forward=True)
@@ -135,21 +141,13 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
         still_running = gate.holds_a_step()
         model_ref, optim_ref = weakref.ref(model), weakref.ref(optim)
         del model, optim
-        gc.collect()
         self.assertTrue(still_running)
-        self.assertIsNotNone(optim_ref())
-        gate.open()
-        deadline = time.monotonic() + 10
-        while optim_ref() is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
         self.assertIsNone(optim_ref())
-        # The optimizer was freed on its worker thread (the step held the last reference), which
-        # may still be releasing what the optimizer held when the weak reference reads None: the
-        # thread ends once that is done, and then nothing may keep the model alive.
-        # The gradient-norm threads serve every optimizer of the process, like the engine's copy
-        # threads, and hold nothing of a model between norms.
+        gate.open()
+        # The parts are freed on the step's thread (the step held the last reference), which ends
+        # once that is done and the thread is idle; so do the gradient-norm threads.
         for thread in threading.enumerate():
-            if thread.ident not in threads_before and not thread.name.startswith("torch_fsdp_offload-grad-norms"):
+            if thread.ident not in threads_before:
                 thread.join(timeout=10)
                 self.assertFalse(thread.is_alive(), thread.name)
         gc.collect()
@@ -178,7 +176,8 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
                 None,
                 MixedPrecisionPolicy(),
             )
-            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+            # Host steps finished when step() returns: its host time counts them.
+            optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap_next_forward=False)
             _loss(model, _batch(0, 0)).backward()
             optim.step()
             self.assertEqual(optim.stepped_numel, expected(model), msg=f"module_fraction={module_fraction}")
@@ -228,11 +227,27 @@ class HostStepWorkerOrderTest(TestCase):
         for future in futures:
             future.result(timeout=10)
         self.assertEqual(order, ["c", "b", "a"])
-        eager.shutdown()
-        eager._thread.join(timeout=10)
-        worker.shutdown()
-        worker._thread.join(timeout=10)
-        self.assertFalse(worker._thread.is_alive())
+        # Idle, each thread ends by itself: nothing of a dropped optimizer stays behind.
+        for thread in threading.enumerate():
+            if thread.name in ("test_worker", "test_eager_worker"):
+                thread.join(timeout=10)
+                self.assertFalse(thread.is_alive(), thread.name)
+
+    def test_interpreter_exit_waits_for_submitted_steps(self):
+        # A step killed half-way inside a kernel or a copy aborts the process: the interpreter
+        # waits for every submitted step, even one still queued, before it starts to exit (its
+        # exit handlers run after).
+        code = (
+            "import atexit, time\n"
+            "from torch_fsdp_offload.optimizer.step_worker import StepWorker\n"
+            "atexit.register(print, 'exiting')\n"
+            "worker = StepWorker('exit_test')\n"
+            "worker.submit(time.sleep, 0.5)\n"
+            "worker.submit(print, 'stepped')\n"
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual((done.returncode, done.stdout), (0, "stepped\nexiting\n"), done.stderr)
 
 
 class RecommendationApplyTest(GlooMultiProcessTestCase):
@@ -362,7 +377,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         # Host steps may still run (overlap_next_forward): reading parameters directly needs
         # synchronize(); the model's state_dict() waits by itself.
         model.state_dict()
-        self.assertEqual(optim._finishing, {})
+        self.assertEqual(optim._finishing_steps.pending, {})
         for (name, param), (_, reference_param) in zip(model.named_parameters(), reference.named_parameters()):
             self.assertEqual(param.full_tensor(), reference_param.full_tensor(), atol=0, rtol=0, msg=name)
         if expect_copies:
@@ -399,26 +414,25 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self._run_parity(policy=CoherentOffload(platform="discrete"), grad_accum=2, overlap_next_forward=True)
         self._run_parity(policy=CoherentOffload(platform="discrete", optimizer=0.5), overlap_next_forward=True)
         # Slow host steps: still running when step() returns, zero_grad() and the forward come.
-        step_inner = OffloadOptimizer._step_inner
+        step_now = HostSteps.step_now
 
-        def slow_step_inner(optimizer, owner, copy_hyperparameters=True):
-            if owner is not None:
-                time.sleep(0.02)
-            step_inner(optimizer, owner, copy_hyperparameters)
+        def slow_step_now(host, owner, copy_hyperparameters=True):
+            time.sleep(0.02)
+            step_now(host, owner, copy_hyperparameters)
 
-        with mock.patch.object(OffloadOptimizer, "_step_inner", slow_step_inner):
+        with mock.patch.object(HostSteps, "step_now", slow_step_now):
             # The scheduler changes lr while earlier steps still run: each used its own lr.
             self._run_parity(policy=CoherentOffload(platform="discrete"), overlap_next_forward=True, lr_schedule=True)
         # Slow streamed steps: their pipeline still runs in its own thread when step() returns,
         # zero_grad(), the scheduler and the next forward come; each group's copy-in waits.
-        step_run = OffloadOptimizer._step_run
+        step_run = StreamedSteps._step_run
 
-        def slow_step_run(optimizer, owner, run, upload, scales):
+        def slow_step_run(streamed, owner, run, upload, scales):
             time.sleep(0.02)
-            return step_run(optimizer, owner, run, upload, scales)
+            return step_run(streamed, owner, run, upload, scales)
 
-        with mock.patch.object(OffloadOptimizer, "_step_run", slow_step_run), mock.patch.object(
-            OffloadOptimizer, "_submit_stream_steps", autospec=True, side_effect=OffloadOptimizer._submit_stream_steps
+        with mock.patch.object(StreamedSteps, "_step_run", slow_step_run), mock.patch.object(
+            StreamedSteps, "_submit_stream_steps", autospec=True, side_effect=StreamedSteps._submit_stream_steps
         ) as submitted:
             self._run_parity(
                 policy=CoherentOffload(platform="discrete", optimizer="stream"), overlap_next_forward=True, lr_schedule=True
@@ -427,19 +441,19 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self.assertEqual(submitted.call_count, STEPS - 1)
         # One parameter per pipelined run: uploads of the next run overlap this run's step.
         with mock.patch.object(streamed_steps, "STREAM_RUN_BYTES", 1), mock.patch.object(
-            OffloadOptimizer, "_step_run", autospec=True, side_effect=step_run
+            StreamedSteps, "_step_run", autospec=True, side_effect=step_run
         ) as runs:
             self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
         # Every step after the first (which creates the state) is pipelined, in several runs.
         self.assertGreater(runs.call_count, 2 * (STEPS - 1))
         # The window: never more than STREAM_RUNS_IN_FLIGHT runs uploaded and not yet landed.
         uploaded, stepped, landed, widest = [0], [0], set(), [0]
-        upload_run = OffloadOptimizer._upload_run
+        upload_run = StreamedSteps._upload_run
 
-        def counting_upload(optimizer, owner, run):
+        def counting_upload(streamed, owner, run):
             uploaded[0] += 1
             widest[0] = max(widest[0], uploaded[0] - len(landed))
-            return upload_run(optimizer, owner, run)
+            return upload_run(streamed, owner, run)
 
         class Landing:
             def __init__(self, transfer, run_index):
@@ -449,13 +463,13 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
                 self.transfer.synchronize()
                 landed.add(self.run_index)
 
-        def recording_step(optimizer, owner, run, upload, scales):
+        def recording_step(streamed, owner, run, upload, scales):
             stepped[0] += 1
-            return [Landing(t, stepped[0]) for t in step_run(optimizer, owner, run, upload, scales)]
+            return [Landing(t, stepped[0]) for t in step_run(streamed, owner, run, upload, scales)]
 
         with mock.patch.object(streamed_steps, "STREAM_RUN_BYTES", 1), mock.patch.object(
-            OffloadOptimizer, "_upload_run", counting_upload
-        ), mock.patch.object(OffloadOptimizer, "_step_run", recording_step):
+            StreamedSteps, "_upload_run", counting_upload
+        ), mock.patch.object(StreamedSteps, "_step_run", recording_step):
             self._run_parity(policy=CoherentOffload(platform="discrete", optimizer="stream"))
         self.assertEqual(widest[0], streamed_steps.STREAM_RUNS_IN_FLIGHT)
 

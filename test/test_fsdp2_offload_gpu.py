@@ -249,7 +249,7 @@ class CoherentOffloadGPUTest(TestCase):
                 engine.stats.reset()
                 losses = [self._train_step(model, optim, step) for step in range(10)]
                 optim.synchronize()
-                mirrors = [owner.mirror for owner in optim._inner if owner is not None]
+                mirrors = [owner.mirror for owner in optim._inner.offloaded_groups()]
                 trained[cast_on] = (model, torch.stack(losses), engine.stats.h2d_bytes, mirrors)
             (host_model, host_losses, host_h2d, _), (model, losses, h2d, mirrors) = trained["host"], trained["device"]
             self.assertEqual(losses, host_losses, atol=0, rtol=0)

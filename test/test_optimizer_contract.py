@@ -10,7 +10,9 @@ copy runs through the transfer engine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
+import io
 import math
 import time
 from unittest import mock
@@ -18,11 +20,11 @@ from unittest import mock
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import distribute_tensor, DTensor, Shard
 from torch.testing._internal.common_utils import run_tests
 
 import test_fsdp2_offload as parity
-from common_offload import GlooMultiProcessTestCase, HostStepGate
+from common_offload import GlooMultiProcessTestCase, HostStepGate, SingleRankGlooTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload.optimizer import dtensor_grads
 from torch_fsdp_offload.optimizer import streamed_steps
@@ -101,7 +103,7 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
                     m.set_requires_gradient_sync(last)
                     loss = parity._loss(m, tokens)
                     (loss * math.inf if step == nonfinite_step and last else loss).backward()
-            for early_step in optim._pending.values():  # a group stepping during backward shows now
+            for early_step in optim._host_steps.during_backward.values():  # a group stepping during backward shows now
                 early_step.result()
             self._assert_as_plain(model, reference, optim, reference_optim, f"step {step}, before step()")
             for m in (reference, model):
@@ -230,6 +232,22 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
     def test_gradient_accumulation(self):
         self.init_gloo()
         self._train(grad_accum=2, user_clip=0.05)
+
+
+class GradientsSavedBeforeStepTest(SingleRankGlooTestCase):
+    def test_torch_save_of_a_landed_gradient(self):
+        # Between backward and step() a landed gradient carries the norm computed as it landed
+        # (dtensor_grads): saving it, as with plain FSDP2, saves its values; the norm stays behind.
+        grad = distribute_tensor(torch.randn(8), init_device_mesh("cpu", (1,)), [Shard(0)])
+        dtensor_grads.watch_grad(grad)
+        dtensor_grads.expect_norms([grad])
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            dtensor_grads.compute_norms([grad], pool)
+        saved = io.BytesIO()
+        torch.save(grad, saved)
+        saved.seek(0)
+        self.assertEqual(_full(torch.load(saved, weights_only=False)), _full(grad), atol=0, rtol=0)
+        dtensor_grads.unwatch_grad(grad)
 
 
 class OffloadOptimizerContractWorldSize1Test(OffloadOptimizerContractTest):

@@ -68,6 +68,8 @@ class GroupOffload:
         # The group's host optimizer step when it may still be running after step() returned
         # (OffloadOptimizer(overlap_next_forward=True)); copy-in waits for it.
         self.update_pending: Any = None
+        # The OffloadOptimizer stepping the group, weakly (optimizer.groups.attach_optimizer).
+        self.optimizer_ref: weakref.ref | None = None
 
     @property
     def offloaded(self) -> bool:

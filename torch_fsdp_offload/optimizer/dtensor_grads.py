@@ -13,13 +13,12 @@ Note: [Exact clipping at full overlap] in docs/design.md): ``_foreach_norm`` ret
 :func:`compute_norms` computed from the landed local shards (the same kernel on the same bytes,
 so the same bits), wrapped as DTensor's own op would wrap them, and ``_foreach_mul_`` by a scalar
 is recorded, to be applied by :func:`apply_scales` in the thread that steps the group, before
-any other op reads the gradient.
+any other op reads the gradient. Both are held on the gradient itself, as attributes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -28,7 +27,6 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_fsdp_offload.optimizer.pending_updates import in_step
 
@@ -42,10 +40,11 @@ __all__ = [
     "watch_grad",
 ]
 
-# Watched gradient -> its _LandedNorm.
-_norms: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# Gradient -> the scalars it is still to be multiplied by, in order.
-_scales: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Held on the gradient itself: a watched gradient's _LandedNorm, and the scalars a gradient is still
+# to be multiplied by, in order.
+_NORM = "_torch_fsdp_offload_landed_norm"
+_SCALES = "_torch_fsdp_offload_scales"
+# Guards both attributes: the thread that steps a group takes its scales while the caller's records.
 _lock = threading.Lock()
 #: Norm reads of watched gradients: ``"served"`` from the landed norms, ``"computed"`` by the op
 #: itself (the gradient changed since it landed, or its norm is not an entire 2-norm).
@@ -86,7 +85,7 @@ class _WatchedGrad(DTensor):
             if type(tensor) is _WatchedGrad:
                 # Its norm may be computing in another thread: no op of this one beside it.
                 with _lock:
-                    entry = _norms.get(tensor)
+                    entry = tensor.__dict__.get(_NORM)
                 if entry is not None:
                     entry.ready.wait()
                 apply_scales(tensor)
@@ -140,6 +139,11 @@ class _LandedNorm:
         self.local: torch.Tensor | None = None
         self.versions: tuple[int, int] | None = None
 
+    def __reduce__(self) -> tuple:
+        # A pickled gradient (torch.save) carries its attributes; the tensor loaded is another,
+        # whose norm nobody computed: it holds None instead (and an event cannot be pickled).
+        return type(None), ()
+
 
 def _versions(grad: DTensor) -> tuple[int, int]:
     return grad._version, grad._local_tensor._version
@@ -166,12 +170,12 @@ def _landed_norms(tensors: list, ord: Any = 2, dtype: Any = None) -> list[DTenso
     if ord != 2 or dtype is not None:
         return None
     with _lock:
-        entries = [_norms.get(tensor) for tensor in tensors]
+        entries = [tensor.__dict__.get(_NORM) for tensor in tensors]
     if any(entry is None for entry in entries):
         return None
     for entry in entries:
         entry.ready.wait()
-    if any(entry.local is None or entry.versions != _versions(t) or t in _scales for entry, t in zip(entries, tensors)):
+    if any(entry.local is None or entry.versions != _versions(t) or _SCALES in t.__dict__ for entry, t in zip(entries, tensors)):
         return None
     norms = []
     for entry, tensor in zip(entries, tensors):
@@ -192,7 +196,7 @@ def _defer_scale(tensors: list, other: Any) -> bool:
         return False
     with _lock:
         for tensor in tensors:
-            _scales.setdefault(tensor, []).append(scale)
+            tensor.__dict__.setdefault(_SCALES, []).append(scale)
     for tensor in tensors:
         torch.autograd.graph.increment_version(tensor)
     return True
@@ -204,12 +208,7 @@ def expect_norms(grads: Iterable[torch.Tensor | None]) -> None:
     with _lock:
         for grad in grads:
             if type(grad) is _WatchedGrad:
-                _norms[grad] = _LandedNorm()
-
-
-# The 2-norm of a CPU tensor runs on one core whatever the thread count: the norms of a
-# group's gradients run side by side in these threads (each kernel releases the GIL).
-_norm_pool: concurrent.futures.ThreadPoolExecutor | None = None
+                grad.__dict__[_NORM] = _LandedNorm()
 
 
 def _local_norm(entry: _LandedNorm, local: torch.Tensor) -> None:
@@ -220,23 +219,18 @@ def _local_norm(entry: _LandedNorm, local: torch.Tensor) -> None:
         entry.ready.set()
 
 
-def compute_norms(grads: Iterable[torch.Tensor | None]) -> None:
+def compute_norms(grads: Iterable[torch.Tensor | None], pool: concurrent.futures.Executor) -> None:
     """Start the 2-norm of each gradient's local shard that :func:`expect_norms` named, now that
-    its bytes are final: each in a thread of its own pool (the same kernel on the same bytes as
-    the caller's norm op, so the same bits); ``_foreach_norm`` over them waits for each."""
-    global _norm_pool
+    its bytes are final: each in a thread of ``pool`` (the same kernel on the same bytes as the
+    caller's norm op, so the same bits); ``_foreach_norm`` over them waits for each."""
     for grad in grads:
         with _lock:
-            entry = _norms.get(grad) if grad is not None else None
+            entry = grad.__dict__.get(_NORM) if grad is not None else None
         if entry is None:
             continue
         entry.versions = _versions(grad)
-        if _norm_pool is None:
-            _norm_pool = concurrent.futures.ThreadPoolExecutor(
-                max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="torch_fsdp_offload-grad-norms"
-            )
         try:
-            _norm_pool.submit(_local_norm, entry, grad._local_tensor)
+            pool.submit(_local_norm, entry, grad._local_tensor)
         except RuntimeError:  # the interpreter is shutting down: no norm, the op computes it
             entry.ready.set()
 
@@ -247,7 +241,7 @@ def take_scales(grad: torch.Tensor | None) -> list[torch.Tensor]:
     if grad is None:
         return []
     with _lock:
-        scales = _scales.pop(grad, None)
+        scales = grad.__dict__.pop(_SCALES, None)
     device = grad._local_tensor.device
     return [scale.to(device) for scale in scales or ()]
 
@@ -272,4 +266,4 @@ def unwatch_grad(grad: torch.Tensor | None) -> None:
     if type(grad) is _WatchedGrad:
         grad.__class__ = DTensor
         with _lock:
-            _norms.pop(grad, None)
+            grad.__dict__.pop(_NORM, None)

@@ -10,19 +10,17 @@ the integration can import it without pulling the optimizer in.
 from __future__ import annotations
 
 import concurrent.futures
-import warnings
 import weakref
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = [
     "OffloadedGroup",
     "StreamedGroup",
     "attach_optimizer",
-    "mark_internal",
+    "managed_group",
     "notify_grads_ready",
     "offloaded_group",
     "register_offloaded_group",
@@ -42,6 +40,10 @@ class OffloadedGroup(Protocol):
     #: Its step while it may still run after ``step()`` returned (``overlap_next_forward``): set
     #: and cleared by the optimizer; the group's next copy-in waits for it.
     update_pending: concurrent.futures.Future | None
+    #: The ``OffloadOptimizer`` that steps the group, told when its gradients land: a weak reference
+    #: (the optimizer holds its groups, and a dropped one must not live on), set by
+    #: :func:`attach_optimizer`; None until an optimizer steps the group.
+    optimizer_ref: weakref.ref | None
     #: The group's ``ResolvedPlan``: its ``optimizer_gpu_fraction`` picks the streamed groups, its
     #: ``chunk_bytes`` sizes their uploads.
     plan: Any
@@ -110,54 +112,17 @@ class StreamedGroup(OffloadedGroup, Protocol):
 
 # Set on each parameter a group manages (parameters compare elementwise, so no dict keys).
 _GROUP_ATTRIBUTE = "_torch_fsdp_offload_group"
-# Weak both ways: a strong value would keep its key alive (the optimizer holds its groups), and
-# with them every pinned buffer of a model the user dropped.
-_optimizer_by_group: weakref.WeakKeyDictionary[OffloadedGroup, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def register_offloaded_group(group: OffloadedGroup) -> None:
     """Called by the FSDP integration for every parameter group CoherentOffload manages."""
     for param in group.params:
         setattr(param, _GROUP_ATTRIBUTE, weakref.ref(group))
-    global _plain_step_hook
-    if _plain_step_hook is None:
-        _plain_step_hook = register_optimizer_step_pre_hook(_warn_plain_optimizer)
-
-
-# OffloadOptimizer and the optimizers it runs inside: they step offloaded groups where they should.
-_internal: weakref.WeakSet = weakref.WeakSet()
-# Optimizers already looked at by _warn_plain_optimizer.
-_seen: weakref.WeakSet = weakref.WeakSet()
-_plain_step_hook: Any = None
-_warned = False
-PLAIN_OPTIMIZER = (
-    "{name} steps parameters that CoherentOffload keeps in host memory: each step runs on the "
-    "training loop's thread after backward, as with stock CPU offload, and the GPU waits for it. "
-    "Wrap the class instead, OffloadOptimizer(model, {name}, ...), to step each group off the "
-    "critical path (torch.optim's contract is kept)."
-)
-
-
-def mark_internal(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer`` is OffloadOptimizer or one it runs: no plain-optimizer warning for it."""
-    _internal.add(optimizer)
-
-
-def _warn_plain_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Once per process: a plain torch.optim optimizer steps offloaded parameters."""
-    global _warned
-    if _warned or optimizer in _internal or optimizer in _seen:
-        return
-    _seen.add(optimizer)
-    if any(offloaded_group(param) is not None for group in optimizer.param_groups for param in group["params"]):
-        _warned = True
-        warnings.warn(PLAIN_OPTIMIZER.format(name=type(optimizer).__name__), stacklevel=3)
 
 
 def notify_grads_ready(group: OffloadedGroup, *, is_last_backward: bool) -> None:
     """Called by the FSDP integration once a group's gradient copy to the host was issued."""
-    optimizer_ref = _optimizer_by_group.get(group)
-    optimizer = optimizer_ref() if optimizer_ref is not None else None
+    optimizer = group.optimizer_ref() if group.optimizer_ref is not None else None
     if optimizer is not None:
         optimizer._on_grads_ready(group, is_last_backward)
 
@@ -165,7 +130,7 @@ def notify_grads_ready(group: OffloadedGroup, *, is_last_backward: bool) -> None
 def attach_optimizer(group: OffloadedGroup, optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer`` (an ``OffloadOptimizer``) the one :func:`notify_grads_ready` tells about
     ``group``."""
-    _optimizer_by_group[group] = weakref.ref(optimizer)
+    group.optimizer_ref = weakref.ref(optimizer)
 
 
 def managed_group(param: nn.Parameter) -> OffloadedGroup | None:

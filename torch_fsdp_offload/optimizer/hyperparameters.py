@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["copy_hyperparameters", "hyperparameters_changed"]
+__all__ = ["copy_hyperparameters", "GroupPairs", "hyperparameters_changed"]
 
 # (inner group, outer group) pairs: the inner optimizer's group and the user-visible group it
 # takes its hyperparameters from.

@@ -8,16 +8,13 @@ keeps one inner optimizer per offloaded FSDP parameter group, so each group's ho
 soon as that group's gradients have landed, overlapping the rest of backward, and refreshes the
 group's compute-dtype mirror right after (``CoherentOffload(cast_on="host")``), ready for the next
 forward's copy-in. This module holds the wrapper (construction, ``step``, ``zero_grad``, state
-dicts, pickling); the host steps, the streamed steps and the learned overlap live in their own
-modules of this package.
+dicts); it owns its parts, each in a module of this package: the inner optimizers, the host steps,
+the streamed steps, the learned overlap, and the steps that finish after ``step()`` returned.
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
-import threading
-import time
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -27,13 +24,13 @@ import torch.nn as nn
 
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, compute_norms, expect_norms, NORM_READS
-from torch_fsdp_offload.optimizer.pending_updates import in_step, PendingUpdate
-from torch_fsdp_offload._helpers.tensors import local_tensor
+from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, NORM_READS
+from torch_fsdp_offload.optimizer.pending_updates import in_step
 from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr, fused_by_default
-from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, mark_internal, OffloadedGroup, offloaded_group
+from torch_fsdp_offload.optimizer.finishing_steps import changed_by_step, FinishingSteps, zero_grads
+from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, OffloadedGroup
 from torch_fsdp_offload.optimizer.host_steps import HostSteps
-from torch_fsdp_offload.optimizer.hyperparameters import hyperparameters_changed
+from torch_fsdp_offload.optimizer.inner_optimizers import InnerOptimizers
 from torch_fsdp_offload.optimizer.overlap import (
     CHANGED_AFTER_STEP,
     HYPERPARAMETERS_CHANGED,
@@ -41,34 +38,12 @@ from torch_fsdp_offload.optimizer.overlap import (
     OverlapState,
     SECOND_GRADIENT,
 )
-from torch_fsdp_offload.optimizer.step_worker import StepWorker
 from torch_fsdp_offload.optimizer.streamed_steps import StreamedSteps
 
 __all__ = ["OffloadOptimizer"]
 
-# Optimizers whose steps may outlive step(): the interpreter waits for them before it exits, as a
-# step killed half-way inside a kernel or a copy aborts the process.
-_live: weakref.WeakSet = weakref.WeakSet()
 
-
-def _track_until_exit(optimizer: "OffloadOptimizer") -> None:
-    """Make the interpreter wait for ``optimizer``'s steps at exit; the exit handler is registered
-    with the first optimizer, never at import."""
-    if not _live:
-        atexit.unregister(_finish_steps_at_exit)  # registered once however often the set empties
-        atexit.register(_finish_steps_at_exit)
-    _live.add(optimizer)
-
-
-def _finish_steps_at_exit() -> None:
-    for optimizer in list(_live):
-        try:
-            optimizer.synchronize()
-        except Exception:  # the step's error was the caller's to see; exit anyway
-            pass
-
-
-class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
+class OffloadOptimizer(torch.optim.Optimizer):
     """Runs any ``torch.optim`` optimizer over a model sharded with ``CoherentOffload``, stepping
     each offloaded parameter group on the host off the training loop's critical path.
 
@@ -191,6 +166,15 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
                 f"OffloadOptimizer: {optimizer_class.__name__}({given}) refused the optimizer arguments: "
                 f"{error}. Pass the keyword arguments {optimizer_class.__name__} takes, with valid values."
             ) from error
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = optimizer_kwargs
+        self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
+        # The parts, before the base class adds the parameter groups (add_param_group resets them).
+        self._inner = InnerOptimizers(optimizer_class, optimizer_kwargs)
+        self._finishing_steps = FinishingSteps()
+        self._host_steps = HostSteps(self._inner, self._finishing_steps, self.host_threads)
+        self._streamed_steps = StreamedSteps(self._inner, self._host_steps, self._finishing_steps)
+        self._overlap = LearnedOverlap()
         super().__init__(params, defaults)
         # Where the policy was applied but offloads nothing (a unified-memory or GPU-less platform,
         # module_fraction=0), that is its decision for this machine, and the same script runs on
@@ -207,23 +191,12 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         # The parameters' names (by position, as state_dict() numbers them) for error messages.
         names = {id(param): name for name, param in model.named_parameters()} if model is not None else {}
         self._param_names = [names.get(id(p)) for group in self.param_groups for p in group["params"]]
-        self.optimizer_class = optimizer_class
-        self.optimizer_kwargs = optimizer_kwargs
         self.step_during_backward = step_during_backward
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
         #: Steps skipped because the global gradient norm was inf or NaN (``skip_nonfinite``).
         self.skipped_steps = 0
-        self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
         self.overlap_next_forward = overlap_next_forward
-        _track_until_exit(self)
-        mark_internal(self)
-        # Host steps still running after step() returned (overlap_next_forward), and the
-        # zero_grad() calls deferred until they finish: key group, value set_to_none.
-        self._finishing: dict[OffloadedGroup, PendingUpdate] = {}
-        self._finished: set[OffloadedGroup] = set()
-        self._zero_after: dict[OffloadedGroup, bool] = {}
-        self._finish_lock = threading.Lock()
         if model is not None and overlap_next_forward:
             # Reading or replacing the model's parameters must see every step finished.
             optimizer_ref = weakref.ref(self)
@@ -235,53 +208,30 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
 
             model.register_state_dict_pre_hook(synchronize_hook)
             model.register_load_state_dict_pre_hook(synchronize_hook)
-        # key: an offloaded group, or None for every other parameter (GPU-resident ones).
-        self._inner: dict[OffloadedGroup | None, tuple[torch.optim.Optimizer, list]] | None = None
-        self._executor: StepWorker | None = None
-        # Streamed steps that outlive step() (overlap_next_forward) run in a thread of their own,
-        # on a stream of their own per device.
-        self._stream_executor: StepWorker | None = None
-        self._optimizer_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._stream_task: concurrent.futures.Future | None = None
-        self._pending: dict[OffloadedGroup, concurrent.futures.Future] = {}
-        # The gradient-norm computations of this step's landings (an error is step()'s to raise).
-        self._norm_tasks: list[concurrent.futures.Future] = []
-        self._overlap = LearnedOverlap()
-        self._host_seconds = 0.0
-        self._host_wait_seconds = 0.0
-        self._streamed: set[OffloadedGroup] = set()
-        # Per host-stepped group: the optimizer class over plain aliases of its local shards
-        # (see _host_step).
-        self._plain_twins: dict[OffloadedGroup, tuple[torch.optim.Optimizer, list[nn.Parameter]]] = {}
-        # Per streamed group: its optimizer state moved into flat pinned buffers (one per state
-        # key, laid out like the master), and a same-class optimizer over device proxies.
-        self._flat_state: dict[OffloadedGroup, dict[str, torch.Tensor]] = {}
-        self._device_inner: dict[OffloadedGroup, tuple[torch.optim.Optimizer, list[nn.Parameter]]] = {}
-        # Per streamed group and parameter: the state that is not parameter-shaped (step
-        # counters), kept on the device between steps so a pipelined step never waits on a
-        # host-to-device copy of a scalar; mirrored into the host state after each step.
-        self._device_scalars: dict[OffloadedGroup, list[dict[str, Any]]] = {}
-        self._seconds_lock = threading.Lock()
         #: Host seconds spent stepping offloaded groups in the last ``step()`` (waits for
         #: gradient copies included), whether they ran during backward or in ``step()``.
         self.last_host_step_seconds = 0.0
         #: The part of ``last_host_step_seconds`` spent waiting for gradient copies to land.
         self.last_host_wait_seconds = 0.0
-        #: Seconds spent in streamed (GPU) steps in the last ``step()``, copies included (with
-        #: ``overlap_next_forward``, set by the pipeline's thread when it ends).
-        self.last_stream_step_seconds = 0.0
 
     @property
     def state(self) -> Any:  # type: ignore[override]
         """The optimizer state, keyed by parameter, as with the wrapped class; read outside a step
         while steps still run, it waits for them first (their state is what they change)."""
-        if self.__dict__.get("_finishing") and not in_step():
+        finishing = self.__dict__.get("_finishing_steps")  # None on a copy torch.optim unpickled
+        if finishing is not None and finishing.pending and not in_step():
             self.synchronize()
         return self.__dict__["state"]
 
     @state.setter
     def state(self, value: Any) -> None:
         self.__dict__["state"] = value
+
+    @property
+    def last_stream_step_seconds(self) -> float:
+        """Seconds spent in streamed (GPU) steps in the last ``step()``, copies included (with
+        ``overlap_next_forward``, set by the pipeline's thread when it ends)."""
+        return self._streamed_steps.last_seconds
 
     @property
     def norm_reads(self) -> dict[str, int]:
@@ -306,64 +256,28 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
         """
         self._build()
         counts = {"host": 0, "streamed": 0, "device": 0}
-        for owner, (inner, _) in self._inner.items():
-            where = "device" if owner is None else "streamed" if owner in self._streamed else "host"
-            counts[where] += sum(local_tensor(param).numel() for group in inner.param_groups for param in group["params"])
+        for owner in self._inner.owners():
+            where = "device" if owner is None else "streamed" if owner in self._streamed_steps.groups else "host"
+            counts[where] += self._inner.numel(owner)
         return counts
 
-    # -- inner optimizers --------------------------------------------------------------
-    def _build(self) -> None:
-        if self._inner is not None:
-            return
-        owners: dict[OffloadedGroup | None, dict[int, list[nn.Parameter]]] = {}
-        for index, group in enumerate(self.param_groups):
-            for param in group["params"]:
-                owners.setdefault(offloaded_group(param), {}).setdefault(index, []).append(param)
-        self._inner = {}
-        for owner, by_outer in owners.items():
-            inner_groups = [
-                {**self.param_groups[index], "params": params} for index, params in by_outer.items()
-            ]
-            inner = self.optimizer_class(inner_groups, **self.optimizer_kwargs)
-            mark_internal(inner)
-            inner.state = self.state  # one state, keyed by parameter, shared by all inners
-            pairs = list(zip(inner.param_groups, (self.param_groups[i] for i in by_outer)))
-            self._inner[owner] = (inner, pairs)
-            if owner is not None:
-                attach_optimizer(owner, self)
-        offloaded = sorted((o for o in self._inner if o is not None), key=lambda o: o.forward_index())
-        if offloaded:
-            # Stream the groups that run first in forward: their gradients land last, so a host
-            # step could not overlap backward anyway, and the next forward needs them first.
-            fraction = offloaded[0].plan.optimizer_gpu_fraction
-            self._streamed = set(offloaded[: round(fraction * len(offloaded))])
+    def steps_in_flight(self) -> int:
+        """How many groups' steps that ``step()`` started still run (with ``overlap_next_forward``
+        they finish under the next forward; :meth:`synchronize` waits for them).
 
-    def _finish_group(self, owner: OffloadedGroup) -> None:
-        """A group's step that may have outlived ``step()`` (overlap_next_forward) has finished."""
-        with self._finish_lock:
-            set_to_none = self._zero_after.pop(owner, None)
-            self._finished.add(owner)
-        if set_to_none is not None:
-            # zero_grad() came while this group was stepping.
-            _zero_grads(owner.params, set_to_none)
+        Returns:
+            int: groups whose step has not ended yet.
 
-    # -- overlap ------------------------------------------------------------------------
-    def _on_grads_ready(self, owner: OffloadedGroup, is_last_backward: bool) -> None:
-        self._overlap.on_landing(owner)
-        if owner in self._pending:
-            raise RuntimeError(SECOND_GRADIENT)
-        if not self.step_during_backward and is_last_backward:
-            # The host is idle until step(): compute the group's gradient norms as they land, for
-            # clip_grad_norm_ (the user's, or max_grad_norm's) to read.
-            expect_norms(param.grad for param in owner.params)
-            self._norm_tasks.append(self._worker().submit(self._norms_in_worker, owner, landed=owner.grads_landed))
-        overlapping = self.step_during_backward and self._overlap.state is OverlapState.ON and is_last_backward
-        if not overlapping or owner in self._streamed:
-            return
-        self._build()
-        self._pending.update(self._submit_host_steps([owner]))
+        Example::
 
-    # -- public ---------------------------------------------------------------------------
+            >>> optim.step()
+            >>> optim.steps_in_flight()  # e.g. 12: the host steps run on
+            >>> optim.synchronize(); optim.steps_in_flight()
+            0
+        """
+        return len(self._finishing_steps.running())
+
+    # -- step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         loss = None
@@ -372,90 +286,125 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
                 loss = closure()
         self._build()
         self.synchronize()
-        norm_tasks, self._norm_tasks = self._norm_tasks, []
-        for task in norm_tasks:
-            task.result()
-        stepped = set(self._pending)
-        changed = [owner for owner in stepped if hyperparameters_changed(self._inner[owner][1])]
-        if changed:
+        self._host_steps.wait_norms()
+        learned_safe = self._check_steps_during_backward()
+        if not self._clip_or_skip():
+            self._end_cycle()
+            return loss
+        # Taken before any step is submitted: a first step adds the state it creates meanwhile.
+        offloaded = self._inner.offloaded_groups()
+        guarded = {}
+        if self.overlap_next_forward:
+            guarded = {owner: changed_by_step(owner, self.state) for owner in offloaded}
+        running = self._start_steps()
+        # The gradients are plain DTensors again (a clip still to apply stays recorded).
+        self._end_cycle(learned_safe)
+        if self.overlap_next_forward:
+            # Each group's next copy-in waits for its own step, and so does every read of its
+            # parameters, their state and gradients; nothing else waits here.
+            self._finishing_steps.hand_over(running, guarded)
+        else:
+            for future in running.values():
+                future.result()
+        self.last_host_step_seconds, self.last_host_wait_seconds = self._host_steps.take_seconds()
+        if offloaded:
+            offloaded[0].prefetch_next_forward()
+        return loss
+
+    def _check_steps_during_backward(self) -> bool:
+        """Refuse the step where a group that stepped during backward did so with other
+        hyperparameters or gradients than this step has; return whether the gradients arrived in
+        the pattern that makes overlap safe."""
+        stepped = self._host_steps.during_backward
+        if any(self._inner.hyperparameters_changed(owner) for owner in stepped):
             self._refuse_step(HYPERPARAMETERS_CHANGED)
         # Reading gradient versions is safe while those groups still step in the worker.
         safe_pattern = self._overlap.pattern_is_safe(clipping=self.max_grad_norm is not None)
         if stepped and not safe_pattern:
             self._refuse_step(CHANGED_AFTER_STEP)
-        if self.max_grad_norm is not None or self.skip_nonfinite:
-            total_norm = self._total_grad_norm()
-            if self.skip_nonfinite and not _finite(total_norm):
-                self.skipped_steps += 1
-                for group in self.param_groups:
-                    for param in group["params"]:
-                        apply_scales(param.grad)  # a clip by the user before step()
-                self._reset_cycle()
-                return loss
-            if self.max_grad_norm is not None:
-                params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total_norm)
-        todo = [owner for owner in self._inner if owner is not None and owner not in stepped]
-        # Taken before any step is submitted: a first step adds the state it creates meanwhile.
-        guarded = (
-            {owner: self._changed_by_step(owner) for owner in self._inner if owner is not None}
-            if self.overlap_next_forward
-            else {}
-        )
-        host_todo = [owner for owner in todo if owner not in self._streamed]
-        streamed_todo = [owner for owner in todo if owner in self._streamed]
-        host_futures = dict(self._pending)
-        if streamed_todo or self.overlap_next_forward:
-            # Host cores step their groups (some may still be stepping since backward) while
-            # the link and the GPU step the streamed ones; of the groups whose gradients have
-            # landed the worker runs the newest submission first, so submit in reverse forward
-            # order.
-            host_futures.update(self._submit_host_steps(sorted(host_todo, key=lambda o: o.forward_index(), reverse=True)))
-        else:
-            for future in host_futures.values():
-                future.result()
-            host_futures = {}
-            for owner in host_todo:
-                self._step_inner(owner)
-        if self.overlap_next_forward and streamed_todo and all(self._pipeline_ready(o) for o in streamed_todo):
-            # The streamed groups' pipeline also runs on while the next forward starts (the
-            # groups before them in forward order need none of it); like a host step, each
-            # group's next copy-in waits for its own.
-            host_futures.update(self._submit_stream_steps(streamed_todo))
-        else:
-            started = time.perf_counter()
-            self._stream_steps(streamed_todo)
-            self.last_stream_step_seconds = time.perf_counter() - started
-        if None in self._inner:
-            self._step_inner(None)
-        # The gradients are plain DTensors again (a clip still to apply stays recorded).
-        self._reset_cycle(learned_safe=safe_pattern)
-        if self.overlap_next_forward:
-            # Each group's next copy-in waits for its own step, and so does every read of its
-            # parameters, their state and gradients; nothing else waits here.
-            for owner, future in host_futures.items():
-                owner.update_pending = PendingUpdate(future, guarded[owner])
-            self._finishing = {owner: owner.update_pending for owner in host_futures}
-        else:
-            for future in host_futures.values():
-                future.result()
-        with self._seconds_lock:
-            self.last_host_step_seconds, self._host_seconds = self._host_seconds, 0.0
-            self.last_host_wait_seconds, self._host_wait_seconds = self._host_wait_seconds, 0.0
-        for owner in self._inner:
-            if owner is not None:
-                owner.prefetch_next_forward()
-                break
-        return loss
+        return safe_pattern
 
+    def _clip_or_skip(self) -> bool:
+        """Clip the gradients to ``max_grad_norm``; return False, counting the skipped step, where
+        ``skip_nonfinite`` skips it."""
+        if self.max_grad_norm is None and not self.skip_nonfinite:
+            return True
+        total_norm = self._total_grad_norm()
+        if self.skip_nonfinite and not _finite(total_norm):
+            self.skipped_steps += 1
+            for group in self.param_groups:
+                for param in group["params"]:
+                    apply_scales(param.grad)  # a clip by the user before step()
+            return False
+        if self.max_grad_norm is not None:
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total_norm)
+        return True
+
+    def _start_steps(self) -> dict[OffloadedGroup, concurrent.futures.Future]:
+        """Step every group that did not step during backward: the host groups and the streamed
+        pipeline at once (host cores step theirs while the link and the GPU step the streamed
+        ones), then the parameters no group offloads. Return the futures of the steps that may
+        still run."""
+        todo = [owner for owner in self._inner.offloaded_groups() if owner not in self._host_steps.during_backward]
+        streamed = [owner for owner in todo if owner in self._streamed_steps.groups]
+        host = [owner for owner in todo if owner not in self._streamed_steps.groups]
+        running = self._host_steps.start(host, in_background=bool(streamed) or self.overlap_next_forward)
+        running.update(self._streamed_steps.start(streamed, in_background=self.overlap_next_forward))
+        self._inner.step_resident()
+        return running
+
+    def _refuse_step(self, message: str) -> None:
+        """Let the groups already stepping finish, forget this cycle, and raise ``message``."""
+        for future in self._host_steps.during_backward.values():
+            future.result()
+        self._end_cycle()
+        raise RuntimeError(message)
+
+    def _end_cycle(self, learned_safe: bool = False) -> None:
+        self._host_steps.end_cycle()
+        self._overlap.end_cycle(learned_safe)
+
+    def _total_grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of every gradient, as ``clip_grad_norm_`` computes it."""
+        for owner in self._inner.offloaded_groups():
+            owner.wait_grads()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+
+    # -- landings ----------------------------------------------------------------------------
+    def _build(self) -> None:
+        if not self._inner.built:
+            offloaded = self._inner.build(self.param_groups, self.state)
+            for owner in offloaded:
+                attach_optimizer(owner, self)
+            self._streamed_steps.choose(offloaded)
+
+    def _on_grads_ready(self, owner: OffloadedGroup, is_last_backward: bool) -> None:
+        """``owner``'s gradient copy to the host was issued (:func:`notify_grads_ready`)."""
+        self._overlap.on_landing(owner)
+        if owner in self._host_steps.during_backward:
+            raise RuntimeError(SECOND_GRADIENT)
+        if not self.step_during_backward and is_last_backward:
+            # The host is idle until step(): compute the group's gradient norms as they land, for
+            # clip_grad_norm_ (the user's, or max_grad_norm's) to read.
+            self._host_steps.compute_norms_on_landing(owner)
+        overlapping = self.step_during_backward and self._overlap.state is OverlapState.ON and is_last_backward
+        if not overlapping or owner in self._streamed_steps.groups:
+            return
+        self._build()
+        self._host_steps.start_during_backward(owner)
+
+    # -- public ---------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until every step has finished (only host steps and the streamed groups' pipeline
         of ``overlap_next_forward`` can still run after ``step()`` returned); re-raise an error a
         step raised.
 
         Call it also before dropping the model and the optimizer: a step still running holds the
-        optimizer, and through it the groups' memory, until it ends (and the model, whose FSDP
-        state holds reference cycles, then waits for the next garbage collection).
+        optimizer's parts (its inner optimizers and their state), and through them the groups'
+        memory, until it ends (and the model, whose FSDP state holds reference cycles, then waits
+        for the next garbage collection).
 
         Example::
 
@@ -463,102 +412,33 @@ class OffloadOptimizer(HostSteps, StreamedSteps, torch.optim.Optimizer):
             >>> optim.synchronize()
             >>> log_norms(model)  # reads the updated parameters
         """
-        finishing, self._finishing = self._finishing, {}
-        for owner, pending in finishing.items():
-            pending.result()
-            owner.update_pending = None
-        # The pipeline's thread sets a group's future before it returns: wait for the return too.
-        task, self._stream_task = self._stream_task, None
-        if task is not None:
-            task.result()
+        self._finishing_steps.wait()
+        self._streamed_steps.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        deferred = set()
-        with self._finish_lock:
-            for owner in self._finishing:
-                if owner not in self._finished:
-                    self._zero_after[owner] = set_to_none
-                    deferred.add(owner)
+        deferred = self._finishing_steps.defer_zero_grad(set_to_none)
         skip = {id(param) for owner in deferred for param in owner.params}
-        _zero_grads(
-            [p for group in self.param_groups for p in group["params"] if id(p) not in skip], set_to_none
-        )
+        zero_grads([p for group in self.param_groups for p in group["params"] if id(p) not in skip], set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
         return super().state_dict()
-
-    def _refuse_step(self, message: str) -> None:
-        """Let the groups already stepping finish, forget this cycle, and raise ``message``."""
-        for future in self._pending.values():
-            future.result()
-        self._reset_cycle()
-        raise RuntimeError(message)
-
-    def _reset_cycle(self, learned_safe: bool = False) -> None:
-        self._pending.clear()
-        self._overlap.end_cycle(learned_safe)
-
-    def _total_grad_norm(self) -> torch.Tensor:
-        """The global 2-norm of every gradient, as ``clip_grad_norm_`` computes it."""
-        for owner in self._inner:
-            if owner is not None:
-                owner.wait_grads()
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads, 2.0)
-
-    def _changed_by_step(self, owner: OffloadedGroup) -> list[torch.Tensor]:
-        """What ``owner``'s step changes: its parameters, their optimizer state, and their
-        gradients (a clip recorded for the step to apply)."""
-        state = [value for param in owner.params for value in self.state.get(param, {}).values()]
-        grads = [param.grad for param in owner.params if param.grad is not None]
-        return [*owner.params, *state, *grads]
-
-    def _norms_in_worker(self, owner: OffloadedGroup) -> None:
-        owner.wait_grads()
-        with torch.profiler.record_function("torch_fsdp_offload::grad_norms"):
-            compute_norms(param.grad for param in owner.params)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_loadable(self, state_dict, self._param_names)
         self.synchronize()
         super().load_state_dict(state_dict)
         # Loaded state is new tensors: streamed groups move it into their flat buffers again.
-        self._flat_state.clear()
-        self._device_scalars.clear()
-        if self._inner is not None:
-            for inner, _ in self._inner.values():
-                inner.state = self.state
+        self._streamed_steps.forget_state()
+        self._inner.use_state(self.state)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict) and "lr" in param_group:
             check_lr(param_group["lr"], f"param_groups[{len(self.param_groups)}]['lr']")
         super().add_param_group(param_group)
-        self._inner = None  # rebuilt with the new group at the next step
-        self._plain_twins = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        for transient in ("_inner", "_executor", "_pending", "_seconds_lock", "_finish_lock", "_finishing", "_device_inner", "_flat_state", "_streamed", "_device_scalars", "_plain_twins", "_norm_tasks"):
-            state.pop(transient, None)
-        return state
+        self._inner.forget()  # rebuilt with the new group at the next step
 
 
 def _finite(norm: torch.Tensor) -> bool:
     """Whether a global norm (a DTensor partial norm, or a tensor) is finite on every rank."""
     return bool(torch.isfinite(norm.full_tensor() if isinstance(norm, DTensor) else norm).all())
-
-
-def _zero_grads(params: Iterable[nn.Parameter], set_to_none: bool) -> None:
-    """``zero_grad`` of ``params``, as ``torch.optim.Optimizer.zero_grad`` does it."""
-    for param in params:
-        if param.grad is None:
-            continue
-        if set_to_none:
-            param.grad = None
-        else:
-            if param.grad.grad_fn is not None:
-                param.grad.detach_()
-            else:
-                param.grad.requires_grad_(False)
-            param.grad.zero_()

@@ -22,12 +22,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["in_step", "PendingUpdate", "stepping"]
 
-# Tensor -> the PendingUpdate that holds it.
-_holders: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Held on each guarded tensor: the PendingUpdate it waits for.
+_HOLDER = "_torch_fsdp_offload_pending_update"
 # Set while this thread runs an optimizer step: its own reads of the tensors it steps must not wait.
 _stepping = threading.local()
 
@@ -91,7 +90,7 @@ def in_step() -> bool:
 def _wait_for(tensor: DTensor) -> None:
     if in_step():
         return
-    holder = _holders.get(tensor)
+    holder = tensor.__dict__.get(_HOLDER)
     if holder is None:  # released meanwhile
         return
     holder.result()
@@ -112,12 +111,12 @@ class PendingUpdate:
 
     def __init__(self, future: concurrent.futures.Future, tensors: Iterable[Any]) -> None:
         self._future = future
-        # Weak: the registry maps each tensor to this object, which must not keep it alive.
+        # Weak: each tensor holds this object, which must not keep it alive.
         self._guarded: list[weakref.ref] = []
         for tensor in tensors:
             if type(tensor) is DTensor:
                 tensor.__class__ = _ReadWaits
-                _holders[tensor] = self
+                tensor.__dict__[_HOLDER] = self
                 self._guarded.append(weakref.ref(tensor))
 
     def done(self) -> bool:
@@ -139,7 +138,7 @@ class PendingUpdate:
                 continue
             if type(tensor) is _ReadWaits:
                 tensor.__class__ = DTensor
-            _holders.pop(tensor, None)
+            tensor.__dict__.pop(_HOLDER, None)
 
 
 @contextlib.contextmanager

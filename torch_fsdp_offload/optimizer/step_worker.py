@@ -5,10 +5,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
-import weakref
 from typing import Any, Callable
 
-__all__ = ["StepWorker", "start_worker"]
+__all__ = ["IDLE_SECONDS", "StepWorker"]
+
+# How long an idle thread waits for the next step before it ends. A backward's landings come closer
+# together than this; an interpreter exiting with an idle worker waits at most this long.
+IDLE_SECONDS = 0.2
 
 
 class StepWorker:
@@ -20,13 +23,27 @@ class StepWorker:
     CPU runs ahead of the GPU: the newest submission is then the group whose gradients land last,
     so the worker takes the oldest and steps groups as they land. After backward every gradient
     has landed and the newest group is the first the next forward needs: newest-first steps the
-    backlog in forward order (see docs/design.md, "Host step order")."""
+    backlog in forward order (see docs/design.md, "Host step order").
+
+    The thread runs while steps are queued, ending :data:`IDLE_SECONDS` after the last (a dropped
+    optimizer leaves no thread behind), and is not a daemon: the interpreter waits for every
+    submitted step before it exits, as a step killed half-way inside a kernel or a copy aborts the
+    process.
+
+    Args:
+        name (str): the thread's name.
+
+    Example::
+
+        >>> worker = StepWorker("host_steps")
+        >>> worker.submit(inner.step, landed=group.grads_landed).result()
+    """
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self._queue: collections.deque = collections.deque()
         self._ready = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._running = False  # a thread serves the queue (under _ready)
 
     def submit(self, fn: Callable[..., Any], *args: Any, landed: Callable[[], bool] | None = None) -> concurrent.futures.Future:
         """Queue ``fn(*args)``; ``landed`` says whether its gradients have landed (default: yes)."""
@@ -40,21 +57,16 @@ class StepWorker:
             for fn, args, landed in tasks:
                 futures.append(concurrent.futures.Future())
                 self._queue.append((futures[-1], fn, args, landed))
-            self._ready.notify()
+            if self._running:
+                self._ready.notify()
+            else:
+                self._running = True
+                threading.Thread(target=self._run, name=self.name).start()
         return futures
 
-    def shutdown(self) -> None:
-        """End the thread once the steps already submitted have run."""
-        with self._ready:
-            self._queue.appendleft(None)  # taken only when no step is left
-            self._ready.notify()
-
     def _take(self) -> Any:
-        steps = [index for index, task in enumerate(self._queue) if task is not None]
-        if not steps:
-            return self._queue.pop()
-        landed = [index for index in steps if self._queue[index][3] is None or self._queue[index][3]()]
-        index = landed[-1] if landed else steps[0]
+        landed = [index for index, task in enumerate(self._queue) if task[3] is None or task[3]()]
+        index = landed[-1] if landed else 0
         task = self._queue[index]
         del self._queue[index]
         return task
@@ -62,11 +74,12 @@ class StepWorker:
     def _run(self) -> None:
         while True:
             with self._ready:
-                while not self._queue:
-                    self._ready.wait()
+                if not self._queue:
+                    self._ready.wait(IDLE_SECONDS)
+                if not self._queue:
+                    self._running = False
+                    return
                 task = self._take()
-            if task is None:
-                return
             future, fn, args, landed = task
             # Nothing of a finished step stays referenced while the thread waits for the next:
             # the step's bound method would keep its optimizer (and pinned buffers) alive, the
@@ -87,11 +100,3 @@ class StepWorker:
             else:
                 del fn, args
             del future
-
-
-def start_worker(owner: object, name: str) -> StepWorker:
-    """A new worker whose thread ends with ``owner`` (a process building several models must get
-    their pinned buffers back); the finalizer holds the worker, not ``owner``."""
-    worker = StepWorker(name)
-    weakref.finalize(owner, worker.shutdown)
-    return worker

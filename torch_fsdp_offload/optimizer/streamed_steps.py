@@ -17,9 +17,12 @@ from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, take_scales
 from torch_fsdp_offload.optimizer.pending_updates import stepping
 from torch_fsdp_offload._helpers.tensors import local_tensor
 from torch_fsdp_offload.memory import pinned_empty
-from torch_fsdp_offload.optimizer.groups import StreamedGroup
+from torch_fsdp_offload.optimizer.finishing_steps import FinishingSteps
+from torch_fsdp_offload.optimizer.groups import OffloadedGroup, StreamedGroup
+from torch_fsdp_offload.optimizer.host_steps import HostSteps
 from torch_fsdp_offload.optimizer.hyperparameters import copy_hyperparameters
-from torch_fsdp_offload.optimizer.step_worker import start_worker, StepWorker
+from torch_fsdp_offload.optimizer.inner_optimizers import InnerOptimizers
+from torch_fsdp_offload.optimizer.step_worker import StepWorker
 from torch_fsdp_offload.transfer import Transfer
 
 __all__ = ["SCALED_ON_DEVICE", "STREAM_RUNS_IN_FLIGHT", "STREAM_RUN_BYTES", "StreamedSteps"]
@@ -40,21 +43,82 @@ _Run = tuple[int, int, int, int]
 
 
 class StreamedSteps:
-    """``OffloadOptimizer``'s streamed steps (a mixin of it).
+    """The streamed groups' steps: the first ``optimizer_gpu_fraction`` of the offloaded groups in
+    forward order step on the GPU, in one pipeline over runs of parameters (docs/design.md, Note:
+    [Streamed step pipeline]).
 
-    It uses the optimizer's ``state``, ``optimizer_class``, ``optimizer_kwargs``, its inner
-    optimizers ``_inner`` (key: group, value: ``(inner optimizer, group pairs)``), ``_step_inner``
-    (for a group not in its host buffers yet), ``_finish_lock``, ``_finished`` and
-    ``_finish_group``. It keeps per streamed group the state moved into flat pinned buffers
-    (``_flat_state``: one per state key, laid out like the master), a same-class optimizer over
-    device proxies (``_device_inner``), the state that is not parameter-shaped kept on the device
-    between steps (``_device_scalars``), and the pipeline's worker and CUDA streams.
+    It keeps per streamed group the state moved into flat pinned buffers (one per state key, laid
+    out like the master), a same-class optimizer over device proxies, and the state that is not
+    parameter-shaped (step counters), kept on the device between steps so a pipelined step never
+    waits on a host-to-device copy of a scalar; and the pipeline's worker (``overlap_next_forward``)
+    with a CUDA stream of its own per device.
+
+    Args:
+        inner (InnerOptimizers): the inner optimizers; their class steps on the device too, and
+            their state is the host state.
+        host_steps (HostSteps): steps a group whose host buffers do not exist yet (before the first
+            forward).
+        finishing (FinishingSteps): told when a pipelined group's step starts and ends.
+
+    Example::
+
+        >>> streamed = StreamedSteps(inner, host_steps, finishing)
+        >>> streamed.choose(inner.offloaded_groups())  # after the first forward
+        >>> futures = streamed.start([g for g in groups if g in streamed.groups], in_background=True)
     """
 
+    def __init__(self, inner: InnerOptimizers, host_steps: HostSteps, finishing: FinishingSteps) -> None:
+        self._inner = inner
+        self._host_steps = host_steps
+        self._finishing = finishing
+        #: The streamed groups (:meth:`choose`).
+        self.groups: set[OffloadedGroup] = set()
+        #: Seconds the last ``step()``'s streamed steps took, copies included (with
+        #: ``overlap_next_forward``, set by the pipeline's thread when it ends).
+        self.last_seconds = 0.0
+        self._flat_state: dict[StreamedGroup, dict[str, torch.Tensor]] = {}
+        self._device_inner: dict[StreamedGroup, tuple[torch.optim.Optimizer, list[nn.Parameter]]] = {}
+        self._device_scalars: dict[StreamedGroup, list[dict[str, Any]]] = {}
+        self._worker: StepWorker | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # The pipeline's task in the worker, until waited for.
+        self._task: concurrent.futures.Future | None = None
+
+    def choose(self, offloaded: list[OffloadedGroup]) -> None:
+        """Stream the groups of ``offloaded`` that run first in forward: their gradients land last,
+        so a host step could not overlap backward anyway, and the next forward needs them first."""
+        offloaded = sorted(offloaded, key=lambda owner: owner.forward_index())
+        if offloaded:
+            fraction = offloaded[0].plan.optimizer_gpu_fraction
+            self.groups = set(offloaded[: round(fraction * len(offloaded))])
+
+    def start(self, owners: list[StreamedGroup], in_background: bool) -> dict[StreamedGroup, concurrent.futures.Future]:
+        """Step ``owners``: with ``in_background``, once every one is ready for the pipeline, in the
+        worker (the groups before them in forward order need none of it; like a host step, each
+        group's next copy-in waits for its own); else here. Returns the futures of the steps that
+        may still run."""
+        if in_background and owners and all(self._pipeline_ready(owner) for owner in owners):
+            return self._submit_stream_steps(owners)
+        started = time.perf_counter()
+        self._stream_steps(owners)
+        self.last_seconds = time.perf_counter() - started
+        return {}
+
+    def wait(self) -> None:
+        """Wait until the pipeline's thread has returned: it sets a group's future before."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.result()
+
+    def forget_state(self) -> None:
+        """The state was loaded anew: move it into flat buffers again at the next step."""
+        self._flat_state.clear()
+        self._device_scalars.clear()
+
     def _stream_worker(self) -> StepWorker:
-        if self._stream_executor is None:
-            self._stream_executor = start_worker(self, "torch_fsdp_offload_streamed_step")
-        return self._stream_executor
+        if self._worker is None:
+            self._worker = StepWorker("torch_fsdp_offload_streamed_step")
+        return self._worker
 
     def _adopt_state(self, owner: StreamedGroup) -> dict[str, torch.Tensor] | None:
         """Move the group's parameter-shaped state into flat pinned buffers (once), so each
@@ -64,7 +128,7 @@ class StreamedSteps:
         if owner in self._flat_state:
             return self._flat_state[owner]
         params = owner.params
-        states = [self.state.get(param) for param in params]
+        states = [self._inner.state.get(param) for param in params]
         sample_index = next((i for i, state in enumerate(states) if state), None)
         if sample_index is None:
             return None
@@ -88,14 +152,14 @@ class StreamedSteps:
 
     def _device_optimizer(self, owner: StreamedGroup) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
         if owner not in self._device_inner:
-            inner, _ = self._inner[owner]
+            inner = self._inner.optimizer(owner)
             proxies = [nn.Parameter(torch.empty(0, device=owner.device)) for _ in owner.params]
             proxy_of = {id(param): proxy for param, proxy in zip(owner.params, proxies)}
             groups = [
                 {**group, "params": [proxy_of[id(param)] for param in group["params"]]}
                 for group in inner.param_groups
             ]
-            self._device_inner[owner] = (self.optimizer_class(groups, **self.optimizer_kwargs), proxies)
+            self._device_inner[owner] = (self._inner.make(groups), proxies)
         return self._device_inner[owner]
 
     @torch.no_grad()
@@ -107,10 +171,10 @@ class StreamedSteps:
         if owner.master is None or owner.grads is None:
             # Before the first forward (e.g. torch.distributed.checkpoint creating the state
             # with zero gradients) the shards are not in their host buffers yet.
-            self._step_inner(owner)
+            self._host_steps.step_now(owner)
             return
-        inner, pairs = self._inner[owner]
-        copy_hyperparameters(pairs)
+        inner = self._inner.optimizer(owner)
+        self._inner.take_hyperparameters(owner)
         owner.wait_grads()
         for param in owner.params:
             apply_scales(param.grad)  # a clip recorded before step() (dtensor_grads)
@@ -132,7 +196,7 @@ class StreamedSteps:
             ):
                 proxy.data = view
                 proxy.grad = grad if param.grad is not None else None
-                state = self.state.get(param)
+                state = self._inner.state.get(param)
                 if state:
                     device_optimizer.state[proxy] = {
                         key: state_views[key][index]
@@ -151,7 +215,7 @@ class StreamedSteps:
                 ]
                 for param, proxy in zip(owner.params, proxies):
                     for key, value in device_optimizer.state.get(proxy, {}).items():
-                        host_value = self.state[param][key]
+                        host_value = self._inner.state[param][key]
                         if key not in state_views and isinstance(value, torch.Tensor) and value is not host_value:
                             host_value.copy_(value)
             for download in downloads:
@@ -182,7 +246,7 @@ class StreamedSteps:
                     host_state[key] = value.to("cpu")
                 else:
                     host_state[key] = value
-            self.state[param] = host_state
+            self._inner.state[param] = host_state
         self._flat_state[owner] = flats
         return downloads
 
@@ -209,8 +273,8 @@ class StreamedSteps:
             else:
                 self._stream_step(owner)
         for owner in dict.fromkeys(owner for owner, _ in runs):
-            inner, pairs = self._inner[owner]
-            copy_hyperparameters(pairs)
+            inner = self._inner.optimizer(owner)
+            self._inner.take_hyperparameters(owner)
             owner.wait_grads()
             device_optimizer, _ = self._device_optimizer(owner)
             copy_hyperparameters(list(zip(device_optimizer.param_groups, inner.param_groups)))
@@ -258,13 +322,12 @@ class StreamedSteps:
         if not runs:
             return {}
         futures = {owner: concurrent.futures.Future() for owner in dict.fromkeys(owner for owner, _ in runs)}
-        with self._finish_lock:
-            self._finished.difference_update(futures)
+        self._finishing.started(futures)
         device = runs[0][0].device
-        if device.type == "cuda" and device not in self._optimizer_streams:
-            self._optimizer_streams[device] = torch.cuda.Stream(device)
-        self._stream_task = self._stream_worker().submit(
-            self._stream_steps_in_worker, runs, futures, self._optimizer_streams.get(device)
+        if device.type == "cuda" and device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        self._task = self._stream_worker().submit(
+            self._stream_steps_in_worker, runs, futures, self._streams.get(device)
         )
         return futures
 
@@ -276,7 +339,7 @@ class StreamedSteps:
     ) -> None:
         def group_done(owner: StreamedGroup) -> None:
             self._scalars_to_host(owner)
-            self._finish_group(owner)
+            self._finishing.ended(owner)
             futures[owner].set_result(None)
 
         started = time.perf_counter()
@@ -290,12 +353,12 @@ class StreamedSteps:
                 if not future.done():
                     future.set_exception(error)
             return
-        self.last_stream_step_seconds = time.perf_counter() - started
+        self.last_seconds = time.perf_counter() - started
 
     def _pipeline_ready(self, owner: StreamedGroup) -> bool:
         if owner.master is None or owner.grads is None or owner not in self._flat_state:
             return False
-        states = [self.state.get(param) for param in owner.params]
+        states = [self._inner.state.get(param) for param in owner.params]
         return all(state or param.grad is None for param, state in zip(owner.params, states))
 
     def _upload_run(self, owner: StreamedGroup, run: _Run) -> dict[str, Any]:
@@ -310,8 +373,7 @@ class StreamedSteps:
     def _scale_host_grads(self, owner: StreamedGroup, scales: list[list[torch.Tensor]]) -> None:
         """Scale the host gradients of a group whose streamed step scaled their uploads, unless
         ``zero_grad()`` already came for it (it waits for the step): nothing reads them then."""
-        with self._finish_lock:
-            unread = owner in self._zero_after
+        unread = self._finishing.zero_grad_came(owner)
         for param, factors in zip(owner.params, scales):
             if factors:
                 SCALED_ON_DEVICE["host_skipped" if unread else "host_scaled"] += 1
@@ -365,12 +427,12 @@ class StreamedSteps:
 
     def _device_scalars_of(self, owner: StreamedGroup) -> list[dict[str, Any]]:
         if owner not in self._device_scalars:
-            inner, _ = self._inner[owner]
+            inner = self._inner.optimizer(owner)
             on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
             self._device_scalars[owner] = [
                 {
                     key: value.to(owner.device) if isinstance(value, torch.Tensor) and on_device else value
-                    for key, value in (self.state.get(param) or {}).items()
+                    for key, value in (self._inner.state.get(param) or {}).items()
                     if key not in self._flat_state[owner]
                 }
                 for param in owner.params
@@ -379,7 +441,7 @@ class StreamedSteps:
 
     def _scalars_to_host(self, owner: StreamedGroup) -> None:
         for param, scalars in zip(owner.params, self._device_scalars.get(owner, ())):
-            state = self.state.get(param)
+            state = self._inner.state.get(param)
             for key, value in scalars.items():
                 if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
                     state[key].copy_(value)
