@@ -119,7 +119,7 @@ def offloads_group(policy: CoherentOffload, params, modules, mesh_info, mp_polic
     pending = sum(
         o.host_bytes() for o in list(_offloads) if o.placement is GroupPlacement.ON_HOST and o.group_ref() is not None
     )
-    plan, offloaded = plan_group(policy, model, call, pending_host_bytes=pending)
+    plan, offloaded = plan_group(policy, call, pending_host_bytes=pending)
     _building[:] = [(modules, model, plan, offloaded)]
     return offloaded
 
@@ -230,4 +230,7 @@ def attach() -> None:
     """Make the hooks methods of ``CoherentOffload`` (FSDP calls them on the policy object)."""
     for name in HOOKS:
         setattr(CoherentOffload, name, globals()[name])
+    # place_shards gives exact-size pinned buffers: FSDP's own pin_memory() (rounded up to a power
+    # of two) must not run for CoherentOffload(pin_memory=True).
+    CoherentOffload.places_shards = True
 
