@@ -132,6 +132,13 @@ Every figure is per GPU (one GPU, nothing sharded).
         self.assertEqual(type(policy).__name__, "CoherentOffload")
         self.assertEqual(recommended.spread_fraction, 0.35)
         self.assertEqual(policy.activations, False)
+        # apply() gives it to 0.35 of the blocks, spread evenly, and none to the root.
+        model = build_model("tiny")
+        with mock.patch("torch_fsdp_offload.policy.fully_shard_with_policy") as shard:
+            recommended.apply(model)
+        (sharded, blocks, given), kwargs = shard.call_args
+        self.assertEqual((sharded, list(blocks), kwargs["spread_fraction"]), (model, list(model.blocks), 0.35))
+        self.assertEqual(given.cast_on, "auto")
 
     def test_link_bound_plan_is_listed_not_recommended(self):
         result = plan(scenario=TALK)

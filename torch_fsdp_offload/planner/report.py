@@ -66,8 +66,8 @@ class Recommendation:
             backward, so their host steps end under it: the placement the step model predicts).
         spread_fraction (float | None): give :attr:`policy` to this fraction of the blocks, spread
             evenly (``fully_shard_with_policy(spread_fraction=...)``), and none to the root, when
-            the weights are offloaded in part by a plan that does not place them last (the
-            talk-level model, which does not say which blocks).
+            the weights are offloaded in part by a plan that does not place them last (a setting
+            placed ``"spread"``, or the talk-level model, which does not say which blocks).
         keep_unsharded_last (int): shard the last this many blocks with
             ``reshard_after_forward=False`` (``fully_shard_with_policy(keep_unsharded_last=...)``):
             the offloaded ones copy their parameters in once per step instead of twice.
@@ -112,8 +112,8 @@ class Recommendation:
     def apply(self, model: Any, *, blocks: Any = None, **fully_shard_kwargs: Any) -> Any:
         """Shard ``model`` as recommended: ``fully_shard`` on each block in forward order, then on
         the model, with :attr:`policy` (its cast and optimizer placement) where it belongs (every
-        module, or the blocks of :attr:`last_blocks` or :attr:`spread_fraction`), the last :attr:`keep_unsharded_last`
-        blocks with ``reshard_after_forward=False``, each block's forward checkpointed when
+        module, or the blocks of :attr:`last_blocks` or :attr:`spread_fraction`), the last
+        :attr:`keep_unsharded_last` blocks with ``reshard_after_forward=False``, each block's forward checkpointed when
         :attr:`checkpointing` (``fully_shard_with_policy(activation_checkpointing=True)``), and
         ``offload_activations`` when activations are to be offloaded. Train it at
         :attr:`micro_batch_size`.
