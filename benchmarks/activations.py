@@ -1,5 +1,5 @@
 """Activation offload on one GPU: resident vs save_on_cpu vs checkpointing vs offload_activations,
-plain and through FSDP2 with ``CoherentOffload(activations=...)``.
+on a plain model and on one sharded with FSDP2.
 
 The built-in benchmark model ``anchor-1.6b`` (8 blocks, d 4096, 32 heads, SDPA attention, 4x GELU
 MLP, LayerNorm, 1.61B params), GPU-resident with bf16 weights (so the weights autograd saves are
@@ -18,8 +18,8 @@ Rows, all in this process after the link was measured in it:
 * ``offload(fraction=F)``: on the first F of the blocks;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
 * ``fsdp2``: each block and the model ``fully_shard``-ed (one rank), parameters on the GPU;
-* ``fsdp2+act(all)``, ``fsdp2+act(F)``: the same with ``CoherentOffload(offload_params=False, ...,
-  activations=True / F)``: activation offload attached by ``fully_shard`` itself.
+* ``fsdp2+act(all)``, ``fsdp2+act(F)``: the same with :func:`offload_activations` on every block, or on
+  the first F of them (parameters stay on the GPU).
 
 Columns: median step time (forward + backward + optimizer, CUDA events) and its parts, peak GPU memory
 (``max_memory_allocated``) and how much of the offloaded bytes it saved against its baseline (resident
@@ -66,8 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memory_snapshot import record_step  # noqa: E402
 from rounds import median_of_rounds, round_order  # noqa: E402
-from torch_fsdp_offload import CoherentOffload  # noqa: E402
-from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, get_activation_offload, offload_activations  # noqa: E402
+from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, offload_activations  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, MODEL_CONFIGS  # noqa: E402
 from torch_fsdp_offload.platform import measure_bandwidth  # noqa: E402
@@ -130,16 +129,13 @@ def _row_label(row: str, fraction: float) -> str:
     return row.replace("(fraction)", f"({fraction:g})" if row.startswith("fsdp2") else f"(fraction={fraction:g})")
 
 
-def _fsdp2_model(config, activations: bool | float):
+def _fsdp2_model(config):
     """A fresh model, each block then the root ``fully_shard``-ed on one rank, parameters on the GPU."""
     torch.manual_seed(0)
     model = build_model(config, device="cuda", dtype=torch.bfloat16)
-    policy = CoherentOffload(
-        offload_params=False, offload_grads=False, offload_optimizer_state=False, activations=activations
-    )
     for block in model.blocks:
-        fully_shard(block, offload_policy=policy)
-    fully_shard(model, offload_policy=policy)
+        fully_shard(block)
+    fully_shard(model)
     return model
 
 
@@ -174,7 +170,7 @@ def run_row(
             model, fraction=args.fraction if "fraction" in name else 1.0, prefetch_blocks=args.prefetch_blocks
         )
     elif name.startswith("fsdp2+act"):
-        offload = get_activation_offload(model)
+        offload = offload_activations(model, fraction=1.0 if name == "fsdp2+act(all)" else args.fraction)
     if offload is not None and not offload.active:
         raise RuntimeError(f"activation offload is a no-op on this platform ({offload.platform.kind.value})")
 
@@ -223,7 +219,7 @@ def run_row(
         row["memory_at_peak"] = record_step(lambda: step([torch.cuda.Event(enable_timing=True) for _ in range(4)]))
     if profile_path is not None:
         row["profile"] = profile_steps(step, profile_path)
-    if offload is not None and not name.startswith("fsdp2"):
+    if offload is not None:
         offload.remove()
     if name.startswith("checkpoint"):
         for index, block in enumerate(original_blocks):
@@ -355,8 +351,7 @@ def run_config(batch: int, seq_len: int, args: argparse.Namespace, bandwidth: di
         holder.clear()  # the previous row's model and optimizer go first
         gc.collect()
         torch.cuda.empty_cache()
-        activations = {"fsdp2": False, "fsdp2+act(all)": True}.get(row, args.fraction)
-        holder["model"] = _fsdp2_model(config, activations)
+        holder["model"] = _fsdp2_model(config)
         holder["optimizer"] = torch.optim.AdamW(holder["model"].parameters(), lr=1e-5, fused=True)
         return holder["model"], holder["optimizer"]
 

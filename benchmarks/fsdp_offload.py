@@ -75,7 +75,7 @@ from memory_snapshot import record_step  # noqa: E402
 from rounds import median_of_rounds, round_order  # noqa: E402
 from row_grammar import (  # noqa: E402
     accumulated_micro_batches, baseline, checkpointed, coherent_row_config, DEFAULT_ROWS, kept_unsharded_blocks, known_row,
-    last_blocks_fraction, optimizer_kwargs, units_per_block, user_clips,
+    last_blocks_fraction, optimizer_kwargs, spread_blocks_fraction, units_per_block, user_clips,
 )
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
@@ -156,6 +156,7 @@ def _shard(
     last_fraction: float | None = None,
     keep_unsharded_last: int = 0,
     units: int = 1,
+    spread_fraction: float | None = None,
 ) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     blocks = list(model.blocks)
@@ -172,6 +173,7 @@ def _shard(
         groups,
         offload_policy,
         last_blocks=last_blocks,
+        spread_fraction=spread_fraction,
         keep_unsharded_last=keep_unsharded_last * units,
         mp_policy=mp_policy,
     )
@@ -209,6 +211,7 @@ def run_row(
             last_blocks_fraction(name),
             kept_unsharded_blocks(name),
             units_per_block(name),
+            spread_blocks_fraction(name),
         )
         optimizer = OffloadOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(name))
     else:

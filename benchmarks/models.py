@@ -70,7 +70,7 @@ from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from row_grammar import checkpointed, coherent_row_config, kept_unsharded_blocks, last_blocks_fraction  # noqa: E402
-from row_grammar import optimizer_kwargs, row_items, units_per_block, user_clips  # noqa: E402
+from row_grammar import optimizer_kwargs, row_items, spread_blocks_fraction, units_per_block, user_clips  # noqa: E402
 from peers import error_line, exit_skipping_teardown, Runner, timed_steps  # noqa: E402
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer, plan_and_shard  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
@@ -201,8 +201,8 @@ def row_training_config(name: str, n_blocks: int) -> TrainingConfig:
     if name == "resident":
         return TrainingConfig()
     resolved = CoherentOffload(**coherent_row_config("coherent(default)" if name == "every-block" else name)).resolve()
-    last = last_blocks_fraction(name)
-    fraction = resolved.module_fraction if last is None else round(last * n_blocks) / n_blocks
+    last, spread = last_blocks_fraction(name), spread_blocks_fraction(name)
+    fraction = round(last * n_blocks) / n_blocks if last is not None else 1.0 if spread is None else spread
     gpu_fraction = resolved.optimizer_gpu_fraction
     return TrainingConfig(
         module_fraction=fraction,
@@ -255,7 +255,7 @@ def shard_and_optimizer(name: str, model: nn.Module, blocks: nn.ModuleList, mp: 
     last = last_blocks_fraction(name)
     fully_shard_with_policy(
         model, blocks, CoherentOffload(**coherent_row_config(name)),
-        last_blocks=None if last is None else round(last * len(blocks)),
+        last_blocks=None if last is None else round(last * len(blocks)), spread_fraction=spread_blocks_fraction(name),
         keep_unsharded_last=kept_unsharded_blocks(name), activation_checkpointing=checkpointed(name), mp_policy=mp,
     )
     return OffloadOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(name))

@@ -46,7 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fsdp_offload import GiB, _shard  # noqa: E402
-from row_grammar import checkpointed, coherent_row_config, known_row, last_blocks_fraction, optimizer_kwargs  # noqa: E402
+from row_grammar import (  # noqa: E402
+    checkpointed, coherent_row_config, known_row, last_blocks_fraction, optimizer_kwargs, spread_blocks_fraction,
+)
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer  # noqa: E402
 from torch_fsdp_offload.memory import empty_cache as empty_pinned_cache  # noqa: E402
 from torch_fsdp_offload.models import build_model, causal_lm_loss, rope_tables  # noqa: E402
@@ -115,7 +117,7 @@ def build_row(name: str, model_name: str, device: torch.device):
     elif name == STOCK:
         _shard(model, CPUOffloadPolicy(pin_memory=True))
     else:
-        _shard(model, CoherentOffload(**coherent_row_config(name)))
+        _shard(model, CoherentOffload(**coherent_row_config(name)), spread_fraction=spread_blocks_fraction(name))
     materialize(model, device)
     if name in (RESIDENT, STOCK):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
@@ -184,7 +186,8 @@ def planner_prediction(name: str, model_name: str, batch_size: int, seq_len: int
         offload = False
     else:
         knobs = coherent_row_config(name)
-        offload = TrainingConfig(module_fraction=knobs.get("module_fraction", 1.0), optimizer=knobs["optimizer"],
+        spread = spread_blocks_fraction(name)
+        offload = TrainingConfig(module_fraction=1.0 if spread is None else spread, optimizer=knobs["optimizer"],
                                  prefetch_depth=knobs["prefetch_depth"])
     predicted = predict_per_gpu(model_name, world_size=dist.get_world_size(), batch_size=batch_size,
                                 seq_len=seq_len, offload=offload, platform=platform,

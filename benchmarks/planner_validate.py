@@ -130,8 +130,8 @@ def row_config(row: dict, default_optimizer, default_depth: int = 1) -> Training
         elif key == "fraction":
             knobs[fraction_knob] = float(value)
         elif key in ("modules", "last"):
-            # "last=" rows give the policy per module to the last blocks; "modules=" rows give
-            # CoherentOffload(module_fraction=...) to every block, which spreads the offloaded ones.
+            # "last=" rows give the policy per module to the last blocks; "modules=" rows to blocks
+            # spread evenly (fully_shard_with_policy(spread_fraction=...)).
             knobs["module_fraction"] = float(value)
             knobs["block_placement"] = "last" if key == "last" else "spread"
         elif key in ("host", "stream"):

@@ -11,7 +11,9 @@ from torch_fsdp_offload import CoherentOffload
 # A CoherentOffload row is named by its knobs, "coherent(item;item;...)":
 #   host | stream | split=F   the optimizer placement (CoherentOffload(optimizer=...))
 #   depth=N                    prefetch_depth (default 2)
-#   modules=F                  CoherentOffload(module_fraction=F) on every block: spread evenly
+#   modules=F                  the policy given per module to a fraction F of the blocks, spread evenly
+#                              (fully_shard_with_policy(spread_fraction=F)); the others and the root
+#                              keep FSDP's default
 #   last=F                     the policy given per module to the last F of the blocks in forward
 #                              order only (the others and the root keep FSDP's default); their
 #                              gradients land first in backward, so their host steps start early
@@ -33,22 +35,23 @@ from torch_fsdp_offload import CoherentOffload
 #                              backward and step() (also as a ";user-clip" suffix of the baselines)
 #   threads=N                  OffloadOptimizer(host_threads=N)
 #   accum=N                    N micro-batches a step (also as an ";accum=N" suffix of the baselines)
-#   chunk=N                    CoherentOffload(chunk_bytes=N MiB)
 #   cast=device                CoherentOffload(cast_on="device"): the copy-ins move the fp32 master
 #                              and cast it on the GPU; the host steps without casting
 #   units=2                    each block sharded as two FSDP groups, its attention and its
 #                              feed-forward (fully_shard on those inside the checkpointed block; the
-#                              norms join the root's group); last=F and keep=N still count blocks.
+#                              norms join the root's group); last=F and keep=N still count blocks,
+#                              modules=F spreads over the groups.
 #                              Groups of a third and two thirds of a block land, step and copy in
 #                              sooner, so less of the step waits on one group's gradients or the
 #                              next forward on one group's step
 _ROW_ITEM = re.compile(
-    r"(host|stream|next-fwd|ac|default|early|clip|user-clip)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|chunk|units|accum)=([0-9]+)|cast=(host|device)"
+    r"(host|stream|next-fwd|ac|default|early|clip|user-clip)|(split|modules|last|act)=([0-9.]+)|(depth|threads|keep|units|accum)=([0-9]+)|cast=(host|device)"
 )
 
 
 def coherent_row_config(name: str) -> dict:
-    """CoherentOffload knobs of a row named ``coherent(...)`` (the grammar above).
+    """CoherentOffload knobs of a row named ``coherent(...)`` (the grammar above); which blocks get the
+    policy is :func:`last_blocks_fraction`'s and :func:`spread_blocks_fraction`'s.
 
     Raises:
         ValueError: not a ``coherent(...)`` name, an unknown item, no or two optimizer placements,
@@ -68,7 +71,7 @@ def coherent_row_config(name: str) -> dict:
         if parsed is None:
             raise ValueError(f"unknown item {item!r} in row {name!r}: use host, stream, split=F, depth=N, "
                              "modules=F, last=F, keep=N, act=F, ac, next-fwd, early, clip, user-clip, threads=N, "
-                             "chunk=N, units=2, accum=N or cast=device (or default, alone or with clip / user-clip / accum=N)")
+                             "units=2, accum=N or cast=device (or default, alone or with clip / user-clip / accum=N)")
         flag, fraction_key, fraction, count_key, count, cast_on = parsed.groups()
         if cast_on is not None:
             knobs["cast_on"] = cast_on
@@ -76,22 +79,21 @@ def coherent_row_config(name: str) -> dict:
             if "optimizer" in knobs:
                 raise ValueError(f"row {name!r} names two optimizer placements: keep one of host, stream, split=F")
             knobs["optimizer"] = flag or float(fraction)
-        elif fraction_key == "modules":
-            knobs["module_fraction"] = float(fraction)
         elif fraction_key == "act":
             knobs["activations"] = float(fraction)
         elif count_key == "depth":
             knobs["prefetch_depth"] = int(count)
-        elif count_key == "chunk":
-            knobs["chunk_bytes"] = int(count) << 20
         elif count_key == "units" and int(count) not in (1, 2):
             raise ValueError(f"row {name!r}: units={count} is not 1 or 2 (a block's attention and feed-forward)")
     if "optimizer" not in knobs:
         raise ValueError(f"row {name!r} names no optimizer placement: add host, stream or split=F")
-    if "module_fraction" in knobs and last_blocks_fraction(name) is not None:
+    if spread_blocks_fraction(name) is not None and last_blocks_fraction(name) is not None:
         raise ValueError(f"row {name!r} has both modules= and last=: choose one")
+    spread = spread_blocks_fraction(name)
+    if spread is not None and not 0 <= spread <= 1:
+        raise ValueError(f"row {name!r}: modules={spread:g} is not a fraction of the blocks in [0, 1]")
     try:
-        CoherentOffload(**knobs)  # its own checks of every value (split=1.5, chunk=0, ...)
+        CoherentOffload(**knobs)  # its own checks of every value (split=1.5, act=2, ...)
     except ValueError as error:
         raise ValueError(f"row {name!r}: {error}") from None
     return knobs
@@ -178,6 +180,13 @@ def last_blocks_fraction(name: str) -> float | None:
     """The F of a row named ``last=F`` (the policy on the last F of the blocks only), else None."""
     last = re.search(r"last=([0-9.]+)", name)
     return float(last.group(1)) if last is not None else None
+
+
+def spread_blocks_fraction(name: str) -> float | None:
+    """The F of a row named ``modules=F`` (the policy on a fraction F of the blocks, spread evenly),
+    else None."""
+    spread = re.search(r"modules=([0-9.]+)", name)
+    return float(spread.group(1)) if spread is not None else None
 
 
 def kept_unsharded_blocks(name: str) -> int:

@@ -20,7 +20,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from common_offload import GlooMultiProcessTestCase, SingleRankGlooTestCase
 from test_fsdp2_offload import _batch, _loss, _shard, TiedBlocksModel
-from torch_fsdp_offload import _integration, CoherentOffload, materialize_sharded, OffloadOptimizer
+from torch_fsdp_offload import _integration, CoherentOffload, fully_shard_with_policy, materialize_sharded, OffloadOptimizer
 from torch_fsdp_offload._integration import fsdp2_hooks, fsdp2_sharding
 from torch_fsdp_offload.transfer import get_transfer_engine
 
@@ -126,10 +126,7 @@ class HooksPathPublicStateTest(SingleRankGlooTestCase):
         # "meta" stands in for the compute device: offloaded groups land on the host.
         with torch.device("meta"):
             model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
-        policy = CoherentOffload(platform="discrete", module_fraction=0.5)
-        for layer in model:
-            fully_shard(layer, offload_policy=policy)
-        fully_shard(model, offload_policy=policy)
+        fully_shard_with_policy(model, list(model), CoherentOffload(platform="discrete"), spread_fraction=0.5)
         materialize_sharded(model, "meta")
         offloaded = [layer._get_fsdp_state()._fsdp_param_groups[0].offloaded for layer in model]
         self.assertIn(True, offloaded)

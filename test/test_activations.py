@@ -25,8 +25,7 @@ from torch.testing._internal.common_utils import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from torch_fsdp_offload import CoherentOffload
-from torch_fsdp_offload.activations import ActivationOffload, get_activation_offload, offload_activations
+from torch_fsdp_offload.activations import ActivationOffload, offload_activations
 from torch_fsdp_offload.memory import memory_stats
 from torch_fsdp_offload.models import build_model, causal_lm_loss, TransformerConfig
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -582,8 +581,9 @@ class TestActivationOffloadGPU(TestCase):
         # behaviour.) Generous: what stays is the in-flight bound, a block being made, and backward's window.
         self.assertLess(offloaded_peak, resident_peak - offload.stats.d2h_bytes // 3)
 
-    def test_fully_shard_policy_gradients_and_peak(self) -> None:
-        # One-rank FSDP2 with activation offload from the policy (parameters stay on the GPU).
+    def test_fsdp2_model_gradients_and_peak(self) -> None:
+        # One-rank FSDP2 with activations alone offloaded (offload_activations; parameters stay on
+        # the GPU).
         created_group = not dist.is_initialized()
         if created_group:
             dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=self.device)
@@ -591,19 +591,17 @@ class TestActivationOffloadGPU(TestCase):
             # About 1 GiB of activations per block, 8 GiB in all: well above the 1 GiB in-flight bound.
             config = TransformerConfig(vocab_size=512, dim=1024, n_layers=8, n_heads=16, ffn_hidden=4096, max_seq_len=1024)
             tokens = torch.randint(0, config.vocab_size, (8, 1024), device=self.device)
-            resident = dict(offload_params=False, offload_grads=False, offload_optimizer_state=False, platform="discrete")
             results = {}
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
                 for activations in (False, True):
                     torch.manual_seed(0)
                     model = build_model(config, device=self.device)
-                    policy = CoherentOffload(activations=activations, **resident)
                     for block in model.blocks:
-                        fully_shard(block, offload_policy=policy)
-                    fully_shard(model, offload_policy=policy)
+                        fully_shard(block)
+                    fully_shard(model)
+                    offload = offload_activations(model, platform="discrete") if activations else None
                     _step(model, tokens)  # first step: lazy init and the pinned pool
                     first = [p.grad.full_tensor() for p in model.parameters()]
-                    offload = get_activation_offload(model)
                     if offload is not None:
                         offload.stats.reset()
                     peak = self._peak_above(lambda: _step(model, tokens))

@@ -385,19 +385,18 @@ class TestFsdpOffloadBenchmark(TestCase):
             self.assertTrue(row_grammar.known_row(name), name)
         self.assertEqual(
             row_grammar.coherent_row_config("coherent(split=0.25;next-fwd;modules=0.625;ac;depth=1)"),
-            {"optimizer": 0.25, "prefetch_depth": 1, "module_fraction": 0.625},
+            {"optimizer": 0.25, "prefetch_depth": 1},
         )
         self.assertEqual(row_grammar.coherent_row_config("coherent(host;next-fwd;last=0.5;act=0.5)"),
                          {"optimizer": "host", "prefetch_depth": 2, "activations": 0.5})
-        self.assertEqual(row_grammar.coherent_row_config("coherent(stream;chunk=256)"),
-                         {"optimizer": "stream", "prefetch_depth": 2, "chunk_bytes": 256 << 20})
         for bad, reason in (
             ("coherent(host;typo)", "unknown item 'typo'"),
             ("coherent(next-fwd)", "no optimizer placement"),
             ("coherent(host;split=0.5)", "two optimizer placements"),
             ("coherent(host;modules=0.5;last=0.5)", "both modules= and last="),
             ("resident(host)", "not a CoherentOffload row"),
-            ("coherent(stream;chunk=0)", "chunk_bytes=0) must be an int >= 1 MiB"),
+            ("coherent(stream;chunk=256)", "unknown item 'chunk=256'"),
+            ("coherent(host;modules=1.5)", "modules=1.5 is not a fraction of the blocks"),
             ("coherent(split=1.5)", "optimizer=1.5) is not a placement"),
             ("coherent(host;units=3)", "units=3 is not 1 or 2"),
             ("coherent(host;cast=gpu)", "unknown item 'cast=gpu'"),
@@ -407,10 +406,13 @@ class TestFsdpOffloadBenchmark(TestCase):
             self.assertFalse(row_grammar.known_row(bad))
         self.assertEqual(row_grammar.coherent_row_config("coherent(host;cast=device)"),
                          {"optimizer": "host", "prefetch_depth": 2, "cast_on": "device"})
-        # "last=F": the policy per module on the last F of the blocks; the step model reads it as
-        # module_fraction F placed last in forward order, and "modules=F" as F spread.
+        # "last=F": the policy per module on the last F of the blocks, "modules=F" on F of them
+        # spread evenly; the step model reads them as module_fraction F placed last in forward
+        # order, or spread.
         self.assertEqual(row_grammar.last_blocks_fraction("coherent(host;next-fwd;last=0.5)"), 0.5)
         self.assertIsNone(row_grammar.last_blocks_fraction("coherent(host;next-fwd;modules=0.5)"))
+        self.assertEqual(row_grammar.spread_blocks_fraction("coherent(host;next-fwd;modules=0.5)"), 0.5)
+        self.assertIsNone(row_grammar.spread_blocks_fraction("coherent(host;next-fwd;last=0.5)"))
         # "units=2": each block sharded as its attention and feed-forward groups, a sharding knob.
         units = "coherent(host;next-fwd;last=0.5;keep=1;ac;units=2)"
         self.assertEqual(row_grammar.units_per_block(units), 2)

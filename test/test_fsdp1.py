@@ -309,7 +309,6 @@ class TestFSDP1Refusal(GlooMultiProcessTestCase):
             (dict(offload_policy=CoherentOffload(optimizer="host")),
              r"optimizer='host'.*steps with your own optimizer.*OffloadOptimizer"),
             (dict(offload_policy=CoherentOffload(optimizer=0.5, platform="discrete")), r"optimizer=0\.5"),
-            (dict(offload_policy=CoherentOffload(module_fraction=0.5)), r"module_fraction=0\.5.*fully_shard"),
             (dict(offload_policy=CoherentOffload(activations=True)), r"activations=True.*offload_activations\(model\)"),
             (dict(offload_policy=CoherentOffload(prefetch_depth=0), forward_prefetch=True),
              r"prefetch_depth=0 .*forward_prefetch=True"),
@@ -365,7 +364,7 @@ class TestFSDP1Errors(TestCase):
         cases = [
             (dict(cpu_offload=CPUOffload(True), offload_policy=CoherentOffload()), ValueError,
              "both cpu_offload= and offload_policy="),
-            (dict(offload_policy=CoherentOffload(module_fraction=0.5)), ValueError, "module_fraction=0.5"),
+            (dict(offload_policy=CoherentOffload(activations=0.5)), ValueError, "activations=0.5"),
             (dict(offload_policy="cpu"), TypeError, "takes an OffloadPolicy"),
         ]
         for kwargs, error, message in cases:

@@ -114,13 +114,11 @@ class FSDP2ActivationOffloadTest(GlooMultiProcessTestCase):
         self.assertEqual(offload.stats, type(offload.stats)())
         self.assertEqual((d2h, h2d), (0, 0))
 
-    def test_one_offloader_per_model_and_param_offload_off(self) -> None:
+    def test_one_offloader_per_model_with_parameters_offloaded(self) -> None:
         self.init_gloo()
         mesh = init_device_mesh("cpu", (self.world_size,))
-        # Activations alone: parameters stay where FSDP puts them.
-        policy = CoherentOffload(
-            platform="discrete", offload_params=False, offload_grads=False, offload_optimizer_state=False, activations=True
-        )
+        # Activations and parameters offloaded by one policy object shared by two models.
+        policy = CoherentOffload(platform="discrete", activations=True)
         torch.manual_seed(0)
         first = build_model(_CONFIG)
         second = copy.deepcopy(first)

@@ -159,28 +159,29 @@ class OffloadOptimizerLifetimeTest(GlooMultiProcessTestCase):
 
     def test_stepped_numel_counts_whole_groups(self):
         # optimizer=0.5 over four offloaded groups streams two whole groups, the first two in
-        # forward order (the root, then block 0); with module_fraction=0.5 every second group
-        # stays on the device.
+        # forward order (the root, then block 0); with the policy on the last two blocks only, it
+        # streams block 1 and the other groups stay on the device.
         self.init_gloo()
 
         def numel(modules):
             return sum(p.numel() for m in modules for p in m.parameters())
 
-        for module_fraction, expected in (
-            (1.0, lambda m: {"host": numel(m.blocks[1:]), "streamed": numel([m]) - numel(m.blocks[1:]), "device": 0}),
-            (0.5, lambda m: {"host": numel([m.blocks[1]]), "streamed": numel([m]) - numel(m.blocks), "device": numel([m.blocks[0], m.blocks[2]])}),
+        for last_blocks, expected in (
+            (None, lambda m: {"host": numel(m.blocks[1:]), "streamed": numel([m]) - numel(m.blocks[1:]), "device": 0}),
+            (2, lambda m: {"host": numel([m.blocks[2]]), "streamed": numel([m.blocks[1]]), "device": numel([m]) - numel(m.blocks[1:])}),
         ):
             model = _shard(
                 TiedBlocksModel(),
-                CoherentOffload(platform="discrete", optimizer=0.5, module_fraction=module_fraction),
+                CoherentOffload(platform="discrete", optimizer=0.5),
                 None,
                 MixedPrecisionPolicy(),
+                last_blocks=last_blocks,
             )
             # Host steps finished when step() returns: its host time counts them.
             optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap_next_forward=False)
             _loss(model, _batch(0, 0)).backward()
             optim.step()
-            self.assertEqual(optim.stepped_numel, expected(model), msg=f"module_fraction={module_fraction}")
+            self.assertEqual(optim.stepped_numel, expected(model), msg=f"last_blocks={last_blocks}")
             # The host time of the step includes its waits for gradient copies, reported apart.
             self.assertGreater(optim.last_host_step_seconds, 0)
             self.assertLessEqual(optim.last_host_wait_seconds, optim.last_host_step_seconds)
@@ -402,7 +403,7 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self._run_parity(policy=CoherentOffload(platform="discrete"), grad_accum=2)
         self._run_parity(policy=CoherentOffload(platform="discrete"), grad_accum=2, step_during_backward=True)
         self._run_parity(policy=CoherentOffload(platform="discrete"), max_grad_norm=0.05)
-        self._run_parity(policy=CoherentOffload(platform="discrete", module_fraction=0.5))
+        self._run_parity(policy=CoherentOffload(platform="discrete"), spread_fraction=0.5)
 
     def test_parity_each_optimizer_placement(self):
         # "auto" streams half the groups on a discrete platform (the other tests); here the others.
@@ -649,7 +650,8 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
             overlap_next_forward=True,
         )
         self._run_parity(
-            policy=CoherentOffload(platform="discrete", optimizer=0.5, module_fraction=0.5),
+            policy=CoherentOffload(platform="discrete", optimizer=0.5),
+            spread_fraction=0.5,
             activation_checkpointing=True,
             grad_accum=2,
         )

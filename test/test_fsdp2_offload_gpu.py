@@ -26,8 +26,12 @@ from torch_fsdp_offload.optimizer.overlap import OverlapState
 from torch_fsdp_offload.transfer import get_transfer_engine
 
 
-def _shard(model, policy, activation_checkpointing=False, last_blocks=None, keep_unsharded_last=0, layer_groups=False):
-    """``policy`` on every block and the root, or (``last_blocks``) on the last blocks only.
+def _shard(
+    model, policy, activation_checkpointing=False, last_blocks=None, keep_unsharded_last=0, layer_groups=False,
+    spread_fraction=None,
+):
+    """``policy`` on every block and the root, or (``last_blocks``, ``spread_fraction``) on some
+    blocks only.
     ``layer_groups``: each block's attention and feed-forward are the groups (inside its
     checkpoint wrapper); ``last_blocks`` and ``keep_unsharded_last`` then count those groups."""
     groups = [unit for block in model.blocks for unit in (block.attention, block.feed_forward)] if layer_groups else None
@@ -40,6 +44,7 @@ def _shard(model, policy, activation_checkpointing=False, last_blocks=None, keep
         groups or model.blocks,
         policy,
         last_blocks=last_blocks,
+        spread_fraction=spread_fraction,
         keep_unsharded_last=keep_unsharded_last,
         mp_policy=mp_policy,
     )
@@ -63,7 +68,7 @@ class CoherentOffloadGPUTest(TestCase):
     def _pair(
         self,
         prefetch_depth=1,
-        module_fraction=1.0,
+        spread_fraction=None,
         reference_policy=None,
         optimizer="host",
         overlap_next_forward=False,
@@ -88,11 +93,12 @@ class CoherentOffloadGPUTest(TestCase):
         )
         _shard(
             model,
-            CoherentOffload(prefetch_depth=prefetch_depth, module_fraction=module_fraction, optimizer=optimizer),
+            CoherentOffload(prefetch_depth=prefetch_depth, optimizer=optimizer),
             activation_checkpointing,
             last_blocks,
             keep_unsharded_last,
             layer_groups,
+            spread_fraction,
         )
         return (
             reference,

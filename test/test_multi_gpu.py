@@ -5,7 +5,7 @@ One process per GPU (world size ``min(GPUs, 4)``), each on its own batches:
 * parity with resident FSDP2 when offloaded groups step with the same CUDA AdamW kernel
   (``optimizer="stream"``), and with stock ``CPUOffloadPolicy`` when both step with the same fused
   CPU AdamW (``optimizer="host"``), losses and parameters within 1e-6;
-* partial offload (``module_fraction=0.5``), HSDP over 2D meshes, DCP save and resume;
+* partial offload (the policy on every second block), HSDP over 2D meshes, DCP save and resume;
 * two torchrun agents on this host acting as two nodes, each with half the GPUs, HSDP across them:
   the same losses as one agent with all of them.
 
@@ -58,15 +58,15 @@ class MultiGPUOffloadTest(NcclMultiProcessTestCase):
         optim.zero_grad()
         return loss.detach()
 
-    def _build(self, policy, mesh) -> torch.nn.Module:
+    def _build(self, policy, mesh, **shard_kwargs) -> torch.nn.Module:
         torch.manual_seed(0)
-        return _shard(build_model(MODEL, device=self.device), policy, mesh, MP_POLICY)
+        return _shard(build_model(MODEL, device=self.device), policy, mesh, MP_POLICY, **shard_kwargs)
 
-    def _run_parity(self, policy: CoherentOffload, reference_policy, mesh=None) -> None:
+    def _run_parity(self, policy: CoherentOffload, reference_policy, mesh=None, **shard_kwargs) -> None:
         """STEPS steps of both models on this rank's batches; losses and parameters within 1e-6."""
         mesh = mesh or self._mesh()
-        reference = self._build(reference_policy, mesh)
-        model = self._build(policy, mesh)
+        reference = self._build(reference_policy, mesh, **shard_kwargs)
+        model = self._build(policy, mesh, **shard_kwargs)
         reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
         optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
         engine = get_transfer_engine(self.device)
@@ -96,7 +96,7 @@ class MultiGPUOffloadTest(NcclMultiProcessTestCase):
     def test_partial_offload_matches_resident(self):
         # Half the groups offloaded (and stepped on the GPU), half resident: one kernel throughout.
         self.init_nccl()
-        self._run_parity(CoherentOffload(module_fraction=0.5, optimizer="stream"), OffloadPolicy())
+        self._run_parity(CoherentOffload(optimizer="stream"), OffloadPolicy(), spread_fraction=0.5)
 
     def test_hsdp_2d_mesh(self):
         self.init_nccl()

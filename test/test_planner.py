@@ -81,7 +81,11 @@ class TestTalkExample(TestCase):
         self.assertAlmostEqual(recommended["weights_offload_fraction"], 1 / 3, delta=0.03)
         self.assertAlmostEqual(recommended["throughput_gain"], 0.40, delta=0.01)
         self.assertEqual(recommended["microbatch_factor"], 2.0)
-        self.assertEqual(recommended["coherent_offload"], "CoherentOffload(module_fraction=0.35)")
+        self.assertEqual(
+            recommended["coherent_offload"],
+            "policy = CoherentOffload() on 0.35 of the blocks, spread evenly: "
+            "fully_shard_with_policy(model, blocks, policy, spread_fraction=0.35)",
+        )
 
     def test_human_report(self):
         self.assertExpectedInline(
@@ -118,7 +122,7 @@ Every figure is per GPU (one GPU, nothing sharded).
    link-bound: its copies need more than the link carries while compute runs: listed, never recommended
 7. Recommendation: offload 35% of the weights and run 2x the micro-batch: +40% throughput; the link stays hidden at 78% (353 of 450 GB/s).
    Note: offload_weights at 4x predicts +50% but is link-bound (needs 600 GB/s to hide): it pays only if the link really delivers 450 GB/s, so it is not recommended
-   CoherentOffload(module_fraction=0.35)
+   policy = CoherentOffload() on 0.35 of the blocks, spread evenly: fully_shard_with_policy(model, blocks, policy, spread_fraction=0.35)
 """,
         )
 
@@ -126,8 +130,15 @@ Every figure is per GPU (one GPU, nothing sharded).
         recommended = plan(scenario=TALK).recommended
         policy = recommended.policy
         self.assertEqual(type(policy).__name__, "CoherentOffload")
-        self.assertEqual(policy.module_fraction, 0.35)
+        self.assertEqual(recommended.spread_fraction, 0.35)
         self.assertEqual(policy.activations, False)
+        # apply() gives it to 0.35 of the blocks, spread evenly, and none to the root.
+        model = build_model("tiny")
+        with mock.patch("torch_fsdp_offload.policy.fully_shard_with_policy") as shard:
+            recommended.apply(model)
+        (sharded, blocks, given), kwargs = shard.call_args
+        self.assertEqual((sharded, list(blocks), kwargs["spread_fraction"]), (model, list(model.blocks), 0.35))
+        self.assertEqual(given.cast_on, "auto")
 
     def test_link_bound_plan_is_listed_not_recommended(self):
         result = plan(scenario=TALK)
@@ -405,11 +416,10 @@ class TestRealModel(TestCase):
         self.assertEqual(budget.training.capacity_bytes, 14 * 2**30)
         self.assertIsNotNone(budget.recommended.kwargs)
         # Part of the blocks offloaded: the policy goes on the last ones (the placement the step
-        # model predicts), so it carries no module_fraction of its own.
+        # model predicts).
         offloaded, n_blocks = budget.recommended.last_blocks
         self.assertEqual((offloaded / n_blocks, n_blocks), (budget.recommended.weights_offload_fraction, 8))
-        self.assertNotIn("module_fraction", budget.recommended.kwargs)
-        self.assertEqual(budget.recommended.policy.module_fraction, 1.0)
+        self.assertIsNone(budget.recommended.spread_fraction)
         self.assertIn(f"on the last {offloaded} of the 8 blocks", budget.recommended.code())
         self.assertIn(f"blocks[{8 - offloaded}:]", budget.recommended.code())
         self.assertLessEqual(budget.recommended.predicted_peak_gpu_GiB, 14)
@@ -500,7 +510,7 @@ class TestStepModel(TestCase):
         return predict_step(self.profile, TrainingConfig(**knobs), platform or self.platform)
 
     def test_spread_placement_exposes_the_first_host_group(self):
-        # Spread (CoherentOffload(module_fraction=0.5) on every block) offloads blocks 1, 3, 5, 7:
+        # Spread (fully_shard_with_policy(spread_fraction=0.5)) offloads blocks 1, 3, 5, 7:
         # block 1's gradients land last and the next forward needs it almost at once, so more of
         # the host step is exposed than with the same blocks' worth offloaded last.
         spread = TrainingConfig(module_fraction=0.5, block_placement="spread")
@@ -680,8 +690,8 @@ class TestStepModel(TestCase):
         self.assertIn("cast_on='device': the host step binds this plan", recommended.reason)
         self.assertExpectedInline(recommended.code(), """\
 policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of the 8 blocks: fully_shard(block, offload_policy=policy) for block in blocks[4:], no offload_policy for the other blocks and the root; reshard_after_forward=False for the last 4 blocks; activation checkpointing per block""")
-        self.assertEqual(TrainingConfig(module_fraction=0.5).coherent_offload_kwargs(),
-                         {"module_fraction": 0.5, "optimizer": "host"})
+        self.assertEqual(TrainingConfig(module_fraction=0.5).coherent_offload_kwargs(), {"optimizer": "host"})
+        self.assertIsNone(TrainingConfig(activations=1.0).coherent_offload_kwargs())
 
     def test_clipping_starts_host_steps_after_backward(self):
         # Every block stepped on the host: with clipping step() waits for the last gradients (block
@@ -780,10 +790,10 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
         recommendation = Recommendation(
             technique="fsdp2_step_model", microbatch_factor=1, weights_offload_fraction=1.0,
             activations_offload_fraction=0.0, checkpointing=False, throughput_gain=0.0,
-            kwargs={"module_fraction": 1.0, "optimizer": "host"}, reason="", optimizer_kwargs={"step_during_backward": True},
+            kwargs={"optimizer": "host"}, reason="", optimizer_kwargs={"step_during_backward": True},
         )
         self.assertExpectedInline(recommendation.code(), """\
-CoherentOffload(module_fraction=1.0, optimizer='host'); OffloadOptimizer(model, torch.optim.AdamW, step_during_backward=True, ...): breaks torch.optim's contract (parameters and optimizer state change before step())""")
+CoherentOffload(optimizer='host'); OffloadOptimizer(model, torch.optim.AdamW, step_during_backward=True, ...): breaks torch.optim's contract (parameters and optimizer state change before step())""")
         with self.assertWarns(UserWarning):  # the module is not sharded with CoherentOffload
             optimizer = recommendation.optimizer(nn.Linear(2, 2), lr=0.1)
         self.assertTrue(optimizer.step_during_backward)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from unittest import mock
@@ -9,7 +10,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -19,10 +20,11 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_fsdp_offload._integration as fsdp2_integration
+import torch_fsdp_offload.placement as placement_module
 from common_offload import SingleRankGlooTestCase
-import torch_fsdp_offload.policy as policy_module
-from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy
-from torch_fsdp_offload.placement import choose_placements, LinkRates
+from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, measure_placement, OffloadOptimizer
+from torch_fsdp_offload.host_step import HostStepRates
+from torch_fsdp_offload.placement import choose_placements
 from torch_fsdp_offload.memory import HostMemoryError, memory_stats
 
 
@@ -32,16 +34,11 @@ class CoherentOffloadKnobsTest(TestCase):
         [
             ({"prefetch_depth": -1}, "must be an int >= 0"),
             ({"prefetch_depth": 1.5}, "must be an int >= 0"),
-            ({"chunk_bytes": 1024}, ">= 1 MiB"),
-            ({"module_fraction": 1.5}, r"in\s+\[0, 1\]"),
-            ({"module_fraction": float("nan")}, r"in\s+\[0, 1\]"),
             ({"optimizer": "gpu"}, "is not a placement"),
             ({"optimizer": -0.1}, "is not a placement"),
             ({"optimizer": True}, "is not a placement"),
             ({"cast_on": "gpu"}, "is not a cast placement; use 'auto', 'host'"),
-            ({"offload_grads": False}, "needs offload_grads=True"),
-            ({"offload_params": False}, "set offload_grads=False"),
-            ({"pin_memory": True}, "allocates exact-size pinned memory itself"),
+            ({"pin_memory": False}, r"pin_memory=False\) is not supported.*CPUOffloadPolicy\(pin_memory=False\)"),
             ({"activations": 1.5}, r"must be True, False or a number in \[0, 1\]"),
             ({"platform": "gh200"}, "is not a platform class"),
         ],
@@ -52,8 +49,17 @@ class CoherentOffloadKnobsTest(TestCase):
 
     def test_is_a_cpu_offload_policy(self):
         # FSDP2 only checks isinstance(policy, CPUOffloadPolicy): the subclass is what lets the
-        # policy be passed wherever FSDP2 takes an offload policy.
+        # policy be passed wherever FSDP2 takes an offload policy. Its pin_memory is the base
+        # class's default: the shards are pinned.
         self.assertIsInstance(CoherentOffload(), CPUOffloadPolicy)
+        self.assertIs(CoherentOffload().pin_memory, CPUOffloadPolicy().pin_memory)
+        self.assertIs(CoherentOffload(pin_memory=True).pin_memory, True)
+
+    def test_at_most_six_knobs(self):
+        self.assertEqual(
+            [field.name for field in dataclasses.fields(CoherentOffload)],
+            ["pin_memory", "optimizer", "cast_on", "prefetch_depth", "activations", "platform"],
+        )
 
     @parametrize(
         "platform, optimizer, expected",
@@ -71,51 +77,72 @@ class CoherentOffloadKnobsTest(TestCase):
         self.assertEqual((plan.memory, plan.copies, plan.optimizer, plan.optimizer_gpu_fraction), expected)
         self.assertIn(platform, plan.describe())
 
-    def test_auto_placements_come_from_the_machines_rates(self):
-        # On a GPU machine "auto" places the cast and the streamed share from the host-step and
-        # link rates measured there: two machines, two placements.
-        gpu = dataclasses.replace(CoherentOffload(platform="discrete").detect(), device=torch.device("cuda", 0))
-        for rates, cast_on, fraction, host_only_cast in (
-            (LinkRates(0.52e-9, 0.28e-9, 54.0, 54.0, 97.0), "device", 0.45, "device"),  # a PCIe Gen5 host
-            (LinkRates(0.10e-9, 0.03e-9, 25.0, 25.0, 40.0), "host", 0.0, "host"),  # a slower link, a faster host
-        ):
-            with mock.patch.object(policy_module, "measured_rates", return_value=rates) as measured:
-                plan = CoherentOffload(platform="discrete").resolve(gpu)
-            measured.assert_called_once_with(gpu.device)
-            self.assertEqual((plan.cast_on, plan.optimizer_gpu_fraction), (cast_on, fraction))
-            self.assertIn(rates.describe(), plan.describe())
-            # Explicit knobs are kept; the other one still follows the rates.
-            with mock.patch.object(policy_module, "measured_rates", return_value=rates):
-                self.assertEqual(CoherentOffload(platform="discrete", cast_on="host", optimizer="host").resolve(gpu).cast_on, "host")
-                self.assertEqual(CoherentOffload(platform="discrete", optimizer="host").resolve(gpu).cast_on, host_only_cast)
-                self.assertEqual(CoherentOffload(platform="discrete", cast_on="host").resolve(gpu).optimizer_gpu_fraction,
-                                 choose_placements(rates, "host")[1])
+    @parametrize("platform, fraction", [("discrete", 0.5), ("coherent", 1.0)])
+    def test_auto_is_decided_from_the_platform_without_measuring(self, platform, fraction):
+        # On a GPU machine too "auto" comes from the platform class alone: the same plan on every
+        # run and rank, with no timing inside resolve() (or fully_shard, which calls it).
+        gpu = dataclasses.replace(CoherentOffload(platform=platform).detect(), device=torch.device("cuda", 0))
+        timing = AssertionError("resolve() ran a measurement")
+        with mock.patch.object(placement_module, "measure_host_step", side_effect=timing), \
+                mock.patch.object(placement_module, "measure_bandwidth", side_effect=timing):
+            plans = [CoherentOffload(platform=platform).resolve(gpu) for _ in range(2)]
+            # An explicit knob is kept; "auto" beside it is decided alike.
+            host_stepped = CoherentOffload(platform=platform, optimizer="host").resolve(gpu)
+            device_cast = CoherentOffload(platform=platform, cast_on="device").resolve(gpu)
+        self.assertEqual(plans[0], plans[1])
+        self.assertEqual((plans[0].optimizer_gpu_fraction, plans[0].cast_on), (fraction, "host"))
+        self.assertEqual((host_stepped.optimizer_gpu_fraction, host_stepped.cast_on), (0.0, "host"))
+        self.assertEqual((device_cast.optimizer_gpu_fraction, device_cast.cast_on), (fraction, "device"))
+
+    def test_measure_placement_is_an_explicit_call(self):
+        # Without a GPU there is no link to measure.
+        with self.assertRaisesRegex(ValueError, "measure_placement needs a CUDA device, got cpu"):
+            measure_placement("cpu")
+        # On a GPU it advises what choose_placements picks from the rates it measured (the
+        # measurements themselves stand in here: timing never runs in a test).
+        host = HostStepRates(
+            alone_s_per_param=0.3e-9, link_busy_s_per_param=0.8e-9, link_GBps_meanwhile=50.0,
+            alone_cast_s_per_param=0.1e-9, link_busy_cast_s_per_param=0.28e-9,
+        )
+        link = mock.Mock(h2d_gbps=54.0, d2h_gbps=54.0, bidirectional_gbps=97.0)
+        with mock.patch.object(placement_module, "resolve_device", return_value=torch.device("cuda", 0)), \
+                mock.patch.object(placement_module.torch.cuda, "device", return_value=contextlib.nullcontext()), \
+                mock.patch.object(placement_module, "measure_host_step", return_value=host), \
+                mock.patch.object(placement_module, "measure_bandwidth", return_value=link) as measured:
+            advice = measure_placement(0)
+        measured.assert_called_once()
+        self.assertEqual((advice.rates.adamw_s_per_param, advice.rates.cast_s_per_param), (0.8e-9 - 0.28e-9, 0.28e-9))
+        self.assertEqual((advice.rates.h2d_GBps, advice.rates.both_GBps), (54.0, 97.0))
+        self.assertEqual((advice.cast_on, advice.optimizer), choose_placements(advice.rates))
+        self.assertEqual(CoherentOffload(platform="discrete", **advice.policy_kwargs()).resolve().cast_on, advice.cast_on)
 
     def test_cast_placement_is_in_the_plan(self):
-        # Without a GPU there are no rates: a forced copy path casts on the host.
         self.assertEqual(CoherentOffload(platform="discrete").resolve().cast_on, "host")
         plan = CoherentOffload(platform="discrete", cast_on="device").resolve()
         self.assertEqual(plan.cast_on, "device")
         self.assertIn("cast to the compute dtype on the device", plan.describe())
 
-    @parametrize("memory", ["managed", "pinned", "auto"])
-    def test_memory_knob_is_removed(self, memory):
-        # The platform decides the memory ("auto" and "pinned" resolved alike; "managed" was never
-        # built for parameters): the knob is refused, saying so, instead of raising only later.
-        with self.assertRaisesRegex(TypeError, "the memory knob was removed.*drop the argument"):
-            CoherentOffload(memory=memory)
-
-    @parametrize("placement", [{"optimizer": "stream"}, {"optimizer": "host"}, {"optimizer": 0.5}, {"cast_on": "device"}])
     @parametrize(
-        "nothing_offloaded",
+        "knob, value, replacement",
         [
-            {"offload_params": False, "offload_grads": False, "offload_optimizer_state": False},
-            {"module_fraction": 0},
+            ("memory", "managed", "The platform decides where shards live.*drop the argument"),
+            ("offload_params", False, "no offload_policy.*offload_activations"),
+            ("offload_grads", True, "no offload_policy.*offload_activations"),
+            ("offload_optimizer_state", True, "no offload_policy.*offload_activations"),
+            ("chunk_bytes", 64 << 20, "DEFAULT_CHUNK_BYTES \\(64 MiB"),
+            ("module_fraction", 0.5, r"per module.*fully_shard_with_policy\(.*last_blocks=k\).*spread_fraction=f"),
         ],
     )
-    def test_placement_with_nothing_offloaded_is_refused_at_construction(self, placement, nothing_offloaded):
-        with self.assertRaisesRegex(ValueError, r"but nothing is offloaded .*Drop (optimizer|cast_on)="):
-            CoherentOffload(**placement, **nothing_offloaded)
+    def test_removed_knob_names_its_replacement(self, knob, value, replacement):
+        # Refused at construction, by replace() and on assignment, saying what to do instead.
+        with self.assertRaisesRegex(TypeError, f"CoherentOffload\\({knob}=.*was removed.*{replacement}"):
+            CoherentOffload(**{knob: value})
+        with self.assertRaisesRegex(TypeError, f"{knob}=.*{replacement}"):
+            CoherentOffload().replace(**{knob: value})
+        policy = CoherentOffload()
+        with self.assertRaisesRegex(AttributeError, f"CoherentOffload.{knob}: .*{replacement}"):
+            setattr(policy, knob, value)
+        self.assertNotIn(knob, vars(policy))
 
     @parametrize("placement", [{"optimizer": "stream"}, {"optimizer": "host"}, {"optimizer": 0.5}, {"cast_on": "device"}])
     @parametrize("platform", ["unified", "host_only"])
@@ -128,18 +155,15 @@ class CoherentOffloadKnobsTest(TestCase):
     def test_defaults_never_raise_where_nothing_is_copied(self, platform):
         # The same script runs on every machine: with the default knobs the policy is a no-op there.
         self.assertFalse(CoherentOffload(platform=platform).resolve().copies)
-        activations_only = CoherentOffload(offload_params=False, offload_grads=False, offload_optimizer_state=False,
-                                           activations=True, platform=platform)
-        self.assertFalse(activations_only.resolve().copies)
+        self.assertFalse(CoherentOffload(activations=True, platform=platform).resolve().copies)
 
     @parametrize(
         "name, value, message",
         [
             ("prefetch_depth", -1, "must be an int >= 0"),
-            ("module_fraction", 2.0, r"in\s+\[0, 1\]"),
-            ("offload_grads", False, "needs offload_grads=True"),
+            ("activations", 2.0, r"in \[0, 1\]"),
             ("optimizer", "gpu", "is not a placement"),
-            ("pin_memory", True, "allocates exact-size pinned memory itself"),
+            ("pin_memory", False, "is not supported"),
         ],
     )
     def test_assignment_is_validated_and_a_refusal_changes_nothing(self, name, value, message):
@@ -161,7 +185,7 @@ class CoherentOffloadKnobsTest(TestCase):
         self.assertEqual(CoherentOffload().replace(prefetch_depth=2).prefetch_depth, 2)
         with self.assertRaisesRegex(ValueError, "must be an int >= 0"):
             CoherentOffload().replace(prefetch_depth=-1)
-        with self.assertRaisesRegex(ValueError, "but nothing is offloaded"):
+        with self.assertRaisesRegex(TypeError, "partial offload is per module"):
             CoherentOffload(optimizer="host").replace(module_fraction=0)
 
     def test_unsupported_torch_is_refused_with_the_range(self):
@@ -218,70 +242,83 @@ class CoherentOffloadCapacityTest(SingleRankGlooTestCase):
         self.assertEqual(asked, {"host": 10 * numel, "device": 8 * numel, "fp32": 8 * numel})
 
 
-class SharedPolicyTest(SingleRankGlooTestCase):
-    """One policy object shards any number of models, each as a fresh object would, and is not
-    written to by sharding."""
-
+class PerModulePlacementTest(SingleRankGlooTestCase):
+    """Placement is per module: a module sharded with the policy is offloaded, one sharded without
+    it is not; one policy object shards any number of models alike and is not written to."""
 
     @staticmethod
-    def _blocks_model() -> nn.Module:
-        return nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
+    def _blocks_model(n_blocks: int = 3) -> nn.Module:
+        return nn.Sequential(*(nn.Linear(8, 8) for _ in range(n_blocks)))
 
     @staticmethod
     def _offloaded(modules: list[nn.Module]) -> list[bool]:
-        return [module._get_fsdp_state()._fsdp_param_group._offload.offloaded for module in modules]
-
-    def _shard(self, model: nn.Module, policy: CoherentOffload) -> list[bool]:
-        """Shard each block, then the root (no parameters of its own, so no group); which of the
-        blocks' groups are offloaded, in order."""
-        for block in model:
-            fully_shard(block, offload_policy=policy)
-        fully_shard(model, offload_policy=policy)
-        return self._offloaded(list(model))
+        return [fsdp2_integration.fsdp2_shards_on_host(module) for module in modules]
 
     def test_sharding_leaves_the_policy_unchanged(self):
-        policy = CoherentOffload(platform="discrete", module_fraction=0.5, activations=True)
+        policy = CoherentOffload(platform="discrete", activations=True)
         before = dict(vars(policy))
-        self._shard(self._blocks_model(), policy)
+        fully_shard_with_policy(self._blocks_model(), list(self._blocks_model()), None)
+        model = self._blocks_model()
+        fully_shard_with_policy(model, list(model), policy, spread_fraction=0.5)
         self.assertEqual(vars(policy), before)
 
-    def test_shared_policy_places_each_model_like_a_fresh_one(self):
-        shared = CoherentOffload(platform="discrete", module_fraction=0.5)
-        fresh = self._shard(self._blocks_model(), shared.replace())
-        # Three groups a model: a count carried over would place the next model's True, False, True.
-        self.assertEqual(fresh, [False, True, False])
-        models = [self._blocks_model() for _ in range(3)]  # kept alive: each is a model of its own
+    def test_the_modules_given_the_policy_are_offloaded(self):
+        shared = CoherentOffload(platform="discrete")
+        # Given to blocks 0 and 2 only: those two are offloaded, whatever the order of the calls.
+        model = self._blocks_model()
+        for index, block in enumerate(model):
+            fully_shard(block, offload_policy=shared if index != 1 else OffloadPolicy())
+        fully_shard(model)
+        self.assertEqual(self._offloaded(list(model)), [True, False, True])
+        # Every model given the same object is placed alike: nothing is counted across models.
+        models = [self._blocks_model() for _ in range(3)]
         for model in models:
-            self.assertEqual(self._shard(model, shared), fresh)
-
-    def test_models_sharded_in_one_call_each_and_run_place_like_fresh_ones(self):
-        shared = CoherentOffload(platform="discrete", module_fraction=0.5)
-        placements = []
-        models = []
-        for _ in range(2):
-            model = nn.Linear(8, 8)
+            fully_shard(model[1], offload_policy=shared)
             fully_shard(model, offload_policy=shared)
-            model(torch.randn(2, 8))  # its first forward completes the model
-            placements.extend(self._offloaded([model]))
-            models.append(model)
-        self.assertEqual(placements, [False, False])
+            self.assertEqual(self._offloaded(list(model)), [False, True, False])
 
-    def test_outer_wrapper_of_a_sharded_root_continues_its_model(self):
-        # Blocks, an inner root (the encoder, no group), then the model containing it (a head of
-        # its own): one model of 3 groups, the head the third (index 2, offloaded under 0.75), not a
-        # new model's first (resident); then a second model like it is placed the same.
-        policy = CoherentOffload(platform="discrete", module_fraction=0.75)
-        placements, models = [], []
-        for _ in range(2):
-            encoder = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-            model = nn.Sequential(encoder, nn.Linear(8, 8))
-            for block in encoder:
-                fully_shard(block, offload_policy=policy)
-            fully_shard(encoder, offload_policy=policy)
-            fully_shard(model, offload_policy=policy)
-            placements.append(self._offloaded([*encoder, model]))
-            models.append(model)
-        self.assertEqual(placements, [[False, True, True]] * 2)
+    @parametrize(
+        "placement, expected",
+        [
+            ({}, [True] * 8),
+            ({"last_blocks": 3}, [False] * 5 + [True] * 3),
+            ({"spread_fraction": 0.5}, [False, True] * 4),
+            ({"spread_fraction": 0.625}, [False, True, False, True, True, False, True, True]),
+            ({"spread_fraction": 0.0}, [False] * 8),
+        ],
+    )
+    def test_fully_shard_with_policy_chooses_the_blocks(self, placement, expected):
+        # The blocks its docstring names; the root only where every block has the policy. A model
+        # whose root holds parameters of its own (a head) shows the root's placement.
+        model = nn.Sequential(self._blocks_model(8), nn.Linear(8, 8))
+        blocks = list(model[0])
+        fully_shard_with_policy(model, blocks, CoherentOffload(platform="discrete"), **placement)
+        self.assertEqual(self._offloaded(blocks), expected)
+        self.assertEqual(self._offloaded([model]), [not placement])
+
+    def test_fully_shard_with_policy_refuses_two_choices_of_blocks(self):
+        model = self._blocks_model()
+        for kwargs, message in (
+            ({"last_blocks": 1, "spread_fraction": 0.5}, "pass one"),
+            ({"spread_fraction": 1.5}, r"spread_fraction must be a number in \[0, 1\]"),
+            ({"spread_fraction": True}, r"spread_fraction must be a number in \[0, 1\]"),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                fully_shard_with_policy(model, list(model), CoherentOffload(), **kwargs)
+        self.assertEqual(self._offloaded(list(model)), [False] * 3)
+
+    def test_default_pin_memory_shards_and_trains(self):
+        # pin_memory=True (the base class's default) is the policy's own exact-size buffers:
+        # FSDP's pin_memory() (impossible without an accelerator, as here) never runs.
+        model = self._blocks_model()
+        fully_shard_with_policy(model, list(model), CoherentOffload(platform="discrete"))
+        self.assertEqual(self._offloaded(list(model)), [True] * 3)
+        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        before = [param.full_tensor().clone() for param in model.parameters()]
+        model(torch.randn(2, 8)).square().sum().backward()
+        optim.step()
+        optim.synchronize()
+        self.assertTrue(all(not torch.equal(param.full_tensor(), old) for param, old in zip(model.parameters(), before)))
 
 
 class ActivationCheckpointingTest(SingleRankGlooTestCase):
@@ -310,6 +347,7 @@ class ActivationCheckpointingTest(SingleRankGlooTestCase):
 
 
 instantiate_parametrized_tests(CoherentOffloadKnobsTest)
+instantiate_parametrized_tests(PerModulePlacementTest)
 
 if __name__ == "__main__":
     run_tests()

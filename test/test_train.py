@@ -21,12 +21,11 @@ import unittest
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torch_fsdp_offload.models import build_model
-from torch_fsdp_offload.policy import CoherentOffload
+from torch_fsdp_offload.policy import CoherentOffload, fully_shard_with_policy
 from torch_fsdp_offload import materialize_sharded
 from torch_fsdp_offload.optimizer.groups import offloaded_group
 from torch_fsdp_offload.train import parse_args
@@ -151,8 +150,9 @@ class TestTrain(TestCase):
 
         self.assertAlmostEqual(total(_records(resumed)), total(on_records[2:]), delta=0.2 * total(on_records[2:]))
 
-        # module_fraction=0.5 keeps half the groups resident: the same training bit for bit, with
-        # fewer bytes copied (the resident groups' shards are materialised on the device).
+        # --module-fraction 0.5 gives the policy to every second block only, the others and the
+        # root stay resident: the same training bit for bit, with fewer bytes copied (the resident
+        # groups' shards are materialised on the device).
         half = self._path("half.jsonl")
         _run(train + ["--platform", "discrete", "--module-fraction", "0.5", "--steps", "4", "--json-log", half])
         half_records = _records(half)
@@ -174,22 +174,20 @@ class TestTrain(TestCase):
         self.assertLess(total(host_records), 0.65 * total(device_records))
 
     def test_materialize_sharded_places_groups(self) -> None:
-        # "meta" stands in for the GPU: offloaded groups must land on the host, resident groups and
-        # the (unsharded) buffers on the compute device.
+        # materialize_sharded's own example: "meta" stands in for the GPU. Offloaded groups must
+        # land on the host, resident groups and the (unsharded) buffers on the compute device.
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
         try:
             model = build_model("tiny", device="meta")
-            policy = CoherentOffload(platform="discrete", module_fraction=0.5)
-            for block in model.blocks:
-                fully_shard(block, offload_policy=policy)
-            fully_shard(model, offload_policy=policy)
+            fully_shard_with_policy(model, model.blocks, CoherentOffload(platform="discrete"), spread_fraction=0.5)
             materialize_sharded(model, "meta")
             groups = {
                 name: module._get_fsdp_state()._fsdp_param_group
                 for name, module in (("root", model), ("blocks.0", model.blocks[0]), ("blocks.1", model.blocks[1]))
             }
-            offloaded = {name for name, group in groups.items() if group._offload.offloaded}
-            self.assertTrue(offloaded and offloaded != set(groups))  # a mix of both
+            offloaded = {name for name, group in groups.items() if group._offload is not None and group._offload.offloaded}
+            # As the example says: block 1 offloaded, block 0 and the root on the compute device.
+            self.assertEqual(offloaded, {"blocks.1"})
             for name, param in model.named_parameters():
                 prefix = next((group for group in ("blocks.0", "blocks.1") if name.startswith(group)), "root")
                 self.assertEqual(param.to_local().device.type, "cpu" if prefix in offloaded else "meta", msg=name)
@@ -223,7 +221,7 @@ class TestTrain(TestCase):
 
     @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
     def test_gpu_partial_module_offload(self) -> None:
-        # Resident groups (module_fraction < 1) must be materialised on the GPU, offloaded ones on
+        # Resident groups (--module-fraction < 1) must be materialised on the GPU, offloaded ones on
         # the host; before, every shard went to the host and FSDP computed with CPU parameters.
         log = self._path("gpu_half.jsonl")
         _run([sys.executable, "-m", "torch_fsdp_offload.train", "--device", "cuda", "--platform", "discrete", "--module-fraction", "0.5",
@@ -298,7 +296,7 @@ class TestTrain(TestCase):
             ("--cast-on", "gpu"): "invalid choice: 'gpu'",
             ("--seq-len", "4096"): "exceeds tiny's max_seq_len 256",
             ("--offload-optimizer", "gpu"): "'gpu' is not host, stream, auto or a fraction",
-            ("--module-fraction", "2"): "module_fraction",
+            ("--module-fraction", "2"): "--module-fraction is the fraction of the blocks offloaded",
             ("--model", "llama-tiny", "--hf-config", "qwen2-tiny"): "--model and --hf-config are alternatives",
             ("--model", "gpt5"): "invalid choice: 'gpt5'",
         }

@@ -12,6 +12,7 @@ from torch_fsdp_offload.activations import ActivationOffload, get_activation_off
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
 from torch_fsdp_offload.materialize import materialize_sharded
 from torch_fsdp_offload.optim import OffloadOptimizer
+from torch_fsdp_offload.placement import measure_placement, PlacementAdvice
 from torch_fsdp_offload.platform import (
     BandwidthReport,
     Classification,
@@ -42,8 +43,10 @@ __all__ = [
     "install",
     "materialize_sharded",
     "measure_bandwidth",
+    "measure_placement",
     "offload_activations",
     "OffloadOptimizer",
+    "PlacementAdvice",
     "plan",
     "plan_and_shard",
     "predict_per_gpu",

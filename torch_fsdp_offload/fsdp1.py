@@ -65,17 +65,16 @@ class FullyShardedDataParallel(_FSDP1):
             and backward. Where nothing needs offloading, FSDP1 runs exactly as without offload
             (prefetch arguments as given): on a UNIFIED machine (the GPU's memory is the host's, so
             a copy would move bytes within one memory), without an accelerator (the compute device
-            is the host), and with ``offload_params=False``. The optimizer is yours: FSDP1 never reads the policy's
+            is the host). FSDP1 offloads every handle of the tree alike (its end-of-backward host
+            synchronisation and ``clip_grad_norm_`` read the root's ``cpu_offload``): for partial
+            offload, shard with FSDP2. The optimizer is yours: FSDP1 never reads the policy's
             ``optimizer`` placement.
 
     Raises:
         ValueError: before anything is wrapped (the module is left unchanged), for a combination
             this class cannot honour: ``cpu_offload=`` together with ``offload_policy=``; a
             ``CoherentOffload`` with an ``optimizer`` placement other than ``"auto"`` (FSDP1 steps
-            with your optimizer; the placement is FSDP2's ``OffloadOptimizer``), with
-            ``module_fraction < 1`` (FSDP1 keeps one ``cpu_offload`` per tree: its end-of-backward
-            host synchronisation and ``clip_grad_norm_`` read the root's, so a mix of host and GPU
-            shards is not safe; use FSDP2 ``fully_shard``), or with ``activations`` (call
+            with your optimizer; the placement is FSDP2's ``OffloadOptimizer``), or with ``activations`` (call
             :func:`~torch_fsdp_offload.offload_activations` on the wrapped model instead);
             ``prefetch_depth=0`` with ``forward_prefetch=True`` or ``BackwardPrefetch.BACKWARD_POST``,
             or ``prefetch_depth >= 1`` with ``backward_prefetch=None`` (the depth sets both); and
@@ -158,7 +157,6 @@ class FullyShardedDataParallel(_FSDP1):
             self,
             pinned=handle_offload.pinned,
             engine=handle_offload.engine,
-            chunk_bytes=handle_offload.chunk_bytes,
             cast_on_device=handle_offload.cast_on_device,
         )
 
@@ -167,7 +165,6 @@ class FullyShardedDataParallel(_FSDP1):
 class _Plan:
     pinned: bool | None
     engine: bool
-    chunk_bytes: int | None
     cast_on_device: bool = False
     prefetch_depth: int | None = None  # CoherentOffload's; None: FSDP1's prefetch arguments as given
 
@@ -205,11 +202,9 @@ def _plan(
     if not isinstance(offload_policy, CoherentOffload):
         # FSDP1 pins the shard itself (pinned=None) unless asked not to; the handles still carry
         # the plan so that gradient accumulation outside no_sync() is not lost.
-        plan = _Plan(pinned=None if offload_policy.pin_memory else False, engine=False, chunk_bytes=None)
+        plan = _Plan(pinned=None if offload_policy.pin_memory else False, engine=False)
         return plan, CPUOffload(offload_params=True)
     _refuse_unread_knobs(offload_policy, forward_prefetch, backward_prefetch)
-    if not offload_policy.offload_params:
-        return None, None
     device = _compute_device(device_id)
     resolved = offload_policy.resolve(detect_platform(device, kind=offload_policy.platform))
     if resolved.platform is PlatformKind.UNIFIED:
@@ -225,7 +220,6 @@ def _plan(
     plan = _Plan(
         pinned=True,
         engine=resolved.copies,
-        chunk_bytes=offload_policy.chunk_bytes,
         cast_on_device=resolved.cast_on == "device",
         prefetch_depth=offload_policy.prefetch_depth,
     )
@@ -239,7 +233,6 @@ def _refuse_unread_knobs(
     and for prefetch arguments the policy's ``prefetch_depth`` would override."""
     # getattr: knobs a policy version may not have count as left at their defaults.
     optimizer = getattr(policy, "optimizer", "auto")
-    module_fraction = getattr(policy, "module_fraction", 1.0)
     activations = getattr(policy, "activations", False)
     prefetch_depth = getattr(policy, "prefetch_depth", 1)
     problems = []
@@ -249,12 +242,6 @@ def _refuse_unread_knobs(
             "which never reads a placement (placing the step on the host or the GPU is FSDP2's "
             "OffloadOptimizer). Leave optimizer at 'auto', or shard with FSDP2 fully_shard("
             "offload_policy=...) and step with torch_fsdp_offload.OffloadOptimizer"
-        )
-    if module_fraction < 1:
-        problems.append(
-            f"module_fraction={module_fraction!r}: FSDP1 offloads every handle of a tree alike (its "
-            "end-of-backward synchronisation and clip_grad_norm_ follow the root's cpu_offload). "
-            "Leave module_fraction at 1.0, or shard with FSDP2 fully_shard(offload_policy=...)"
         )
     if activations:
         problems.append(

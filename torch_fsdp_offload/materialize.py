@@ -21,9 +21,9 @@ def materialize_sharded(model: nn.Module, device: torch.device | str) -> None:
     """Allocate, uninitialised, the shards of a model built on ``meta`` and sharded with ``fully_shard``.
 
     Each FSDP parameter group's shards go where FSDP keeps them: on the host for an offloaded group,
-    on ``device`` for a resident one (``CoherentOffload(module_fraction < 1)`` mixes both; so do
-    platforms where nothing is offloaded). Buffers, which FSDP does not shard, go to ``device``.
-    Only local shards are allocated, so no rank ever holds the whole model. Fill the values
+    on ``device`` for a resident one (a model only some of whose blocks were given an offload policy
+    mixes both; so do platforms where nothing is offloaded). Buffers, which FSDP does not shard, go
+    to ``device``. Only local shards are allocated, so no rank ever holds the whole model. Fill the values
     afterwards (e.g. ``Transformer.init_weights``).
 
     Args:
@@ -37,9 +37,8 @@ def materialize_sharded(model: nn.Module, device: torch.device | str) -> None:
     Example::
 
         >>> model = build_model("tiny", device="meta")
-        >>> for block in model.blocks:
-        ...     fully_shard(block, offload_policy=CoherentOffload(module_fraction=0.5))
-        >>> fully_shard(model, offload_policy=CoherentOffload(module_fraction=0.5))
+        >>> # Blocks 1, 3, ... offloaded (their shards on the host); blocks 0, 2, ... and the root on the GPU.
+        >>> fully_shard_with_policy(model, model.blocks, CoherentOffload(), spread_fraction=0.5)
         >>> materialize_sharded(model, "cuda")
         >>> model.init_weights(seed=0)
     """

@@ -1,6 +1,7 @@
-"""Where an offloaded group's optimizer step and its compute-dtype cast run on a machine whose
-parameters cross a link: derived from this machine's host-step and link rates, measured once per
-process (see Note: [Placement from measured rates] in docs/design.md).
+"""Where an offloaded group's optimizer step and its compute-dtype cast should run on a machine whose
+parameters cross a link, from this machine's host-step and link rates, measured when
+:func:`measure_placement` is called and never otherwise (see Note: [Placement from measured rates]
+in docs/design.md). ``CoherentOffload``'s ``auto`` is decided from the platform class alone.
 
 Host steps and streamed steps run at once, each beside the link's copies, so per parameter a step
 takes about the longer of the host's work, ``(1 - f) * (AdamW + cast if the host casts)``, and the
@@ -17,8 +18,10 @@ import torch
 
 from torch_fsdp_offload.host_step import measure_host_step
 from torch_fsdp_offload.platform.bandwidth import measure_bandwidth
+from torch_fsdp_offload.platform.readers import resolve_device
+from torch_fsdp_offload.transfer import DEFAULT_CHUNK_BYTES
 
-__all__ = ["LinkRates", "choose_placements", "measured_rates", "step_seconds_per_param"]
+__all__ = ["LinkRates", "PlacementAdvice", "choose_placements", "measure_placement", "step_seconds_per_param"]
 
 # A streamed step moves its fp32 master, gradient and two Adam moments up, and the master and
 # moments back (OffloadOptimizer's streamed steps); with the cast on the host, the compute-dtype
@@ -31,8 +34,6 @@ GRADIENT_BYTES = 4
 COMPUTE_BYTES = 2
 # Copy-ins of a group per step: forward, and the re-gather for backward.
 COPY_INS_PER_STEP = 2
-# Buffer of the link measurement: our copy chunk size (CoherentOffload's chunk_bytes default).
-_MEASURED_CHUNK = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -60,40 +61,68 @@ class LinkRates:
                 f"link {self.h2d_GBps:.0f}/{self.d2h_GBps:.0f} GB/s (both {self.both_GBps:.0f})")
 
 
-_measured: dict[str, LinkRates] = {}
+@dataclass(frozen=True)
+class PlacementAdvice:
+    """The placements :func:`measure_placement` advises for this machine, and the rates behind them.
+
+    Attributes:
+        optimizer (float): the share of the offloaded groups whose step to stream through the GPU,
+            for ``CoherentOffload(optimizer=...)``.
+        cast_on (str): ``"host"`` or ``"device"``, for ``CoherentOffload(cast_on=...)``.
+        rates (LinkRates): what was measured.
+    """
+
+    optimizer: float
+    cast_on: str
+    rates: LinkRates
+
+    def policy_kwargs(self) -> dict[str, float | str]:
+        """The advice as ``CoherentOffload`` keyword arguments."""
+        return {"optimizer": self.optimizer, "cast_on": self.cast_on}
+
+    def describe(self) -> str:
+        return f"optimizer={self.optimizer:.2f} streamed, cast on the {self.cast_on}, from {self.rates.describe()}"
 
 
-def measured_rates(device: torch.device) -> LinkRates:
-    """The rates of ``device``'s host and link, measured at the first call for it (about a
-    second, with 1.5 GiB of host and 0.5 GiB of pinned memory held meanwhile), then cached for
-    the process.
+def measure_placement(device: torch.device | str | int | None = None) -> PlacementAdvice:
+    """Measure this machine's host step and link, and advise where ``CoherentOffload`` should place
+    the optimizer step and the cast (:func:`choose_placements`).
+
+    It times the fused host AdamW and the bf16 cast with the link busy both ways, as they run in a
+    training step, and the pinned link: about a second, holding 1.5 GiB of host and 0.5 GiB of
+    pinned memory meanwhile. Timings vary between runs and hosts, so call it once, on one rank,
+    and pass the same advice to every rank's policy; nothing in the library calls it.
 
     Args:
-        device (torch.device): a CUDA device.
+        device (torch.device | str | int | None): the CUDA device whose link to measure; None for
+            the current one.
 
     Returns:
-        LinkRates: what :func:`choose_placements` decides from.
+        PlacementAdvice: the streamed share and cast placement, and the rates measured.
 
     Raises:
-        ValueError: ``device`` is not a CUDA device.
+        ValueError: ``device`` is not a CUDA device (without a GPU there is no link to measure).
 
     Example::
 
-        >>> measured_rates(torch.device("cuda", 0)).describe()
-        'host AdamW 0.46 s/Gparam, cast 0.17 s/Gparam, link 55/55 GB/s (both 100)'
+        >>> advice = measure_placement("cuda:0")
+        >>> advice.describe()
+        'optimizer=0.45 streamed, cast on the device, from host AdamW 0.52 s/Gparam, ...'
+        >>> policy = CoherentOffload(**advice.policy_kwargs())
     """
+    device = resolve_device(device)
     if device.type != "cuda":
-        raise ValueError(f"measured_rates needs a CUDA device, got {device}: there is no link to measure")
-    key = str(torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device()))
-    if key not in _measured:
-        with torch.cuda.device(torch.device(key)):
-            host = measure_host_step(1 << 24, repeats=2, link_busy=True)
-        link = measure_bandwidth(key, sizes=(_MEASURED_CHUNK,), repeats=3)
-        cast = host.link_busy_cast_s_per_param or 0.0
-        _measured[key] = LinkRates(
-            host.link_busy_s_per_param - cast, cast, link.h2d_gbps, link.d2h_gbps, link.bidirectional_gbps
+        raise ValueError(
+            f"measure_placement needs a CUDA device, got {device}: there is no link to measure; "
+            "CoherentOffload's 'auto' placements need no measurement"
         )
-    return _measured[key]
+    with torch.cuda.device(device):
+        host = measure_host_step(1 << 24, repeats=2, link_busy=True)
+    link = measure_bandwidth(device, sizes=(DEFAULT_CHUNK_BYTES,), repeats=3)
+    cast = host.link_busy_cast_s_per_param or 0.0
+    rates = LinkRates(host.link_busy_s_per_param - cast, cast, link.h2d_gbps, link.d2h_gbps, link.bidirectional_gbps)
+    cast_on, fraction = choose_placements(rates)
+    return PlacementAdvice(fraction, cast_on, rates)
 
 
 def step_seconds_per_param(rates: LinkRates, cast_on: str, fraction: float) -> float:

@@ -9,7 +9,7 @@ import math
 import types
 from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch_fsdp_offload import _integration
 from torch_fsdp_offload._integration import fsdp2_hooks
 from torch_fsdp_offload.resolved_plan import CastPlacement, ResolvedPlan
-from torch_fsdp_offload.placement import choose_placements, measured_rates
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 
 logger = logging.getLogger(__name__)
@@ -29,7 +28,41 @@ OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
 CAST_PLACEMENTS = ("host", "device")
-_MIN_CHUNK_BYTES = 1 << 20
+
+
+# What "auto" streams of the offloaded groups' optimizer step on each platform that copies (see
+# Note: [Automatic placements] in docs/design.md). COHERENT: the link is cheap, so every group is
+# stepped on the GPU. DISCRETE (PCIe): half the groups streamed (the first in forward, whose
+# gradients land last) while the host steps the others, both at once: of the placements of every
+# block's step in docs/benchmarks.md's default rows the fastest, and the share measured placement
+# found on that machine (0.45 to 0.55).
+AUTO_STREAMED_FRACTION = {PlatformKind.COHERENT: 1.0, PlatformKind.DISCRETE: 0.5}
+# What "auto" casts on where parameters cross a link: the host, so that the copy-ins move the
+# compute dtype's bytes (half the master's). measure_placement() says where the device cast pays.
+AUTO_CAST_ON = "host"
+
+# Knobs CoherentOffload no longer has, and what replaces each (raised as TypeError when passed).
+_REMOVED_KNOBS = {
+    "memory": (
+        "the memory knob was removed. The platform decides where shards live (exact-size pinned host "
+        "memory where the GPU has its own memory, the GPU's allocation on unified memory); drop the argument."
+    ),
+    **dict.fromkeys(("offload_params", "offload_grads", "offload_optimizer_state"), (
+        "the knob was removed: a module given CoherentOffload has its parameters, gradients and optimizer "
+        "state offloaded together. Keep a module on the GPU by giving it no offload_policy (or "
+        "OffloadPolicy()); offload activations alone with torch_fsdp_offload.offload_activations(model)."
+    )),
+    "chunk_bytes": (
+        "the knob was removed: the copy engine splits copies into chunks of "
+        "torch_fsdp_offload.transfer.DEFAULT_CHUNK_BYTES (64 MiB, enough for the link's peak bandwidth); "
+        "drop the argument."
+    ),
+    "module_fraction": (
+        "the knob was removed: partial offload is per module. Give the policy to the modules to offload and "
+        "no offload_policy to the others, e.g. fully_shard_with_policy(model, blocks, policy, last_blocks=k) "
+        "(the last k blocks) or spread_fraction=f (a fraction f of the blocks, spread evenly)."
+    ),
+}
 
 
 @dataclass(eq=False)
@@ -39,37 +72,32 @@ class CoherentOffload(CPUOffloadPolicy):
     coalesced per parameter group, in the compute dtype, prefetched ahead of use.
 
     It is a :class:`torch.distributed.fsdp.CPUOffloadPolicy`, so FSDP2's ``fully_shard`` accepts
-    it wherever it accepts an offload policy (per module, or as a value of a per-parameter map),
-    and FSDP's own CPU-offload checks and gradient placement apply. ``pin_memory`` is managed by
-    this policy (it allocates exact-size pinned memory itself) and must be left at its default.
+    it wherever it accepts an offload policy: per module, or as a value of a per-parameter map.
+    Placement is per module: a module sharded with the policy has its group offloaded, one sharded
+    without it stays on the GPU, as with FSDP's own policies. To offload part of a model, give the
+    policy to some of its blocks only (:func:`fully_shard_with_policy` with ``last_blocks`` or
+    ``spread_fraction``).
 
-    Where the shards live follows from the detected platform (see :class:`ResolvedPlan`'s
-    ``memory``): exact-size page-locked host memory where the GPU has its own memory, the GPU's own
-    allocation on UNIFIED machines (the one physical DRAM, read in place), host memory without an
-    accelerator.
+    Where the shards live follows from the platform (see :class:`ResolvedPlan`'s ``memory``):
+    exact-size page-locked host memory where the GPU has its own memory, the GPU's own allocation
+    on UNIFIED machines (the one physical DRAM, read in place), host memory without an
+    accelerator. Every ``auto`` is decided from the platform class and the knobs alone, the same
+    on every run and every rank; nothing is measured. :func:`~torch_fsdp_offload.measure_placement`
+    measures this machine's host and link, when asked, and says which ``optimizer`` and
+    ``cast_on`` to pass instead.
 
     The object is configuration only: sharding never writes to it, so one object can shard any
-    number of models, each placed as a fresh object would place it. Knobs are validated at
-    construction, by :meth:`replace`, and on every assignment (a refused assignment leaves the
-    object unchanged); assigning an attribute that is not a knob is refused. What sharding decides
-    per model (which groups ``module_fraction`` offloads) is kept outside the object, per model.
-    The rule: the count of groups restarts for a new model once the previous one is complete, that
-    is once its root was sharded (a ``fully_shard`` call, with or without the policy, on a module
-    containing every module sharded with the policy before it; a later call on a module containing
-    that root still counts in the same model), once it ran its first forward, or once it is gone.
-    A model sharded in a single ``fully_shard`` call cannot be told from a first block until it
-    runs: run it (or give the next model its own object) before sharding the next one.
+    number of models. Knobs are validated at construction, by :meth:`replace`, and on every
+    assignment (a refused assignment leaves the object unchanged); assigning an attribute that is
+    not a knob is refused.
 
     Attributes:
-        offload_params (bool): keep sharded parameters (the fp32 master copy) in host memory.
-            Default True. False makes the policy a no-op for parameters (useful with
-            ``activations`` alone).
-        offload_grads (bool): move reduced gradient shards to persistent pinned host buffers
-            on the D2H stream. Default True. Must be True when ``offload_params`` is True: the
-            gradients go where the master parameters and the optimizer are.
-        offload_optimizer_state (bool): keep optimizer state in host memory. Default True.
-            Must be True when ``offload_params`` is True (state is created next to the
-            parameters); the ``optimizer`` placement decides where the step runs.
+        pin_memory (bool): the base class's knob, kept at its default True: offloaded shards,
+            gradients and compute-dtype mirrors live in page-locked host memory, allocated by this
+            policy at its exact size (FSDP's own ``pin_memory()`` rounds each shard up to a power
+            of two) and pinned only where a GPU copies it. False is refused: the copies run
+            asynchronously on their own streams and, on COHERENT machines, the GPU reads the
+            shards in place, which pageable memory does not allow.
         optimizer (str or float): where the optimizer step of offloaded groups runs, used by
             :class:`torch_fsdp_offload.OffloadOptimizer`. ``"host"``: on the CPU (fused, all
             cores), each group as soon as its gradients landed, overlapping backward.
@@ -79,71 +107,54 @@ class CoherentOffload(CPUOffloadPolicy):
             offloaded groups is streamed (those that run first in forward, whose gradients
             land last and so cannot overlap backward on the host) while the host steps the
             rest, both at once. ``"auto"`` (default): 1.0 on COHERENT machines (the link is
-            cheap); on DISCRETE ones the share at which streamed and host steps take as long,
-            from this machine's host-step and link rates measured at the first resolve
-            (:mod:`torch_fsdp_offload.placement`; 0.5 where a copy path is forced without a
-            GPU); host steps without an accelerator; on UNIFIED memory the shards are device
-            memory and the step runs on the GPU in place. Any placement other than ``"auto"``
-            where nothing is offloaded (``offload_params=False``, ``module_fraction=0``, or a
-            UNIFIED or HOST_ONLY platform) is refused: there is no offloaded step to place.
+            cheap); 0.5 on DISCRETE ones (the fastest placement of every block's step measured
+            on a PCIe H200, docs/benchmarks.md); host steps without an accelerator; on UNIFIED
+            memory the shards are device memory and the step runs on the GPU in place. Any
+            placement other than ``"auto"`` on a UNIFIED or HOST_ONLY platform is refused by
+            :meth:`resolve`: there is no offloaded step to place.
         cast_on (str): where the fp32 master parameters are cast to the compute dtype
-            (``MixedPrecisionPolicy.param_dtype``) for the copy-in. ``"auto"`` (default): where
-            it costs less, from the same measured rates (the host cast's time per parameter
-            against the extra link time of copying the master in; ``"host"`` without a GPU to
-            measure). ``"host"``: after each optimizer step, into a pinned compute-dtype
-            mirror, so only compute-dtype bytes cross the link (2 per parameter in bf16). ``"device"``: no mirror; the copy-in moves
-            the master's bytes (4 per parameter) and casts them on the GPU as they land, on the
-            copy stream. It takes the cast off the host and its mirror out of host memory, for
-            twice the copy-in bytes: choose it where host steps, not the link, bound the step
+            (``MixedPrecisionPolicy.param_dtype``) for the copy-in. ``"host"``: after each
+            optimizer step, into a pinned compute-dtype mirror, so only compute-dtype bytes cross
+            the link (2 per parameter in bf16). ``"device"``: no mirror; the copy-in moves the
+            master's bytes (4 per parameter) and casts them on the GPU as they land, on the copy
+            stream. It takes the cast off the host and its mirror out of host memory, for twice
+            the copy-in bytes: choose it where host steps, not the link, bound the step
             (``optimizer="host"`` on a PCIe machine whose backward and next forward hide the
-            copies; docs/benchmarks.md). Streamed
-            steps then bring back only the fp32 master, not its cast. The result is bitwise the
-            same: one round-to-nearest cast either way. Without mixed precision there is no cast
-            and the knob changes nothing. ``"device"`` where nothing is copied
-            (``offload_params=False``, ``module_fraction=0``, or a UNIFIED or HOST_ONLY platform)
-            is refused.
+            copies; docs/benchmarks.md). Streamed steps then bring back only the fp32 master, not
+            its cast. ``"auto"`` (default): ``"host"`` (half the copy-in bytes) wherever
+            parameters cross a link. The result is bitwise the same: one round-to-nearest cast
+            either way. Without mixed precision there is no cast and the knob changes nothing.
+            ``"device"`` on a UNIFIED or HOST_ONLY platform is refused by :meth:`resolve`.
         prefetch_depth (int): how many parameter groups ahead the H2D copy is issued, in
-            forward and in backward. Default 1. 0 copies each group only when it is needed.
-        chunk_bytes (int): size of the pieces a large copy is split into, so copies in both
-            directions interleave and completion can be tracked. Default 64 MiB (large enough to reach the
-            link's peak bandwidth, docs/benchmarks.md); at least 1 MiB.
-        module_fraction (float): fraction of the FSDP parameter groups that are offloaded, in
-            [0, 1]. Default 1.0. The offloaded groups are spread evenly over the order in which
-            ``fully_shard`` is called with this policy object (0.5 offloads every second group);
-            the others stay on the GPU like plain FSDP2 groups; the count restarts per model (see
-            above), so models sharded one after the other can share the object.
-            With host optimizer steps, giving the policy (``module_fraction=1.0``) per module to
-            the *last* blocks instead, and no ``offload_policy`` to the others and the root, is
-            faster: their gradients land first in backward, so their host steps can end before
-            the next forward needs them (docs/benchmarks.md). ``fully_shard`` decides where a
-            group's shards live when it is called, before the number of groups is known, so this
-            placement is the caller's:
-            :func:`fully_shard_with_policy` with ``last_blocks``.
+            forward and in backward. Default 1: the next group's copy runs under this one's
+            compute. 0 copies each group only when it is needed.
         activations (bool or float): offload what the ``fully_shard``-ed blocks save for
             backward to pinned host memory, and prefetch it back a block ahead in backward
             (:class:`~torch_fsdp_offload.activations.ActivationOffload`, one per model, on the
             same transfer streams as the parameters). ``True`` offloads every block, a float in
             [0, 1] that fraction of the blocks, counted from the first (the last blocks before
-            the loss, needed first in backward, stay). Default False. Blocks are the modules
-            ``fully_shard`` is called on that contain no other such module; the module sharded
-            last around them (the root) opens each forward and keeps what it saves outside the
-            blocks on the device, so it needs parameters of its own. A no-op on UNIFIED and
-            HOST_ONLY platforms. Works with ``offload_params=False`` (activations alone).
+            the loss, needed first in backward, stay). Default False: activations cost GPU memory
+            only with large micro-batches. Blocks are the modules ``fully_shard`` is called on
+            with this policy that contain no other such module; the module sharded last around
+            them (the root) opens each forward and keeps what it saves outside the blocks on the
+            device, so it needs parameters of its own. A no-op on UNIFIED and HOST_ONLY
+            platforms. For activations alone, with parameters on the GPU, use
+            :func:`~torch_fsdp_offload.offload_activations`.
         platform (str or None): force a platform class (``"unified"``, ``"coherent"``,
             ``"discrete"``, ``"host_only"``) instead of detecting it; the environment variable
-            ``TORCH_FSDP_OFFLOAD_PLATFORM`` does the same for every policy.
+            ``TORCH_FSDP_OFFLOAD_PLATFORM`` does the same for every policy. Default None: detect.
 
     Raises:
-        ValueError: a knob outside its range or of the wrong type, or an unsupported
-            combination (for example ``offload_grads=False`` with ``offload_params=True``, or
-            ``optimizer="stream"`` with ``offload_params=False``), at construction or assignment.
-            ``fully_shard`` with this policy raises it too for a group whose parameters mix
-            dtypes (an offloaded group's shards share one host buffer: shard each dtype's
-            submodules as groups of their own first), and for an ``optimizer`` or ``cast_on``
-            placement on a platform that copies nothing (UNIFIED, HOST_ONLY).
+        ValueError: a knob outside its range or of the wrong type, or ``pin_memory=False``, at
+            construction or assignment. ``fully_shard`` with this policy raises it too for a
+            group whose parameters mix dtypes (an offloaded group's shards share one host buffer:
+            shard each dtype's submodules as groups of their own first), and for an ``optimizer``
+            or ``cast_on`` placement on a platform that copies nothing (UNIFIED, HOST_ONLY).
         HostMemoryError: from ``fully_shard``, when the offloaded groups' host buffers would
             not fit (``MemAvailable``, ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES``, ``ulimit -l``).
-        TypeError: ``memory=``, a knob that was removed (the platform decides the memory).
+        TypeError: a knob that was removed (``memory``, ``offload_params``, ``offload_grads``,
+            ``offload_optimizer_state``, ``chunk_bytes``, ``module_fraction``), naming what
+            replaces it.
         AttributeError: an assignment to an attribute that is not a knob.
         RuntimeError: at construction, on a torch whose FSDP internals the integration does not
             support, or when another library patched a site the integration needs (constructing
@@ -169,29 +180,27 @@ class CoherentOffload(CPUOffloadPolicy):
         >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
     """
 
-    pin_memory: bool = False
-    offload_params: bool = True
-    offload_grads: bool = True
-    offload_optimizer_state: bool = True
+    pin_memory: bool = True
     optimizer: OptimizerPlacement = "auto"
     cast_on: CastPlacement = "auto"
     prefetch_depth: int = 1
-    chunk_bytes: int = 64 << 20
-    module_fraction: float = 1.0
     activations: Union[bool, float] = False
     platform: str | None = None
 
+    # On a torch with the offload-policy hooks: place_shards gives exact-size pinned buffers, so
+    # FSDP's own pin_memory() (rounded up to a power of two) must not run (docs/upstream.md).
+    places_shards: ClassVar[bool] = True
+
     def __new__(cls, *args: Any, **kwargs: Any) -> "CoherentOffload":
-        if "memory" in kwargs:
-            raise TypeError(
-                f"CoherentOffload(memory={kwargs['memory']!r}): the memory knob was removed. The "
-                "platform decides where shards live (exact-size pinned host memory where the GPU "
-                "has its own memory, the GPU's allocation on unified memory); drop the argument."
-            )
+        removed = next((name for name in kwargs if name in _REMOVED_KNOBS), None)
+        if removed is not None:
+            raise TypeError(f"CoherentOffload({removed}={kwargs[removed]!r}): {_REMOVED_KNOBS[removed]}")
         return super().__new__(cls)
 
     def __setattr__(self, name: str, value: Any) -> None:
         knobs = {field.name for field in dataclasses.fields(self)}
+        if name in _REMOVED_KNOBS:
+            raise AttributeError(f"CoherentOffload.{name}: {_REMOVED_KNOBS[name]}")
         if name not in knobs:
             raise AttributeError(
                 f"CoherentOffload has no knob {name!r}; its knobs are {', '.join(sorted(knobs))}."
@@ -203,27 +212,12 @@ class CoherentOffload(CPUOffloadPolicy):
         object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
-        if self.pin_memory:
+        if self.pin_memory is not True:
             raise ValueError(
-                "CoherentOffload(pin_memory=True) is not supported: the policy allocates "
-                "exact-size pinned memory itself (FSDP's pin_memory path rounds every shard up "
-                "to a power of two). Leave pin_memory at its default."
-            )
-        for name in ("offload_params", "offload_grads", "offload_optimizer_state"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"CoherentOffload({name}=...) must be True or False.")
-        if self.offload_params and not (self.offload_grads and self.offload_optimizer_state):
-            raise ValueError(
-                "CoherentOffload(offload_params=True) needs offload_grads=True and "
-                "offload_optimizer_state=True: the gradients and the optimizer state live next "
-                "to the fp32 master parameters in host memory. To keep a part of the model "
-                "(and its optimizer) on the GPU, lower module_fraction instead."
-            )
-        if not self.offload_params and (self.offload_grads or self.offload_optimizer_state):
-            raise ValueError(
-                "CoherentOffload(offload_params=False) keeps parameters, gradients and optimizer "
-                "state on the GPU; set offload_grads=False and offload_optimizer_state=False too "
-                "(or offload_params=True)."
+                f"CoherentOffload(pin_memory={self.pin_memory!r}) is not supported: the policy keeps "
+                "offloaded shards in exact-size page-locked host memory, which its asynchronous copies "
+                "(and, on coherent machines, the GPU's in-place reads) need. Leave pin_memory at its "
+                "default True; for pageable host memory, use torch's CPUOffloadPolicy(pin_memory=False)."
             )
         if not (
             self.optimizer in _OPTIMIZER_PLACEMENTS
@@ -247,28 +241,11 @@ class CoherentOffload(CPUOffloadPolicy):
                 f"CoherentOffload(prefetch_depth={self.prefetch_depth!r}) must be an int >= 0 "
                 "(0 = copy each group only when it is needed)."
             )
-        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or (
-            self.chunk_bytes < _MIN_CHUNK_BYTES
-        ):
-            raise ValueError(
-                f"CoherentOffload(chunk_bytes={self.chunk_bytes!r}) must be an int >= 1 MiB "
-                f"({_MIN_CHUNK_BYTES}); smaller copies cannot reach the link's bandwidth."
-            )
-        if not _is_fraction(self.module_fraction):
-            raise ValueError(
-                f"CoherentOffload(module_fraction={self.module_fraction!r}) must be a number in "
-                "[0, 1]: the fraction of FSDP parameter groups to offload."
-            )
         if not (isinstance(self.activations, bool) or _is_fraction(self.activations)):
             raise ValueError(
                 f"CoherentOffload(activations={self.activations!r}) must be True, False or a "
                 "number in [0, 1]: the fraction of the fully_shard-ed blocks whose saved "
                 "activations are offloaded to host memory."
-            )
-        if self.offload_params is False or self.module_fraction == 0:
-            self._check_placements_need_copies(
-                "nothing is offloaded (offload_params=False or module_fraction=0)",
-                "or offload parameters (offload_params=True, module_fraction > 0).",
             )
         if self.platform is not None and self.platform not in {k.value for k in PlatformKind}:
             raise ValueError(
@@ -279,33 +256,29 @@ class CoherentOffload(CPUOffloadPolicy):
         # offload with this policy, silently. Installed here, on first use, never at import.
         _integration.ensure_installed("fsdp2")
 
-    def _check_placements_need_copies(self, why: str, otherwise: str) -> None:
-        """Refuse an ``optimizer`` or ``cast_on`` placement where ``why`` says nothing is copied;
-        ``otherwise`` ends the message with the other way out."""
-        if self.optimizer != "auto":
-            raise ValueError(
-                f"CoherentOffload(optimizer={self.optimizer!r}) places the step of offloaded groups, "
-                f"but {why}: there is no such step. Drop optimizer= (or pass 'auto', which is "
-                "correct on every platform), " + otherwise
-            )
-        if self.cast_on not in ("auto", "host"):
-            raise ValueError(
-                f"CoherentOffload(cast_on={self.cast_on!r}) places the cast of copied parameters, "
-                f"but {why}: nothing is copied or cast. Drop cast_on= (the default is correct on "
-                "every platform), " + otherwise
-            )
-
     def detect(self) -> Platform:
         """The platform this policy plans for (``platform`` override, env var, or detection)."""
         return detect_platform(kind=self.platform)
 
     def resolve(self, platform: Platform | None = None) -> ResolvedPlan:
-        """Resolve every ``auto`` knob for ``platform`` (default: :meth:`detect`).
+        """Resolve every ``auto`` knob for ``platform`` (default: :meth:`detect`), from its class
+        alone: the same plan on every run and every rank, with nothing measured.
+
+        Args:
+            platform (Platform | None): the platform to plan for; None detects it.
+
+        Returns:
+            ResolvedPlan: what the policy does there.
 
         Raises:
             ValueError: an ``optimizer`` other than ``"auto"``, or ``cast_on="device"``, on a
                 UNIFIED or HOST_ONLY platform, where nothing is copied (the defaults are a no-op
                 there, so one script runs on every machine).
+
+        Example::
+
+            >>> CoherentOffload(platform="discrete").resolve().optimizer_gpu_fraction
+            0.5
         """
         platform = platform or self.detect()
         kind = platform.kind
@@ -319,35 +292,23 @@ class CoherentOffload(CPUOffloadPolicy):
         else:
             memory = "pinned"
             reasons.append("pinned memory is the fast DMA source")
-        copies = kind in (PlatformKind.DISCRETE, PlatformKind.COHERENT) and self.offload_params
+        copies = kind in (PlatformKind.DISCRETE, PlatformKind.COHERENT)
         if not copies:
-            self._check_placements_need_copies(
-                f"a {kind.value} platform copies nothing",
-                "so that one script runs on every machine; platform='discrete' forces the copy path.",
-            )
+            self._check_placements_need_copies(f"a {kind.value} platform copies nothing")
             # UNIFIED: the shards are device memory read in place, so the step runs on the GPU;
             # HOST_ONLY: everything is on the host already.
             optimizer = "host" if kind == PlatformKind.HOST_ONLY or platform.device.type == "cpu" else "device"
             gpu_fraction = 0.0
             cast_on = "host"
         else:
-            # The auto placements come from this machine's measured rates; a copy path forced
-            # without a GPU has none, and runs both step paths and the host cast.
-            auto = self.cast_on == "auto" or (self.optimizer == "auto" and kind == PlatformKind.DISCRETE)
-            rates = measured_rates(platform.device) if auto and platform.device.type == "cuda" else None
-            fixed = {"host": 0.0, "stream": 1.0}.get(self.optimizer, self.optimizer)
-            if self.optimizer == "auto" and kind == PlatformKind.COHERENT:
-                fixed = 1.0
-            if rates is not None:
-                cast_on, gpu_fraction = choose_placements(rates, self.cast_on, None if fixed == "auto" else float(fixed))
-                reasons.append(f"measured {rates.describe()}")
-            else:
-                cast_on = "host" if self.cast_on == "auto" else self.cast_on
-                gpu_fraction = 0.5 if fixed == "auto" else float(fixed)
-            if self.cast_on == "auto":
-                reasons.append(f"cast on the {cast_on}")
+            cast_on = AUTO_CAST_ON if self.cast_on == "auto" else self.cast_on
             if self.optimizer == "auto":
-                reasons.append(f"{gpu_fraction:.2f} of the optimizer streamed through the GPU")
+                gpu_fraction = AUTO_STREAMED_FRACTION[kind]
+                reasons.append(f"{gpu_fraction:.2f} of the optimizer streamed through the GPU on {kind.value}")
+            else:
+                gpu_fraction = float({"host": 0.0, "stream": 1.0}.get(self.optimizer, self.optimizer))
+            if self.cast_on == "auto":
+                reasons.append(f"cast on the {cast_on}: the compute dtype's bytes cross the link")
             optimizer = {0.0: "host", 1.0: "stream"}.get(gpu_fraction, "split")
         activations = float(self.activations)
         if activations and kind in (PlatformKind.UNIFIED, PlatformKind.HOST_ONLY):
@@ -357,25 +318,36 @@ class CoherentOffload(CPUOffloadPolicy):
             platform=kind,
             memory=memory,
             copies=copies,
-            offload_params=self.offload_params,
-            offload_grads=self.offload_grads,
-            offload_optimizer_state=self.offload_optimizer_state,
             optimizer=optimizer,
             optimizer_gpu_fraction=gpu_fraction,
             cast_on=cast_on,
             prefetch_depth=self.prefetch_depth,
-            chunk_bytes=self.chunk_bytes,
-            module_fraction=float(self.module_fraction),
             activations=activations,
             reason="; ".join(reasons) or "as configured",
         )
+
+    def _check_placements_need_copies(self, why: str) -> None:
+        """Refuse an ``optimizer`` or ``cast_on`` placement where ``why`` says nothing is copied."""
+        otherwise = "so that one script runs on every machine; platform='discrete' forces the copy path."
+        if self.optimizer != "auto":
+            raise ValueError(
+                f"CoherentOffload(optimizer={self.optimizer!r}) places the step of offloaded groups, "
+                f"but {why}: there is no such step. Drop optimizer= (or pass 'auto', which is "
+                "correct on every platform), " + otherwise
+            )
+        if self.cast_on not in ("auto", "host"):
+            raise ValueError(
+                f"CoherentOffload(cast_on={self.cast_on!r}) places the cast of copied parameters, "
+                f"but {why}: nothing is copied or cast. Drop cast_on= (the default is correct on "
+                "every platform), " + otherwise
+            )
 
     def replace(self, **changes) -> "CoherentOffload":
         """A copy with some knobs changed, validated like the constructor.
 
         Raises:
             ValueError: as the constructor.
-            TypeError: a name that is not a knob.
+            TypeError: a name that is not a knob (a removed one names its replacement).
 
         Example::
 
@@ -420,18 +392,19 @@ def fully_shard_with_policy(
     policy: CPUOffloadPolicy | None,
     *,
     last_blocks: int | None = None,
+    spread_fraction: float | None = None,
     keep_unsharded_last: int = 0,
     activation_checkpointing: bool = False,
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
     """``fully_shard`` each of ``blocks`` in forward order, then ``model``, with ``policy`` on every
-    one of them, or (``last_blocks=k``) on the last ``k`` blocks only.
+    one of them, or on some of the blocks only: the last ``last_blocks``, or a ``spread_fraction``
+    of them spread evenly.
 
-    With host optimizer steps, the policy on the last blocks is the faster partial offload: their
-    gradients land first in backward, so their host steps can end before the next forward needs
-    them, where ``CoherentOffload(module_fraction=...)`` spreads the offloaded groups evenly
-    (``fully_shard`` places a group's shards when it is called, before the number of groups is
-    known). The other blocks and the root then get FSDP's default placement.
+    Placement is per module: a block given the policy has its group offloaded, the other blocks
+    and the root get FSDP's default placement. With host optimizer steps, the policy on the last
+    blocks is the faster partial offload: their gradients land first in backward, so their host
+    steps can end before the next forward needs them.
 
     Args:
         model (nn.Module): the model, not yet sharded; sharded last (the root group).
@@ -440,6 +413,11 @@ def fully_shard_with_policy(
             FSDP2 offload policy); None shards without one.
         last_blocks (int | None): give ``policy`` to the last ``last_blocks`` blocks only (not to
             the root); None gives it to every block and the root.
+        spread_fraction (float | None): give ``policy`` to this fraction of the blocks, spread
+            evenly: block ``i`` (from 0, in forward order) gets it when
+            ``floor((i + 1) * f) > floor(i * f)`` (0.5 gives it to blocks 1, 3, 5, ...; 0.625 of 8
+            to blocks 1, 3, 4, 6, 7); the root gets it only at 1.0 (every block). None: as
+            ``last_blocks`` says.
         keep_unsharded_last (int): shard the last ``keep_unsharded_last`` blocks with
             ``reshard_after_forward=False``: their backward reuses the compute-dtype parameters
             their forward gathered, so an offloaded block copies its parameters in once per step
@@ -460,8 +438,10 @@ def fully_shard_with_policy(
 
     Raises:
         ValueError: ``offload_policy`` among ``fully_shard_kwargs``, ``last_blocks`` or
-            ``keep_unsharded_last`` not an int in ``[0, len(blocks)]``, or ``keep_unsharded_last``
-            together with ``reshard_after_forward``; raised before anything is sharded.
+            ``keep_unsharded_last`` not an int in ``[0, len(blocks)]``, ``spread_fraction`` not a
+            number in [0, 1], both ``last_blocks`` and ``spread_fraction``, or
+            ``keep_unsharded_last`` together with ``reshard_after_forward``; raised before
+            anything is sharded.
 
     Example::
 
@@ -485,22 +465,32 @@ def fully_shard_with_policy(
 
     if last_blocks is not None:
         block_count("last_blocks", last_blocks)
+    if spread_fraction is not None:
+        if last_blocks is not None:
+            raise ValueError("last_blocks and spread_fraction both choose the blocks given the policy: pass one")
+        if not _is_fraction(spread_fraction):
+            raise ValueError(f"spread_fraction must be a number in [0, 1] (a share of the blocks), got {spread_fraction!r}")
     if block_count("keep_unsharded_last", keep_unsharded_last) and "reshard_after_forward" in fully_shard_kwargs:
         raise ValueError(
             "keep_unsharded_last sets reshard_after_forward=False on the last blocks itself: "
             "pass one of keep_unsharded_last and reshard_after_forward"
         )
-    first_with_policy = 0 if last_blocks is None else len(blocks) - last_blocks
+    if spread_fraction is not None:
+        with_policy = [spread_block(index, spread_fraction) for index in range(len(blocks))]
+    else:
+        first = 0 if last_blocks is None else len(blocks) - last_blocks
+        with_policy = [index >= first for index in range(len(blocks))]
+    root_with_policy = last_blocks is None and (spread_fraction is None or spread_fraction == 1)
     first_kept = len(blocks) - keep_unsharded_last
     for block in blocks if activation_checkpointing else ():
         if not isinstance(getattr(block, "forward", None), types.MethodType) or block.forward.__func__ is not _checkpointed_forward:
             block.forward = types.MethodType(_checkpointed_forward, block)
     for index, block in enumerate(blocks):
-        with_policy = policy is not None and index >= first_with_policy
         kept = {"reshard_after_forward": False} if index >= first_kept else {}
-        fully_shard(block, **fully_shard_kwargs, **kept, **({"offload_policy": policy} if with_policy else {}))
-    with_policy = policy is not None and last_blocks is None
-    fully_shard(model, **fully_shard_kwargs, **({"offload_policy": policy} if with_policy else {}))
+        given = {"offload_policy": policy} if policy is not None and with_policy[index] else {}
+        fully_shard(block, **fully_shard_kwargs, **kept, **given)
+    given = {"offload_policy": policy} if policy is not None and root_with_policy else {}
+    fully_shard(model, **fully_shard_kwargs, **given)
     return model
 
 
@@ -510,6 +500,13 @@ def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # copy of the block binds to the copy.
     forward = functools.partial(type(block).forward, block)
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def spread_block(index: int, fraction: float) -> bool:
+    """Whether block ``index`` (from 0, in forward order) gets the policy under
+    ``fully_shard_with_policy(spread_fraction=fraction)``: the chosen blocks are spread evenly
+    (0.5 chooses blocks 1, 3, 5, ...; 0.625 of 8 chooses 1, 3, 4, 6, 7)."""
+    return math.floor((index + 1) * fraction + 1e-9) > math.floor(index * fraction + 1e-9)
 
 
 def _is_fraction(value) -> bool:

@@ -3,7 +3,6 @@ and the data path read without knowing the policy class."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,18 +21,17 @@ class ResolvedPlan:
             the GPU's allocation, which is the one DRAM) or ``"host"`` (no accelerator).
         copies (bool): whether shards cross a link at all (False on UNIFIED and HOST_ONLY
             unless a copy path was forced for tests).
-        offload_params (bool), offload_grads (bool), offload_optimizer_state (bool): as asked.
         optimizer (str): where the optimizer step of the offloaded groups runs: ``"host"``
             (fused, all cores, overlapped with backward), ``"stream"`` (every offloaded group
             streamed through the GPU), ``"split"`` (``optimizer_gpu_fraction`` of them streamed,
             the rest on the host, both at once) or ``"device"`` (nothing is offloaded for the
-            step: UNIFIED memory, or ``offload_params=False``).
+            step: UNIFIED memory).
         optimizer_gpu_fraction (float): fraction of the offloaded groups whose step is streamed
             through the GPU (0.0 for "host" and "device", 1.0 for "stream").
         cast_on (str): where the fp32 master is cast to the compute dtype for the copy-in:
             ``"host"`` (into a pinned mirror after each step; compute-dtype bytes cross the link)
             or ``"device"`` (the master's bytes cross the link and are cast on arrival).
-        prefetch_depth (int), chunk_bytes (int), module_fraction (float): as asked.
+        prefetch_depth (int): as asked.
         activations (float): fraction of the FSDP-wrapped blocks whose saved activations are
             offloaded (1.0 for ``activations=True``); 0.0 when off, and on UNIFIED and HOST_ONLY
             platforms, where activations already live in the one memory.
@@ -43,33 +41,19 @@ class ResolvedPlan:
     platform: PlatformKind
     memory: str
     copies: bool
-    offload_params: bool
-    offload_grads: bool
-    offload_optimizer_state: bool
     optimizer: str
     optimizer_gpu_fraction: float
     cast_on: CastPlacement
     prefetch_depth: int
-    chunk_bytes: int
-    module_fraction: float
     activations: float
     reason: str
 
     def describe(self) -> str:
         return (
             f"CoherentOffload plan on {self.platform.value}: memory={self.memory}, "
-            f"copies={'yes' if self.copies else 'none'}, params={self.offload_params}, "
-            f"grads={self.offload_grads}, optimizer state={self.offload_optimizer_state}, "
+            f"copies={'yes' if self.copies else 'none'}, "
             f"optimizer step={self.optimizer} ({self.optimizer_gpu_fraction:.2f} on the GPU), "
             f"cast to the compute dtype on the {self.cast_on}, prefetch depth={self.prefetch_depth}, "
-            f"chunk={self.chunk_bytes >> 20} MiB, modules offloaded={self.module_fraction:.2f}, "
             f"activations offloaded={self.activations:.2f} of the blocks. "
             f"Why: {self.reason}"
         )
-
-
-def spread_group_offloaded(index: int, module_fraction: float) -> bool:
-    """Whether group ``index`` (from 0, in the order ``fully_shard`` builds the groups of one
-    policy) is offloaded under ``CoherentOffload(module_fraction=...)``: the offloaded groups are
-    spread evenly (0.5 offloads groups 1, 3, 5, ...; 0.625 of 8 offloads 1, 3, 4, 6, 7)."""
-    return math.floor((index + 1) * module_fraction + 1e-9) > math.floor(index * module_fraction + 1e-9)

@@ -5,7 +5,7 @@ Runs as one process or under ``torchrun`` (any number of nodes), on the CPU (glo
 built-in transformer (``--model``, see :data:`torch_fsdp_offload.models.MODEL_CONFIGS`) or a
 ``transformers`` causal LM built from a config, without downloading weights (``--model`` with a name
 of :data:`torch_fsdp_offload.models.HF_CONFIGS`, or ``--hf-config`` for any config). Each block, then the root, is
-sharded with ``fully_shard``; ``--hsdp R`` shards over a 2D ``(R replicas) x (world / R shards)``
+sharded with ``fully_shard`` (the policy on the blocks ``--module-fraction`` chooses); ``--hsdp R`` shards over a 2D ``(R replicas) x (world / R shards)``
 mesh. The data is a seeded synthetic token stream whose every sample is a function of
 ``(seed, rank, sample index)``, so a resumed run sees the same batches as an uninterrupted one.
 
@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from torch_fsdp_offload.models import (
     HF_CONFIGS,
@@ -54,7 +54,7 @@ from torch_fsdp_offload.activations import offload_activations
 from torch_fsdp_offload.materialize import materialize_sharded
 from torch_fsdp_offload.optim import OffloadOptimizer
 from torch_fsdp_offload.platform import detect_platform
-from torch_fsdp_offload.policy import CoherentOffload
+from torch_fsdp_offload.policy import CoherentOffload, fully_shard_with_policy
 from torch_fsdp_offload.timeline import draw_timeline, load_trace, step_profiler, timeline_lanes
 from torch_fsdp_offload.transfer import get_transfer_engine
 
@@ -102,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where the fp32 master is cast to the compute dtype for the copy-in "
                          "(host: a bf16 mirror, half the bytes; device: for a host-bound optimizer)")
     offload.add_argument("--prefetch-depth", type=int, default=None)
-    offload.add_argument("--chunk-mb", type=int, default=None, help="copy chunk size in MiB")
     offload.add_argument("--module-fraction", type=float, default=None,
-                         help="fraction of parameter groups offloaded")
+                         help="fraction of the blocks offloaded, spread evenly (every block and the root at 1, "
+                         "the default); the others stay on the device")
     offload.add_argument("--offload-activations", type=float, default=None, metavar="FRACTION",
                          help="fraction of blocks whose activations are offloaded")
     offload.add_argument("--platform", choices=("unified", "coherent", "discrete", "host_only"),
@@ -138,8 +138,8 @@ def _optimizer_placement(text: str) -> str | float:
         ) from None
 
 
-_OFFLOAD_KNOBS = ("offload_optimizer", "cast_on", "prefetch_depth", "chunk_mb", "module_fraction",
-                  "offload_activations", "platform")
+_OFFLOAD_KNOBS = ("offload_optimizer", "cast_on", "prefetch_depth", "module_fraction", "offload_activations",
+                  "platform")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -160,6 +160,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < math.inf:
         parser.error(
             f"--clip-grad-norm must be a finite number > 0, got {args.clip_grad_norm} (leave it out to not clip)"
+        )
+    if args.module_fraction is not None and not 0 <= args.module_fraction <= 1:
+        parser.error(
+            f"--module-fraction is the fraction of the blocks offloaded: a number in [0, 1], got {args.module_fraction}"
         )
     if args.offload_activations is not None and not 0 <= args.offload_activations <= 1:
         parser.error(
@@ -223,8 +227,6 @@ def _offload_policy(args: argparse.Namespace) -> CoherentOffload:
         "optimizer": args.offload_optimizer,
         "cast_on": args.cast_on,
         "prefetch_depth": args.prefetch_depth,
-        "chunk_bytes": None if args.chunk_mb is None else args.chunk_mb << 20,
-        "module_fraction": args.module_fraction,
         "platform": args.platform,
     }
     try:
@@ -277,7 +279,8 @@ def _init_distributed(args: argparse.Namespace) -> _Distributed:
 
 
 def build_sharded_model(args: argparse.Namespace, dist_env: _Distributed) -> nn.Module:
-    """Build the model and shard each block, then the root, with ``args.policy``.
+    """Build the model and shard each block, then the root, with ``args.policy`` (on the blocks
+    ``--module-fraction`` chooses, spread evenly, when it is below 1).
 
     Built-in models are created on the meta device and materialised shard by shard
     (:func:`materialize_sharded`: offloaded groups on the host, resident ones on the device), so no
@@ -292,9 +295,10 @@ def build_sharded_model(args: argparse.Namespace, dist_env: _Distributed) -> nn.
         model = build_hf_causal_lm(args.hf_config)
     else:
         model = build_model(args.model, device="meta")
-    for block in find_blocks(model):
-        fully_shard(block, mesh=dist_env.mesh, mp_policy=mp_policy, offload_policy=args.policy)
-    fully_shard(model, mesh=dist_env.mesh, mp_policy=mp_policy, offload_policy=args.policy)
+    fully_shard_with_policy(
+        model, find_blocks(model), args.policy, spread_fraction=args.module_fraction, mesh=dist_env.mesh,
+        mp_policy=mp_policy,
+    )
     if args.hf_config is None:
         materialize_sharded(model, dist_env.device)
         model.init_weights(seed=args.seed)

@@ -229,7 +229,7 @@ def is_installed(part: str | None = None) -> bool:
 
 
 def attach_fsdp1_offload(
-    root: Any, *, pinned: bool | None, engine: bool, chunk_bytes: int | None, cast_on_device: bool
+    root: Any, *, pinned: bool | None, engine: bool, cast_on_device: bool
 ) -> None:
     """Make every handle of the FSDP1 tree under ``root`` offload as given (the FSDP1 front door).
 
@@ -238,13 +238,12 @@ def attach_fsdp1_offload(
         pinned: host shard in exact-size pinned memory (True), plain host memory (False), or
             FSDP1's own ``pin_memory()`` (None).
         engine: copies through the transfer engine's streams (else FSDP1's own copies).
-        chunk_bytes: the engine's copy chunk size.
         cast_on_device: copy the fp32 shard and cast it on the device (no host mirror).
     """
     from torch_fsdp_offload._integration import fsdp1_handles
 
     ensure_installed("fsdp1")
-    fsdp1_handles.attach_handle_offload(root, pinned, engine, chunk_bytes, cast_on_device)
+    fsdp1_handles.attach_handle_offload(root, pinned, engine, cast_on_device)
 
 
 def fsdp2_shards_on_host(module: Any) -> bool:

@@ -64,7 +64,6 @@ class HandleOffload:
     # pin_memory() (None).
     pinned: bool | None
     engine: TransferEngine | None  # copies through the engine; None: FSDP1's own copies
-    chunk_bytes: int | None = None
     cast_on_device: bool = False  # CoherentOffload(cast_on="device"): no mirror, cast after the copy
     mirror: torch.Tensor | None = None  # pinned compute-dtype copy of the shard
     mirror_transfer: Transfer | None = None  # last H2D that read the mirror
@@ -74,7 +73,7 @@ class HandleOffload:
 
 
 def attach_handle_offload(
-    root: _FSDP1, pinned: bool | None, engine: bool, chunk_bytes: int | None, cast_on_device: bool
+    root: _FSDP1, pinned: bool | None, engine: bool, cast_on_device: bool
 ) -> None:
     """Give every handle of the FSDP1 tree under ``root`` a :class:`HandleOffload`."""
     for state in _FSDP1.fsdp_modules(root):
@@ -83,7 +82,6 @@ def attach_handle_offload(
             setattr(handle, _HANDLE_ATTRIBUTE, HandleOffload(
                 pinned=pinned,
                 engine=get_transfer_engine(handle.device) if engine else None,
-                chunk_bytes=chunk_bytes,
                 cast_on_device=cast_on_device,
             ))
             _offloaded_handles.add(handle)
@@ -173,7 +171,6 @@ def _use_low_precision_shard(self) -> None:
             flat_param._mp_shard,
             dtype=self._fwd_bwd_param_dtype,
             label="fsdp1_param_h2d",
-            chunk_bytes=offload.chunk_bytes,
         ).wait()
         flat_param.data = flat_param._mp_shard
         return
@@ -184,9 +181,7 @@ def _use_low_precision_shard(self) -> None:
     # Cast on the host: only compute-dtype bytes cross the link.
     offload.mirror.copy_(local_shard)
     _flat_param._alloc_storage(flat_param._mp_shard, local_shard.size())
-    offload.mirror_transfer = offload.engine.h2d(
-        offload.mirror, flat_param._mp_shard, label="fsdp1_param_h2d", chunk_bytes=offload.chunk_bytes
-    )
+    offload.mirror_transfer = offload.engine.h2d(offload.mirror, flat_param._mp_shard, label="fsdp1_param_h2d")
     offload.mirror_transfer.wait()
     flat_param.data = flat_param._mp_shard
 
@@ -204,7 +199,7 @@ def _flat_param_to(self, *args, **kwargs) -> None:
     )
     if not to_compute_device:
         return _original("flat_param_to")(self, *args, **kwargs)
-    transfer = offload.engine.h2d(self.flat_param.data, label="fsdp1_param_h2d", chunk_bytes=offload.chunk_bytes)
+    transfer = offload.engine.h2d(self.flat_param.data, label="fsdp1_param_h2d")
     self.flat_param.data = transfer.wait()
     # As FSDP1's flat_param_to: the original parameters are views that must follow the new storage.
     if self._use_orig_params:
@@ -244,8 +239,7 @@ def _offload_grad(state, handle, grad_to_offload: torch.Tensor) -> None:
     if offload is None or offload.engine is None or not handle._offload_params:
         return _original("_offload_grad")(state, handle, grad_to_offload)
     transfer = offload.engine.d2h(
-        grad_to_offload.detach().contiguous(), handle.flat_param._cpu_grad, label="fsdp1_grad_d2h",
-        chunk_bytes=offload.chunk_bytes,
+        grad_to_offload.detach().contiguous(), handle.flat_param._cpu_grad, label="fsdp1_grad_d2h"
     )
     # The post-backward stream (current here) waits, so FSDP1's end-of-backward synchronisation
     # of the current stream covers this copy; on a CPU device the host is that stream and waits.

@@ -9,10 +9,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch_fsdp_offload._integration.fsdp2_sharding import ModelSharding
 from torch_fsdp_offload.data_path.group_offload import host_bytes
 from torch_fsdp_offload.memory import check_host_capacity
-from torch_fsdp_offload.resolved_plan import ResolvedPlan, spread_group_offloaded
+from torch_fsdp_offload.resolved_plan import ResolvedPlan
 
 
 # The hooks the patch adds to OffloadPolicy, all of which CoherentOffload implements.
@@ -42,20 +41,18 @@ def padded_shard_numel(param: nn.Parameter, mesh_info: Any, shard_placement_fn: 
 
 
 def plan_group(
-    policy: Any, model: ModelSharding, call: dict[str, Any], *, pending_host_bytes: int
+    policy: Any, call: dict[str, Any], *, pending_host_bytes: int
 ) -> tuple[ResolvedPlan, bool]:
     """The policy's plan for the group ``fully_shard`` is about to build from ``call`` (the base
     constructor's arguments) and whether it is offloaded, raising every refusal the policy makes,
     all before FSDP converts a parameter. ``pending_host_bytes``: what live offloaded groups not yet
     homed will pin, counted against the same host capacity.
 
-    The offloaded groups are spread evenly over the order in which ``fully_shard`` builds the
-    model's groups (0.5 offloads every second group), decided when each group is built: a
-    resident group must never have had its shards placed on the host, since its parameters keep
-    the device they were created with.
+    Every group built with the policy is offloaded where the platform copies (placement is per
+    module: a module sharded without the policy is not); on UNIFIED and HOST_ONLY platforms none is.
     """
     plan = policy.resolve()
-    offloaded = plan.copies and spread_group_offloaded(model.groups_built, plan.module_fraction)
+    offloaded = plan.copies
     if offloaded:
         params = call["params"]
         check_one_dtype(params)

@@ -108,7 +108,7 @@ def offloads_group(policy: Any, params, modules, mesh_info, mp_policy, shard_pla
     pending = sum(
         o.host_bytes() for o in list(_offloads) if o.placement is GroupPlacement.ON_HOST and o.group_ref() is not None
     )
-    plan, offloaded = plan_group(policy, model, call, pending_host_bytes=pending)
+    plan, offloaded = plan_group(policy, call, pending_host_bytes=pending)
     _building[:] = [(modules, model, plan, offloaded)]
     return offloaded
 

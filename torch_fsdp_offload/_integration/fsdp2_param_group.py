@@ -17,7 +17,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_param_group_module
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
@@ -141,19 +141,21 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         try:
             activation_hooks.check_activation_offload(policy, call["modules"])
             pending = sum(g._offload.host_bytes() for g in _live_groups if g._offload.placement is GroupPlacement.ON_HOST)
-            plan, offloaded = plan_group(policy, model, call, pending_host_bytes=pending)
+            plan, offloaded = plan_group(policy, call, pending_host_bytes=pending)
         except Exception as error:
             sharding.take_back_refused_call(call["modules"], error)
             raise
         # FSDP places shards on the host only for a CPUOffloadPolicy; on UNIFIED and HOST_ONLY
-        # the shards stay where compute runs, and nothing crosses a link.
-        fsdp_policy = policy if offloaded else OffloadPolicy()
+        # the shards stay where compute runs, and nothing crosses a link. The parameters are built
+        # with pin_memory=False: the policy pins its exact-size buffers itself, and FSDP's own
+        # pin_memory() would round each shard up to a power of two. The group keeps the policy.
+        fsdp_policy = CPUOffloadPolicy(pin_memory=False) if offloaded else OffloadPolicy()
         if "offload_policy" in kwargs:
             kwargs["offload_policy"] = fsdp_policy
         else:
             args = (*args[:-1], fsdp_policy)
         super().__init__(*args, **kwargs)
-        self.offload_policy = fsdp_policy
+        self.offload_policy = policy if offloaded else fsdp_policy
         self.coherent_policy = policy
         self._model_sharding = model
         sharding.record_group(policy, model, call["modules"])

@@ -4,9 +4,9 @@ the policy object; the ``FSDPState.init`` wrap through which every ``fully_shard
 call this package refused.
 
 A policy object is configuration only, so one object can shard any number of models. What a model's
-sharding accumulates (how many of its groups were built, which ``module_fraction`` spreads over,
-and its activation offloader) lives in a :class:`ModelSharding`, one per model and policy object,
-found through a registry keyed weakly by the policy.
+sharding accumulates (its activation offloader, whether its plan was logged) lives in a
+:class:`ModelSharding`, one per model and policy object, found through a registry keyed weakly by the
+policy. Which groups are offloaded is not among it: every group built with the policy is.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ class ModelSharding:
     """
 
     def __init__(self) -> None:
-        # Groups built so far: the ordinal ``spread_group_offloaded`` spreads module_fraction over.
-        self.groups_built = 0
         self.modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self.root: "weakref.ReferenceType[nn.Module] | None" = None
         self.ran = False
@@ -56,8 +54,7 @@ class ModelSharding:
         return root is not None and any(root in set(module.modules()) for module in modules)
 
     def add_group(self, modules: Sequence[nn.Module]) -> None:
-        """Count a group built for ``modules`` (called once it was built)."""
-        self.groups_built += 1
+        """Note a group built for ``modules`` (called once it was built)."""
         for module in modules:
             self.modules.add(module)
 
@@ -129,8 +126,8 @@ def _groups_of(state: Any) -> list[Any]:
 
 def shards_on_host(module: nn.Module) -> bool:
     """Whether FSDP keeps the shards of ``module``'s (first) parameter group on the host: exactly
-    when the group's policy is a ``CPUOffloadPolicy`` (``CoherentOffload`` leaves resident groups,
-    ``module_fraction < 1``, with a plain ``OffloadPolicy``)."""
+    when the group's policy is a ``CPUOffloadPolicy`` (``CoherentOffload`` gives the groups it keeps
+    where compute runs, on UNIFIED and HOST_ONLY platforms, a plain ``OffloadPolicy``)."""
     state = _get_module_fsdp_state(module)
     groups = _groups_of(state) if state is not None else []
     # FSDP with the offload hooks says so itself (OffloadPolicy.offloads_group).

@@ -172,7 +172,6 @@ class GroupOffload:
                 # cast_on="device": the master crosses and is cast to the compute dtype on arrival.
                 dtype=self._param_dtype_to_cast() if self.mirror is None else None,
                 label=f"params_h2d:{self.label()}",
-                chunk_bytes=self.plan.chunk_bytes,
             )
             self._inputs_left = set(self.group.fsdp_params)
 
@@ -259,8 +258,7 @@ class GroupOffload:
                     flat,
                     self.grads if into is None else into,
                     label=f"grads_d2h:{self.label()}",
-                    chunk_bytes=self.plan.chunk_bytes,
-                    mark_src_used=producer is None,
+                        mark_src_used=producer is None,
                 )
             if producer is not None:
                 self.grad_transfer.wait(producer)

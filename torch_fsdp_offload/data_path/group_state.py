@@ -3,9 +3,8 @@ transitions, in the manner of FSDP2's ``TrainingState`` and ``ShardedState``.
 
 Three orthogonal states, each changed by one method of ``GroupOffload``:
 
-* :class:`GroupPlacement`, where the group's shards live: ``RESIDENT`` (not offloaded: resident
-  groups of ``module_fraction < 1``, and every group on unified or host-only machines, where
-  nothing is copied), ``ON_HOST`` (FSDP placed the shards on the host; not yet moved into our
+* :class:`GroupPlacement`, where the group's shards live: ``RESIDENT`` (not offloaded: every group on
+  unified or host-only machines, where nothing is copied), ``ON_HOST`` (FSDP placed the shards on the host; not yet moved into our
   buffer, i.e. before lazy init), ``HOMED`` (in the group's exact-size host buffer). Changed by
   ``GroupOffload.home()`` only, ``ON_HOST`` to ``HOMED``.
 * :class:`SourceFreshness`, whether the copy-in source (the master, or its compute-dtype mirror)

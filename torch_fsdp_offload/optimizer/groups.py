@@ -44,8 +44,7 @@ class OffloadedGroup(Protocol):
     #: (the optimizer holds its groups, and a dropped one must not live on), set by
     #: :func:`attach_optimizer`; None until an optimizer steps the group.
     optimizer_ref: weakref.ref | None
-    #: The group's ``ResolvedPlan``: its ``optimizer_gpu_fraction`` picks the streamed groups, its
-    #: ``chunk_bytes`` sizes their uploads.
+    #: The group's ``ResolvedPlan``: its ``optimizer_gpu_fraction`` picks the streamed groups.
     plan: Any
 
     @property
@@ -135,7 +134,7 @@ def attach_optimizer(group: OffloadedGroup, optimizer: torch.optim.Optimizer) ->
 
 def managed_group(param: nn.Parameter) -> OffloadedGroup | None:
     """The group built with ``CoherentOffload`` that holds ``param``, offloaded or not (the policy
-    offloads nothing where the platform copies nothing, or for ``module_fraction=0``); None if
+    offloads nothing where the platform copies nothing); None if
     ``param`` was not sharded with the policy."""
     owner_ref = getattr(param, _GROUP_ATTRIBUTE, None)
     return owner_ref() if owner_ref is not None else None

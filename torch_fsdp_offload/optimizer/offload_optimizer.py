@@ -176,8 +176,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._streamed_steps = StreamedSteps(self._inner, self._host_steps, self._finishing_steps)
         self._overlap = LearnedOverlap()
         super().__init__(params, defaults)
-        # Where the policy was applied but offloads nothing (a unified-memory or GPU-less platform,
-        # module_fraction=0), that is its decision for this machine, and the same script runs on
+        # Where the policy was applied but offloads nothing (a unified-memory or GPU-less
+        # platform), that is its decision for this machine, and the same script runs on
         # every machine: no warning then.
         if not any(managed_group(param) for group in self.param_groups for param in group["params"]):
             warnings.warn(

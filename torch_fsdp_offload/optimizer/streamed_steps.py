@@ -366,7 +366,7 @@ class StreamedSteps:
         engine = owner.engine
         sources = {"master": owner.master, "grads": owner.grads, **self._flat_state[owner]}
         return {
-            name: engine.h2d(flat[start:stop], label=f"optimizer_h2d_{name}", chunk_bytes=owner.plan.chunk_bytes)
+            name: engine.h2d(flat[start:stop], label=f"optimizer_h2d_{name}")
             for name, flat in sources.items()
         }
 

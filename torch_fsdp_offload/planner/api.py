@@ -14,7 +14,9 @@ from torch_fsdp_offload.planner.block_timing import measure_block_timings
 from torch_fsdp_offload.host_step import host_GBps_from_link_busy, measure_host_step
 from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, block_names, map_tensors, model_breakdown
 from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
-from torch_fsdp_offload.planner.report import PlanResult, Recommendation, TrainingPlan, candidate_kwargs
+from torch_fsdp_offload.planner.report import (
+    PlanResult, Recommendation, TrainingPlan, candidate_kwargs, candidate_spread_fraction,
+)
 from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
 from torch_fsdp_offload.planner.scenario_cost import Candidate
 from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN, search_scenario, search_training
@@ -80,6 +82,7 @@ def _talk_recommendation(scenario: Scenario, candidate: Candidate, blocked: str 
         throughput_gain=candidate.throughput_gain,
         kwargs=kwargs,
         reason=reason,
+        spread_fraction=candidate_spread_fraction(candidate),
     )
 
 
@@ -263,16 +266,19 @@ def _plan_model(
         resident = [p for f, p in predictions if f == 1 and p.config.module_fraction == 0 and p.config.activations == 0 and not p.config.checkpointing][0]
         gain = factor * resident.step_s / prediction.step_s - 1.0
         kwargs = config.coherent_offload_kwargs()
-        what = "do not offload" if kwargs is None else f"use {config.label}"
+        what = "do not offload" if config.module_fraction == config.activations == 0 else f"use {config.label}"
         n_blocks = profiles[0][1].n_blocks
         offloaded_blocks = len(config.offloaded_blocks(n_blocks))
-        last_blocks = None
-        if kwargs is not None and 0 < offloaded_blocks < n_blocks and config.block_placement == "last":
-            # CoherentOffload(module_fraction=...) spreads the offloaded groups evenly (fully_shard
-            # places shards before the number of groups is known); the step model, and the
-            # fastest placement for host steps, has them last: the policy goes on those blocks.
-            kwargs = {key: value for key, value in kwargs.items() if key != "module_fraction"}
-            last_blocks = (offloaded_blocks, n_blocks)
+        last_blocks = spread_fraction = None
+        if offloaded_blocks == 0:
+            kwargs = None
+        elif offloaded_blocks < n_blocks:
+            # Placement is per module: the policy goes on the blocks the step model offloads, the
+            # last ones (the fastest placement for host steps) or those spread evenly.
+            if config.block_placement == "last":
+                last_blocks = (offloaded_blocks, n_blocks)
+            else:
+                spread_fraction = config.module_fraction
         recommendation = Recommendation(
             technique="fsdp2_step_model",
             microbatch_factor=factor,
@@ -290,6 +296,7 @@ def _plan_model(
             predicted_step_s=prediction.step_s,
             predicted_peak_gpu_GiB=prediction.peak_gpu_GiB,
             last_blocks=last_blocks,
+            spread_fraction=spread_fraction,
             keep_unsharded_last=config.keep_unsharded,
             optimizer_kwargs=config.offload_optimizer_kwargs(),
         )

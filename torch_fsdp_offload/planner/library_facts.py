@@ -6,8 +6,7 @@ rather than copies of them.
 
 from torch_fsdp_offload.activations import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_PREFETCH_BLOCKS
 from torch_fsdp_offload.optim import STREAM_RUN_BYTES, STREAM_RUNS_IN_FLIGHT
-from torch_fsdp_offload.policy import CAST_PLACEMENTS
-from torch_fsdp_offload.resolved_plan import spread_group_offloaded
+from torch_fsdp_offload.policy import CAST_PLACEMENTS, spread_block
 
 __all__ = [
     "ACTIVATION_PREFETCH_BLOCKS",
@@ -15,7 +14,7 @@ __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
     "STREAM_RUNS_IN_FLIGHT",
     "STREAM_RUN_BYTES",
-    "spread_group_offloaded",
+    "spread_block",
 ]
 
 # Blocks ahead of the one in backward whose offloaded activations are reloaded: offload_activations'

@@ -53,9 +53,10 @@ class Recommendation:
         activations_offload_fraction (float): fraction of the activations (blocks) offloaded.
         checkpointing (bool): use activation checkpointing per block.
         throughput_gain (float): expected samples per second over today's run, minus 1.
-        kwargs (dict | None): ``CoherentOffload(**kwargs)``; None means pass no offload policy.
-            Activation offload is applied separately, with ``offload_activations(model,
-            fraction=activations_offload_fraction)``.
+        kwargs (dict | None): ``CoherentOffload(**kwargs)``, the policy of the offloaded blocks
+            (every block and the root unless :attr:`last_blocks` or :attr:`spread_fraction` says
+            which); None means pass no offload policy. Activation offload is applied separately,
+            with ``offload_activations(model, fraction=activations_offload_fraction)``.
         reason (str): one sentence saying why.
         predicted_step_s (float | None), predicted_peak_gpu_GiB (float | None): from the FSDP2
             step model, when a real model was planned.
@@ -63,7 +64,10 @@ class Recommendation:
             give :attr:`policy` to the last ``k`` of its ``n`` blocks in forward order and no
             ``offload_policy`` to the other blocks and the root (their gradients land first in
             backward, so their host steps end under it: the placement the step model predicts).
-            ``kwargs`` then hold no ``module_fraction`` (every group given the policy is offloaded).
+        spread_fraction (float | None): give :attr:`policy` to this fraction of the blocks, spread
+            evenly (``fully_shard_with_policy(spread_fraction=...)``), and none to the root, when
+            the weights are offloaded in part by a plan that does not place them last (a setting
+            placed ``"spread"``, or the talk-level model, which does not say which blocks).
         keep_unsharded_last (int): shard the last this many blocks with
             ``reshard_after_forward=False`` (``fully_shard_with_policy(keep_unsharded_last=...)``):
             the offloaded ones copy their parameters in once per step instead of twice.
@@ -88,6 +92,7 @@ class Recommendation:
     predicted_step_s: float | None = None
     predicted_peak_gpu_GiB: float | None = None
     last_blocks: tuple[int, int] | None = None
+    spread_fraction: float | None = None
     keep_unsharded_last: int = 0
     micro_batch_size: int | None = None
     block_names: tuple[str, ...] | None = None
@@ -96,7 +101,8 @@ class Recommendation:
     @property
     def policy(self):
         """The recommended :class:`~torch_fsdp_offload.policy.CoherentOffload`, or None (no offload).
-        With :attr:`last_blocks` set it belongs on those blocks only: :meth:`apply` places it."""
+        With :attr:`last_blocks` or :attr:`spread_fraction` set it belongs on those blocks only:
+        :meth:`apply` places it."""
         if self.kwargs is None:
             return None
         from torch_fsdp_offload.policy import CoherentOffload
@@ -106,8 +112,8 @@ class Recommendation:
     def apply(self, model: Any, *, blocks: Any = None, **fully_shard_kwargs: Any) -> Any:
         """Shard ``model`` as recommended: ``fully_shard`` on each block in forward order, then on
         the model, with :attr:`policy` (its cast and optimizer placement) where it belongs (every
-        module, or the last blocks of :attr:`last_blocks`), the last :attr:`keep_unsharded_last`
-        blocks with ``reshard_after_forward=False``, each block's forward checkpointed when
+        module, or the blocks of :attr:`last_blocks` or :attr:`spread_fraction`), the last
+        :attr:`keep_unsharded_last` blocks with ``reshard_after_forward=False``, each block's forward checkpointed when
         :attr:`checkpointing` (``fully_shard_with_policy(activation_checkpointing=True)``), and
         ``offload_activations`` when activations are to be offloaded. Train it at
         :attr:`micro_batch_size`.
@@ -153,6 +159,7 @@ class Recommendation:
             blocks,
             self.policy,
             last_blocks=None if self.last_blocks is None else self.last_blocks[0],
+            spread_fraction=self.spread_fraction,
             keep_unsharded_last=self.keep_unsharded_last,
             activation_checkpointing=self.checkpointing,
             **fully_shard_kwargs,
@@ -208,9 +215,8 @@ class Recommendation:
     def code(self) -> str:
         """The recommendation as a line to paste."""
         if self.kwargs is None:
-            if self.checkpointing:
-                return "offload_policy: none (do not pass CoherentOffload); checkpoint each block instead"
-            return "offload_policy: none (do not pass CoherentOffload)"
+            code = "offload_policy: none (do not pass CoherentOffload)" + self._activations_code()
+            return code + "; checkpoint each block instead" if self.checkpointing else code
         arguments = ", ".join(f"{key}={value!r}" for key, value in self.kwargs.items())
         code = f"CoherentOffload({arguments})"
         if self.last_blocks is not None:
@@ -219,6 +225,11 @@ class Recommendation:
                 f"policy = {code} on the last {offloaded} of the {n_blocks} blocks: fully_shard(block, "
                 f"offload_policy=policy) for block in blocks[{n_blocks - offloaded}:], no offload_policy for "
                 "the other blocks and the root"
+            )
+        elif self.spread_fraction is not None:
+            code = (
+                f"policy = {code} on {self.spread_fraction:g} of the blocks, spread evenly: "
+                f"fully_shard_with_policy(model, blocks, policy, spread_fraction={self.spread_fraction!r})"
             )
         if self.keep_unsharded_last:
             code += f"; reshard_after_forward=False for the last {self.keep_unsharded_last} blocks"
@@ -233,16 +244,16 @@ class Recommendation:
 
 
 def candidate_kwargs(candidate: Candidate) -> dict[str, Any] | None:
-    """``CoherentOffload`` keyword arguments for a talk-level candidate (None: no offload)."""
-    if candidate.weights_fraction == 0 and candidate.activations_fraction == 0:
-        return None
-    kwargs: dict[str, Any] = {}
-    if candidate.weights_fraction > 0:
-        kwargs["module_fraction"] = round(candidate.weights_fraction, 4)
-    else:
-        kwargs.update(offload_params=False, offload_grads=False, offload_optimizer_state=False)
-    # Activations are offloaded by offload_activations(model, fraction=...), not the policy.
-    return kwargs
+    """``CoherentOffload`` keyword arguments for a talk-level candidate's offloaded blocks (None: it
+    offloads no weights; activations are offloaded by ``offload_activations(model, fraction=...)``,
+    not the policy)."""
+    return {} if candidate.weights_fraction > 0 else None
+
+
+def candidate_spread_fraction(candidate: Candidate) -> float | None:
+    """The fraction of the blocks a talk-level candidate gives the policy, spread evenly (the
+    talk-level model does not say which); None for all of them, or none."""
+    return round(candidate.weights_fraction, 4) if 0 < candidate.weights_fraction < 1 else None
 
 
 @dataclass(frozen=True)
@@ -499,8 +510,8 @@ class PlanResult:
 
         ranked = sorted(training.predictions, key=lambda fp: -speed(fp))
         fitting = [fp for fp in ranked if fp[1].fits(training.capacity_bytes)]
-        resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.coherent_offload_kwargs() is None
-                    and not fp[1].config.checkpointing]
+        resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.module_fraction == 0
+                    and fp[1].config.activations == 0 and not fp[1].config.checkpointing]
         picked = training.best if self.recommended.technique == "fsdp2_step_model" else None
         rule, compared = self._rule(fitting, picked) if picked is not None and fitting[0] != picked else ([], [])
         chosen = fitting[:8] + compared + ([picked] if picked is not None else [])

@@ -153,7 +153,7 @@ def predict_step(
     GPUs). With ``cast_on="device"`` the host step is AdamW alone: the cast's bytes (or, with
     measured rates, its measured time,
     :func:`~torch_fsdp_offload.planner.traffic.host_step_seconds_per_param`) leave the host step;
-    the device memory of its one landing chunk (``chunk_bytes``) is not counted. Host-stepped
+    the device memory of its one landing chunk (the copy engine's 64 MiB) is not counted. Host-stepped
     groups are the last in forward order, so their gradients land first in backward. By default
     (and always with ``clipping``) no group steps before ``step()``, which the training loop
     reaches once the CPU has launched backward, about when the GPU ends it (the CPU launches

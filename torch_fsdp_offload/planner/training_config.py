@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torch_fsdp_offload.planner.library_facts import CAST_PLACEMENTS, spread_group_offloaded
+from torch_fsdp_offload.planner.library_facts import CAST_PLACEMENTS, spread_block
 
 __all__ = ["LABEL_LEGEND", "TrainingConfig", "label_kind"]
 
@@ -18,7 +18,7 @@ LABEL_LEGEND: dict[str, str] = {
     "act": "act=F: activations of fraction F of the blocks offloaded to the host",
     "ckpt": "ckpt: activation checkpointing per block (its forward recomputed in backward)",
     "depth": "depth=N: N groups copied in ahead of their use",
-    "spread": "spread: the offloaded blocks spread evenly, as CoherentOffload(module_fraction=...) places them",
+    "spread": "spread: the offloaded blocks spread evenly, as fully_shard_with_policy(spread_fraction=...) places them",
     "keep": "keep=N: the last N blocks stay unsharded from forward to backward (one copy-in per step instead of two)",
     "cast": "cast=device: the fp32 master copied in and cast on the GPU (no cast on the host, twice the copy-in bytes)",
     "early": "early: OffloadOptimizer(step_during_backward=True): host steps during backward; breaks torch.optim's "
@@ -46,9 +46,9 @@ class TrainingConfig:
         checkpointing (bool): activation checkpointing per block.
         prefetch_depth (int): groups copied ahead (0 = each copy waits for its use).
         block_placement (str): which blocks are offloaded. ``"last"``: the last
-            ``round(module_fraction * n)`` in forward order (the policy given per module to them,
-            as :meth:`~torch_fsdp_offload.planner.report.Recommendation.apply` does); ``"spread"``: spread evenly, as
-            ``CoherentOffload(module_fraction=...)`` on every block places them.
+            ``round(module_fraction * n)`` in forward order (``fully_shard_with_policy(last_blocks=...)``,
+            as :meth:`~torch_fsdp_offload.planner.report.Recommendation.apply` does); ``"spread"``: spread
+            evenly, as ``fully_shard_with_policy(spread_fraction=module_fraction)`` places them.
         keep_unsharded (int): the last ``keep_unsharded`` blocks are not resharded after forward
             (``fully_shard_with_policy(keep_unsharded_last=...)``): the offloaded ones among them
             copy their parameters in once per step, and every one holds its unsharded parameters
@@ -73,7 +73,7 @@ class TrainingConfig:
     Example::
 
         >>> TrainingConfig(module_fraction=0.5, cast_on="device").coherent_offload_kwargs()
-        {'module_fraction': 0.5, 'optimizer': 'host', 'cast_on': 'device'}
+        {'optimizer': 'host', 'cast_on': 'device'}
     """
 
     module_fraction: float = 0.0
@@ -128,7 +128,7 @@ class TrainingConfig:
         """Indices (forward order) of the blocks this setting offloads, out of ``n_blocks``."""
         if self.block_placement == "last":
             return list(range(n_blocks - round(self.module_fraction * n_blocks), n_blocks))
-        return [i for i in range(n_blocks) if spread_group_offloaded(i, self.module_fraction)]
+        return [i for i in range(n_blocks) if spread_block(i, self.module_fraction)]
 
     @property
     def steps_early(self) -> bool:
@@ -171,19 +171,16 @@ class TrainingConfig:
         return " ".join(parts)
 
     def coherent_offload_kwargs(self) -> dict[str, Any] | None:
-        """The ``CoherentOffload(...)`` keyword arguments of this setting (None: no offload at all)."""
-        if self.module_fraction == 0 and self.activations == 0:
-            return None
-        kwargs: dict[str, Any] = {}
+        """The ``CoherentOffload(...)`` keyword arguments of the policy this setting gives to its
+        offloaded blocks (:meth:`offloaded_blocks`); None where it offloads no block (activations
+        are offloaded by ``offload_activations``, not by the policy)."""
         if self.module_fraction == 0:
-            kwargs.update(offload_params=False, offload_grads=False, offload_optimizer_state=False)
-        else:
-            kwargs["module_fraction"] = round(self.module_fraction, 4)
-            # Explicit even for "host": CoherentOffload's default ("auto") streams half the groups
-            # on a discrete GPU, which is not what this setting predicted.
-            kwargs["optimizer"] = self.optimizer
-            if self.cast_on != "host":
-                kwargs["cast_on"] = self.cast_on
+            return None
+        # Explicit even for "host": CoherentOffload's default ("auto") streams half the groups on
+        # a discrete GPU, which is not what this setting predicted.
+        kwargs: dict[str, Any] = {"optimizer": self.optimizer}
+        if self.cast_on != "host":
+            kwargs["cast_on"] = self.cast_on
         if self.prefetch_depth != 1:
             kwargs["prefetch_depth"] = self.prefetch_depth
         return kwargs

@@ -41,7 +41,7 @@ class TrainingProfile:
         n_blocks (int): FSDP parameter groups (transformer blocks).
         block_params (int): parameters per block.
         other_params (int): parameters outside the blocks (embeddings, head, final norm); they stay
-            on the GPU, as ``CoherentOffload(module_fraction<1)`` keeps the first groups.
+            on the GPU, as the root does when only some blocks are given the policy.
         tokens (int): tokens per micro-batch.
         block_activation_bytes (int): bytes one block saves for backward.
         block_checkpoint_bytes (int): bytes one block keeps with checkpointing (its input).
