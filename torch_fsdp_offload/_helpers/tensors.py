@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "current_graph_task_id",
     "disable_torch_function_subclass",
+    "foreach_copy_",
     "host_empty_cache",
     "in_backward",
     "local_tensor",
@@ -73,3 +74,8 @@ def make_subclass(cls: type, data: torch.Tensor, requires_grad: bool = False) ->
 def tensor_str(tensor: torch.Tensor, tensor_contents: Any = None) -> str:
     """``repr(tensor)`` as torch formats it, for a subclass's ``__repr__``."""
     return torch._tensor_str._str(tensor, tensor_contents=tensor_contents)
+
+
+def foreach_copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``destination.copy_(source)`` for each pair, in one multi-tensor kernel where the device has one."""
+    torch._foreach_copy_(destinations, sources)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch_fsdp_offload._helpers.tensors import local_tensor
+from torch_fsdp_offload._helpers.tensors import foreach_copy_, local_tensor
 from torch_fsdp_offload.data_path.group_state import assert_in_states, GradCapture, GroupPlacement, SourceFreshness
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.resolved_plan import ResolvedPlan
@@ -253,7 +253,7 @@ class GroupOffload:
                 flat = self._reduce_output_as_flat(captured)
                 if flat is None:
                     flat = torch.empty(self.numel, dtype=self.master.dtype, device=self.device)
-                    torch._foreach_copy_([self._padded_view(flat, p) for p in captured], list(captured.values()))
+                    foreach_copy_([self._padded_view(flat, p) for p in captured], list(captured.values()))
                 self.grad_transfer = self.engine.d2h(
                     flat,
                     self.grads if into is None else into,
