@@ -58,6 +58,28 @@ def _tracked_files() -> list[str]:
     return [line for line in listed.stdout.splitlines() if line]
 
 
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every import cycle a depth-first walk of ``graph`` meets, as ``a -> b -> a``."""
+    cycles: list[str] = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
 def _imports(path: str, module: str, known: set[str]) -> set[str]:
     """The library modules ``module`` imports, at module level or inside functions."""
     tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
@@ -116,24 +138,7 @@ class TestCodebase(TestCase):
         # A package's __init__ re-exporting its submodules is not a cycle with them.
         for module in graph:
             graph[module] = {m for m in graph[module] if not module.startswith(m + ".")}
-        cycles = []
-        state: dict[str, int] = {}
-
-        def visit(module: str, stack: list[str]) -> None:
-            state[module] = 1
-            stack.append(module)
-            for target in sorted(graph[module]):
-                if state.get(target) == 1:
-                    cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
-                elif target not in state:
-                    visit(target, stack)
-            stack.pop()
-            state[module] = 2
-
-        for module in sorted(graph):
-            if module not in state:
-                visit(module, [])
-        self.assertEqual(cycles, [])
+        self.assertEqual(_cycles(graph), [])
 
     def test_no_import_cycle_between_parts(self):
         # A part is a subpackage or a top-level module: collapsed so, imports still go one way.
@@ -147,24 +152,7 @@ class TestCodebase(TestCase):
         for module, path in modules.items():
             targets = {part(m) for m in _imports(path, module, known)} - {part(module), "torch_fsdp_offload"}
             graph.setdefault(part(module), set()).update(targets)
-        state: dict[str, int] = {}
-        cycles = []
-
-        def visit(node: str, stack: list[str]) -> None:
-            state[node] = 1
-            stack.append(node)
-            for target in sorted(graph.get(node, ())):
-                if state.get(target) == 1:
-                    cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
-                elif target not in state:
-                    visit(target, stack)
-            stack.pop()
-            state[node] = 2
-
-        for node in sorted(graph):
-            if node not in state:
-                visit(node, [])
-        self.assertEqual(cycles, [])
+        self.assertEqual(_cycles(graph), [])
 
     def test_modules_are_at_most_700_lines(self):
         long = {
