@@ -104,8 +104,14 @@ def _is_torch_own(value: Any) -> bool:
     return getattr(value, "__module__", "").startswith("torch.")
 
 
-def _install_part(part: str) -> None:
-    """Apply ``part``'s patch points, each verified; all or none."""
+def ensure_installed(part: str) -> None:
+    """Install ``part`` (``"fsdp2"`` or ``"fsdp1"``) of the integration unless it is in effect: its
+    patch points applied, each verified, all or none. A policy or the FSDP1 front door calls it when
+    first used, so that a process that never builds one runs torch unchanged.
+
+    Raises:
+        RuntimeError: as :func:`install`.
+    """
     if part in installation.installed:
         return
     check_torch_version()
@@ -126,17 +132,6 @@ def _install_part(part: str) -> None:
         _restore(part)
         raise
     installation.installed.add(part)
-
-
-def ensure_installed(part: str) -> None:
-    """Install ``part`` (``"fsdp2"`` or ``"fsdp1"``) of the integration unless it is in effect: what
-    a policy or the FSDP1 front door calls when first used, so that a process that never builds one
-    runs torch unchanged.
-
-    Raises:
-        RuntimeError: as :func:`install`.
-    """
-    _install_part(part)
 
 
 def install() -> None:
@@ -161,7 +156,7 @@ def install() -> None:
         >>> torch_fsdp_offload.uninstall()  # torch's FSDP modules are as they were
     """
     for part in PARTS:
-        _install_part(part)
+        ensure_installed(part)
 
 
 def _restore(part: str) -> None:
