@@ -8,16 +8,19 @@ method and ``destroy_process_group`` have run, carrying the exit code MultiProce
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import FILE_SCHEMA, TestCase
@@ -39,6 +42,66 @@ class SingleRankGlooTestCase(TestCase):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._store)
         super().tearDown()
+
+
+class Blocks(nn.Module):
+    """Two linear blocks in an ``nn.ModuleList`` and a head: the smallest model every entry point
+    (``fully_shard_with_policy``, the planner, the FSDP1 front door) shards by its blocks."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(dim, dim), nn.Linear(dim, dim)])
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+class RefusalTestCase(SingleRankGlooTestCase):
+    """Refusals that must leave the model as it was: after the error, the model is sharded with
+    plain ``fully_shard`` and trains exactly like a copy that was never refused."""
+
+    @staticmethod
+    def train_step(model: nn.Module) -> list[torch.Tensor]:
+        """One AdamW step on a fixed batch; the parameters after it, as plain tensors."""
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        width = next(model.parameters()).shape[-1]
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
+        model(x).square().mean().backward()
+        optim.step()
+        return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+
+    def assertRefusalLeavesModelTrainable(
+        self,
+        refuse: Callable[[nn.Module], object],
+        error: type[BaseException],
+        message: str,
+        make_model: Callable[[], nn.Module] = Blocks,
+    ) -> None:
+        """``refuse(model)`` raises ``error`` matching ``message``; the model's modules keep their
+        classes, hooks and parameters; plain ``fully_shard`` of each block and the root then
+        trains it exactly like a never-refused copy."""
+        torch.manual_seed(0)
+        model = make_model()
+        reference = copy.deepcopy(model)
+        with self.assertRaisesRegex(error, message):
+            refuse(model)
+        for (name, module), original in zip(model.named_modules(), reference.modules()):
+            self.assertIs(type(module), type(original), f"{name or 'the root'} changed class")
+            self.assertEqual(len(module._forward_pre_hooks), len(original._forward_pre_hooks), name)
+            self.assertEqual(len(module._forward_hooks), len(original._forward_hooks), name)
+            self.assertEqual("forward" in vars(module), "forward" in vars(original), f"{name}'s forward was replaced")
+        for (name, param), original in zip(model.named_parameters(), reference.parameters()):
+            self.assertNotIsInstance(param, DTensor, name)
+            self.assertEqual(param, original, msg=name, atol=0, rtol=0)
+        plain = copy.deepcopy(reference)
+        for target in (model, plain):
+            for block in getattr(target, "blocks", ()):
+                fully_shard(block)
+            fully_shard(target)
+        self.assertEqual(self.train_step(model), self.train_step(plain), atol=0, rtol=0)
 
 
 class GlooMultiProcessTestCase(MultiProcessTestCase):

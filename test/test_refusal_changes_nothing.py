@@ -24,7 +24,7 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
-from common_offload import SingleRankGlooTestCase
+from common_offload import RefusalTestCase
 from torch_fsdp_offload import CoherentOffload
 from torch_fsdp_offload.memory import ENV_HOST_MEMORY, HostMemoryError
 
@@ -58,38 +58,22 @@ _REFUSALS = {
 }
 
 
-class RefusalChangesNothingTest(SingleRankGlooTestCase):
+class RefusalChangesNothingTest(RefusalTestCase):
 
-    def _train_step(self, model: nn.Module) -> list[torch.Tensor]:
-        """One AdamW step on a fixed batch; the parameters after it, as plain tensors."""
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-        model(x).square().mean().backward()
-        optim.step()
-        return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+    @parametrize("refusal", list(_REFUSALS))
+    def test_refused_model_runs_and_shards_again(self, refusal: str) -> None:
+        policy, environ, error, message = _REFUSALS[refusal]
+
+        def refuse(model: nn.Module) -> None:
+            with mock.patch.dict(os.environ, environ):
+                fully_shard(model, offload_policy=policy)
+
+        self.assertRefusalLeavesModelTrainable(refuse, error, message, make_model=_Blocks)
 
     def _assert_untouched(self, model: nn.Module, reference: nn.Module) -> None:
         for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
             self.assertNotIsInstance(param, DTensor, name)
             self.assertEqual(param, expected, msg=name)
-
-    @parametrize("refusal", list(_REFUSALS))
-    def test_refused_model_runs_and_shards_again(self, refusal: str) -> None:
-        policy, environ, error, message = _REFUSALS[refusal]
-        torch.manual_seed(0)
-        model = _Blocks()
-        reference = copy.deepcopy(model)
-        with mock.patch.dict(os.environ, environ), self.assertRaisesRegex(error, message):
-            fully_shard(model, offload_policy=policy)
-        self._assert_untouched(model, reference)
-        # Runs as it is, like a model never given to fully_shard ...
-        unsharded = copy.deepcopy(model)
-        self.assertEqual(self._train_step(unsharded), self._train_step(copy.deepcopy(reference)))
-        # ... and shards again without the policy, training like plain FSDP2.
-        fully_shard(model)
-        plain = copy.deepcopy(reference)
-        fully_shard(plain)
-        self.assertEqual(self._train_step(model), self._train_step(plain))
 
     def test_refused_mixed_dtype_group_shards_with_the_fix_on_the_same_model(self) -> None:
         torch.manual_seed(0)
@@ -105,7 +89,7 @@ class RefusalChangesNothingTest(SingleRankGlooTestCase):
         plain = copy.deepcopy(reference)
         fully_shard(plain.head)
         fully_shard(plain)
-        self.assertEqual(self._train_step(model), self._train_step(plain))
+        self.assertEqual(self.train_step(model), self.train_step(plain))
 
     def test_refused_group_of_two_compute_dtypes_shards_with_one(self) -> None:
         if not hasattr(MixedPrecisionPolicy, "param_dtype_override_fn"):
@@ -126,7 +110,7 @@ class RefusalChangesNothingTest(SingleRankGlooTestCase):
         fully_shard(model, mp_policy=one_dtype, offload_policy=policy)
         plain = copy.deepcopy(reference)
         fully_shard(plain, mp_policy=one_dtype)
-        self.assertEqual(self._train_step(model), self._train_step(plain))
+        self.assertEqual(self.train_step(model), self.train_step(plain))
 
     def test_root_refused_after_its_blocks_were_sharded(self) -> None:
         # The budget holds the two blocks' groups (16 x 16 + 16 fp32 parameters each: master and
@@ -148,7 +132,7 @@ class RefusalChangesNothingTest(SingleRankGlooTestCase):
         for block in plain.blocks:
             fully_shard(block)
         fully_shard(plain)
-        self.assertEqual(self._train_step(model), self._train_step(plain))
+        self.assertEqual(self.train_step(model), self.train_step(plain))
 
 
 instantiate_parametrized_tests(RefusalChangesNothingTest)
