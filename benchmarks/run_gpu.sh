@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On one GPU machine: GPU tests (also under the CUDA stream sanitizer), the platform report with
-# bandwidths, and the benchmarks. Results land in ${OUT:-benchmarks/results}.
-#   bash benchmarks/run_gpu.sh [tests|bench|all]
+# On one GPU machine: the test suite (in order, or its files reversed; the stream-sanitizer pass on
+# its own), the platform report with bandwidths, and the benchmarks. Results land in ${OUT:-benchmarks/results}.
+#   bash benchmarks/run_gpu.sh [tests|tests-reversed|sanitizer|bench|all]
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -17,11 +17,17 @@ run() {  # name, command...
   [ $rc -eq 0 ] || status=1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  run gpu_tests python -m pytest -q -rs test/test_platform.py test/test_platform_cli.py test/test_memory.py \
-      test/test_transfer.py test/test_transfer_tensor.py test/test_fsdp2_offload_gpu.py test/test_activations.py
-  TORCH_CUDA_SANITIZER=1 run gpu_tests_sanitizer python -m pytest -q -rs test/test_transfer.py \
-      test/test_fsdp2_offload_gpu.py test/test_activations.py -k "GPU or Gpu or gpu or Cuda or cuda"
+  # The whole suite: its GPU tests run here, the CPU ones must not depend on the machine.
+  run gpu_tests python -m pytest -q -rs -p no:cacheprovider test/
   run platform python -m torch_fsdp_offload platform --bandwidth
+fi
+if [ "$what" = tests-reversed ]; then
+  # The same suite with its files in reverse order: no test may depend on what ran before it.
+  run gpu_tests_reversed python -m pytest -q -rs -p no:cacheprovider $(ls test/test_*.py | sort -r)
+fi
+if [ "$what" = sanitizer ]; then
+  TORCH_CUDA_SANITIZER=1 run gpu_tests_sanitizer python -m pytest -q -rs -p no:cacheprovider test/test_transfer.py \
+      test/test_fsdp2_offload_gpu.py test/test_activations.py -k "GPU or Gpu or gpu or Cuda or cuda"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   run bench_transfer python benchmarks/transfer.py --out "$OUT/transfer.json"
