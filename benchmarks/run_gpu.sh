@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On one GPU machine: the test suite (in order, or its files reversed; the stream-sanitizer pass on
+# On one GPU machine: the tests that touch the GPU (in order, or its files reversed; the stream-sanitizer pass on
 # its own), the platform report with bandwidths, and the benchmarks. Results land in ${OUT:-benchmarks/results}.
 #   bash benchmarks/run_gpu.sh [tests|tests-reversed|sanitizer|bench|all]
 set -u
@@ -17,13 +17,13 @@ run() {  # name, command...
   [ $rc -eq 0 ] || status=1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  # The whole suite: its GPU tests run here, the CPU ones must not depend on the machine.
-  run gpu_tests python -m pytest -q -rs -p no:cacheprovider test/
+  # The tests that touch the GPU (CI runs the rest on a CPU).
+  run gpu_tests python -m pytest -q -rfEs -p no:cacheprovider --gpu-suite test/
   run platform python -m torch_fsdp_offload platform --bandwidth
 fi
 if [ "$what" = tests-reversed ]; then
   # The same suite with its files in reverse order: no test may depend on what ran before it.
-  run gpu_tests_reversed python -m pytest -q -rs -p no:cacheprovider $(ls test/test_*.py | sort -r)
+  run gpu_tests_reversed python -m pytest -q -rfEs -p no:cacheprovider --gpu-suite $(ls test/test_*.py | sort -r)
 fi
 if [ "$what" = sanitizer ]; then
   TORCH_CUDA_SANITIZER=1 run gpu_tests_sanitizer python -m pytest -q -rs -p no:cacheprovider test/test_transfer.py \

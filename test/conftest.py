@@ -1,4 +1,6 @@
+import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -25,3 +27,33 @@ def _no_copy_misuse():
     found = misuses_detected[before:]
     del misuses_detected[before:]
     assert not found, f"asynchronous CPU copies found misuses: {found}"
+
+
+_GPU_WORDS = re.compile(r"cuda|gpu", re.IGNORECASE)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu-suite",
+        action="store_true",
+        help="run only the tests that touch a GPU: those whose id or body names CUDA or a GPU",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # The GPU machine's time is scarce: there, the tests a CPU machine already ran the same way
+    # (CI runs every test) are left out.
+    if not config.getoption("--gpu-suite"):
+        return
+
+    def touches_gpu(item) -> bool:
+        if _GPU_WORDS.search(item.nodeid):
+            return True
+        try:
+            return bool(_GPU_WORDS.search(inspect.getsource(item.function)))
+        except (OSError, TypeError):
+            return False
+
+    deselected = [item for item in items if not touches_gpu(item)]
+    items[:] = [item for item in items if touches_gpu(item)]
+    config.hook.pytest_deselected(items=deselected)
