@@ -129,6 +129,8 @@ class FSDP2ActivationOffloadTest(GlooMultiProcessTestCase):
         fully_shard(reference, mesh=mesh)
         self.assertIsNot(get_activation_offload(first), get_activation_offload(second))
         self.assertIsNone(get_activation_offload(reference))
+        with self.assertRaisesRegex(TypeError, "expects the nn.Module fully_shard was called on, got str"):
+            get_activation_offload("model")
         tokens = _batch(0, self.rank)
         for model in (reference, first, second):
             causal_lm_loss(model(tokens), tokens).backward()

@@ -194,6 +194,11 @@ class TestClassify(PlatformTestCase):
         with self.assertRaisesRegex(TypeError, "'Integrated' has value '1'.*int, or None"):
             classify({"Integrated": "1"})
 
+    def test_rejects_attributes_that_are_not_a_mapping(self) -> None:
+        for call in (classify, platform_from_attributes):
+            with self.assertRaisesRegex(TypeError, "attributes must be a mapping of attribute name to int or None, got str"):
+                call("Integrated=1")
+
 
 class TestPlatformProperties(PlatformTestCase):
     @parametrize("machine", ["x86_h200", "gh200_numa", "dgx_spark", "jetson_orin", "no_accelerator"])

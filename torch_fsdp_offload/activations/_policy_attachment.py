@@ -131,6 +131,9 @@ def get_activation_offload(module: nn.Module) -> ActivationOffload | None:
         ActivationOffload | None: the model's offloader (its ``stats`` count what moved), or None
         when ``module`` was not sharded with activation offload.
 
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
     Example::
 
         >>> policy = CoherentOffload(activations=True)
@@ -141,5 +144,7 @@ def get_activation_offload(module: nn.Module) -> ActivationOffload | None:
         >>> get_activation_offload(model).stats.d2h_bytes > 0
         True
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"get_activation_offload expects the nn.Module fully_shard was called on, got {type(module).__name__}")
     offload = offloader_of(module)
     return offload if offload is not None and offload._made_by is MadeBy.POLICY else None

@@ -351,7 +351,7 @@ def platform_from_attributes(
         ``"attributes"``, or ``"argument"`` when ``kind`` forced the kind.
 
     Raises:
-        TypeError: if a value is neither an int nor None.
+        TypeError: if ``attributes`` is not a mapping, or a value is neither an int nor None.
         ValueError: if ``kind`` names no kind, an attribute name is not one :func:`classify` and
             :attr:`Platform.attributes` know, or a value is outside the attribute's range (e.g.
             ``Integrated=2``); the message names the attribute and what it accepts.

@@ -135,7 +135,7 @@ def classify(attributes: Mapping[str, int | None]) -> Classification:
         Classification: the kind and the reason for it.
 
     Raises:
-        TypeError: if a value is neither an int nor None.
+        TypeError: if ``attributes`` is not a mapping, or a value is neither an int nor None.
 
     Example::
 
@@ -143,6 +143,11 @@ def classify(attributes: Mapping[str, int | None]) -> Classification:
         ...           "PageableMemoryAccessUsesHostPageTables": 0}).kind
         <PlatformKind.DISCRETE: 'discrete'>
     """
+    if not isinstance(attributes, Mapping):
+        raise TypeError(
+            f"attributes must be a mapping of attribute name to int or None, got {type(attributes).__name__}; "
+            'e.g. {"Integrated": 0, "PageableMemoryAccessUsesHostPageTables": 1}'
+        )
     for name, value in attributes.items():
         if value is not None and not isinstance(value, int):
             raise TypeError(
