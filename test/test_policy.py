@@ -68,14 +68,26 @@ class CoherentOffloadKnobsTest(TestCase):
             ("discrete", 0.25, ("pinned", True, "split", 0.25)),
             ("discrete", "stream", ("pinned", True, "stream", 1.0)),
             ("coherent", "auto", ("pinned", True, "stream", 1.0)),
-            ("unified", "auto", ("device", False, "host", 0.0)),
+            ("unified", "auto", ("device", False, "device", 0.0)),
             ("host_only", "auto", ("host", False, "host", 0.0)),
         ],
     )
     def test_resolve_per_platform(self, platform, optimizer, expected):
-        plan = CoherentOffload(platform=platform, optimizer=optimizer).resolve()
+        # The plan for a GPU's platform, on any machine: the detected platform's device is this
+        # machine's, which is the CPU where no GPU is.
+        policy = CoherentOffload(platform=platform, optimizer=optimizer)
+        gpu = dataclasses.replace(policy.detect(), device=torch.device("cuda", 0))
+        plan = policy.resolve(gpu if platform != "host_only" else None)
         self.assertEqual((plan.memory, plan.copies, plan.optimizer, plan.optimizer_gpu_fraction), expected)
         self.assertIn(platform, plan.describe())
+
+    def test_unified_platform_steps_where_the_shards_are(self):
+        # One DRAM: the shards are the GPU's allocation, stepped there in place; without a GPU
+        # (a forced kind on a CPU machine) they are the host's, stepped on the host.
+        policy = CoherentOffload(platform="unified")
+        for device, optimizer in (("cuda", "device"), ("cpu", "host")):
+            plan = policy.resolve(dataclasses.replace(policy.detect(), device=torch.device(device)))
+            self.assertEqual((plan.memory, plan.copies, plan.optimizer), ("device", False, optimizer), device)
 
     @parametrize("platform, fraction", [("discrete", 0.5), ("coherent", 1.0)])
     def test_auto_is_decided_from_the_platform_without_measuring(self, platform, fraction):
