@@ -29,14 +29,15 @@ def _no_copy_misuse():
     assert not found, f"asynchronous CPU copies found misuses: {found}"
 
 
-_GPU_WORDS = re.compile(r"cuda|gpu", re.IGNORECASE)
+_GPU_IN_ID = re.compile(r"cuda|gpu", re.IGNORECASE)
+_GPU_IN_CODE = re.compile(r"cuda")
 
 
 def pytest_addoption(parser):
     parser.addoption(
         "--gpu-suite",
         action="store_true",
-        help="run only the tests that touch a GPU: those whose id or body names CUDA or a GPU",
+        help="run only the tests that touch a GPU: those whose id names CUDA or a GPU, or whose code names CUDA",
     )
 
 
@@ -47,10 +48,10 @@ def pytest_collection_modifyitems(config, items):
         return
 
     def touches_gpu(item) -> bool:
-        if _GPU_WORDS.search(item.nodeid):
+        if _GPU_IN_ID.search(item.nodeid):
             return True
         try:
-            return bool(_GPU_WORDS.search(inspect.getsource(item.function)))
+            return bool(_GPU_IN_CODE.search(inspect.getsource(item.function)))
         except (OSError, TypeError):
             return False
 
