@@ -260,6 +260,13 @@ class PlanAndShardRefusalTest(RefusalTestCase):
         self.assertEqual(result.recommended.block_names, ("blocks.0", "blocks.1"))
         self.assertTrue(all(isinstance(block.weight, DTensor) for block in by_name.blocks))
 
+    def test_plan_refuses_blocks_out_of_order(self) -> None:
+        # plan() alone (it shards nothing) refuses them too, as modules or as names, before tracing.
+        model = Blocks()
+        for blocks in (["blocks.1", "blocks.0"], list(model.blocks)[::-1]):
+            with self.assertRaisesRegex(ValueError, "'blocks.1' is listed before 'blocks.0', which the model registers"):
+                plan(model, example_input=BATCH, platform="h200-pcie", blocks=blocks)
+
 
 class AlreadyShardedRefusalTest(SingleRankGlooTestCase):
     """A model that is already sharded cannot go through the harness (it shards the refused model
