@@ -575,6 +575,13 @@ class NothingFitsError(ValueError):
 
     Attributes:
         result (PlanResult): the plan: ``result.report()`` lists every setting with its peak.
+
+    Example::
+
+        >>> try:
+        ...     plan_and_shard(model, example_input=batch, gpu_memory_GiB=1)
+        ... except NothingFitsError as error:
+        ...     print(error.result.report())
     """
 
     def __init__(self, result: PlanResult) -> None:
