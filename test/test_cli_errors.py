@@ -5,11 +5,13 @@ message naming the flag or the mismatch and the fix. Every CLI runs in-process t
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import re
 import shutil
 import tempfile
+import unittest
 import warnings
 from unittest import mock
 
@@ -83,6 +85,16 @@ class TestPlanErrorsSpellFlags(CLITestCase):
         self.assertIn(message, stderr.getvalue())
         self.assertNotRegex(stderr.getvalue(), r"\b(?:world_size|batch_size|seq_len|microbatch_factors|gpu_memory_GiB)\b")
 
+    def test_gpu_memory_that_is_no_finite_budget(self) -> None:
+        for value in ("inf", "nan"):
+            stderr = io.StringIO()
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+                code = dispatch(["plan", "--model", "tiny", "--seq-len", "64", "--platform", "h200-pcie",
+                                 "--gpu-memory-GiB", value])
+            self.assertEqual(code, 2)
+            self.assertIn(f"error: --gpu-memory-GiB must be a positive number of GiB, got {value}: pass the finite "
+                          "memory the step's peak must fit in", stderr.getvalue())
+
     def test_no_gpu_and_no_platform_plans_this_machine(self) -> None:
         # Without an accelerator and without --platform, the plan is for this machine: nothing to
         # offload, and it says how to plan for a GPU machine instead.
@@ -143,6 +155,31 @@ class TestTrainArguments(CLITestCase):
         for flags, message in cases.items():
             self.assertRefused(parse_args, list(flags), message)
 
+    @unittest.skipIf(importlib.util.find_spec("transformers") is None, "needs transformers")
+    def test_hf_config_that_gives_no_config(self) -> None:
+        # Each used to build the process group first and end in a traceback (exit 1).
+        import huggingface_hub.constants
+
+        missing = os.path.join(self.tmp, "config.json")
+        cases = {
+            "{'model_type': 'llama'}": "error: --hf-config: the JSON config is not valid JSON: Expecting property name "
+            "enclosed in double quotes: line 1 column 2 (char 1); pass a JSON object such as",
+            "[1, 2]": "error: --hf-config: the JSON config holds a JSON list, not an object with 'model_type'",
+            '{"model_type": "lama"}': "has no model_type 'lama' (Unrecognized model identifier: lama); use one it "
+            "knows, such as 'llama' or 'qwen2'",
+            '{"num_hidden_layers": 2}': "needs 'model_type' (e.g. 'llama'); got keys ['num_hidden_layers']",
+            missing: f"error: --hf-config: {missing}: no such file; pass the path of an existing config.json",
+            "nobody/no-such-model": "error: --hf-config: 'nobody/no-such-model' is no name of HF_CONFIGS (llama-tiny, "
+            "qwen2-tiny), no JSON object and no config.json path, and no config could be fetched for it as a hub id: ",
+        }
+        with open(os.path.join(self.tmp, "list.json"), "w", encoding="utf-8") as config_file:
+            config_file.write("[1]")
+        cases[config_file.name] = f"error: --hf-config: {config_file.name} holds a JSON list"
+        # Offline, a hub id fails at once; this machine may have no network at all.
+        with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True):
+            for config, message in cases.items():
+                self.assertRefused(parse_args, ["--hf-config", config], message)
+
     def test_latest_names_a_deleted_step(self) -> None:
         os.makedirs(os.path.join(self.tmp, "step_00000002"))
         with open(os.path.join(self.tmp, "latest"), "w", encoding="utf-8") as latest:
@@ -190,7 +227,7 @@ class TestResume(CLITestCase):
             ValueError, re.escape("1 of this model's entries are missing from it: head.bias; 21 of its entries are "
                                   "not in this model: tok_embeddings.weight, ")
         ):
-            _check_checkpoint_fits(checkpoint, {"head.bias": torch.zeros(256)})
+            _check_checkpoint_fits(checkpoint, {"model": {"head.bias": torch.zeros(256)}})
         with self.assertRaisesRegex(FileNotFoundError, re.escape(f"{self.tmp} holds no checkpoint (no DCP metadata)")):
             _check_checkpoint_fits(self.tmp, {})
 

@@ -281,7 +281,7 @@ class TestApplyEverything(SingleRankGlooTestCase):
         model = PlainBlocks()
         with mock.patch.dict(os.environ, {"TORCH_FSDP_OFFLOAD_PLATFORM": "discrete"}):
             result = plan_and_shard(
-                model, example_input=torch.randn(2, 16, DIM), platform="h200-pcie", gpu_memory_GiB=1e-4,
+                model, example_input=torch.randn(2, 16, DIM), platform="h200-pcie", gpu_memory_GiB=3e-4,
                 measure=True, device="cpu", microbatch_factors=(1, 2), fully_shard_kwargs={"mesh": self.mesh()},
             )
             self.assertTrue(result.recommended.kwargs is not None or result.recommended.checkpointing)

@@ -269,7 +269,8 @@ class PerModulePlacementTest(SingleRankGlooTestCase):
     def test_sharding_leaves_the_policy_unchanged(self):
         policy = CoherentOffload(platform="discrete", activations=True)
         before = dict(vars(policy))
-        fully_shard_with_policy(self._blocks_model(), list(self._blocks_model()), None)
+        model = self._blocks_model()
+        fully_shard_with_policy(model, list(model), None)
         model = self._blocks_model()
         fully_shard_with_policy(model, list(model), policy, spread_fraction=0.5)
         self.assertEqual(vars(policy), before)

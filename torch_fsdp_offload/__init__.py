@@ -44,6 +44,7 @@ __all__ = [
     "materialize_sharded",
     "measure_bandwidth",
     "measure_placement",
+    "NothingFitsError",
     "offload_activations",
     "OffloadOptimizer",
     "PlacementAdvice",
@@ -61,7 +62,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # The planner reads every room and no room imports it: load it only when asked for.
-    if name in ("plan", "plan_and_shard", "predict_per_gpu"):
+    if name in ("NothingFitsError", "plan", "plan_and_shard", "predict_per_gpu"):
         from torch_fsdp_offload import planner
 
         return getattr(planner, name)

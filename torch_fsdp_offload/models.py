@@ -41,7 +41,9 @@ __all__ = [
     "build_hf_causal_lm",
     "build_model",
     "causal_lm_loss",
+    "check_block_order",
     "find_blocks",
+    "load_hf_config",
     "rope_tables",
 ]
 
@@ -420,6 +422,29 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module | str] | None = Non
     return next(module for _, module in outermost if len(module) == longest)
 
 
+def check_block_order(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    """Refuse ``blocks`` (submodules of ``model``, as :func:`find_blocks` gives them) not in the order
+    ``model`` registers them: the forward order in which partial offload and prefetching count blocks.
+
+    Raises:
+        ValueError: a block listed before one the model registers earlier, naming both and the fix.
+
+    Example::
+
+        >>> check_block_order(model, list(model.blocks)[::-1])
+        Traceback (most recent call last):
+        ValueError: blocks must be in forward order ...
+    """
+    position = {id(module): (index, name) for index, (name, module) in enumerate(model.named_modules())}
+    for earlier, later in zip(blocks, list(blocks)[1:]):
+        if position[id(later)][0] < position[id(earlier)][0]:
+            raise ValueError(
+                f"blocks must be in forward order, the order {type(model).__name__} registers them in: "
+                f"{position[id(earlier)][1]!r} is listed before {position[id(later)][1]!r}, which the model registers "
+                "first. Pass them in that order (list(model.blocks), not reversed): the last blocks, a spread of "
+                "them and prefetching count from the first block of the forward")
+
+
 def _given_blocks(model: nn.Module, blocks: Sequence[nn.Module | str]) -> nn.ModuleList:
     names = {id(module): name for name, module in model.named_modules()}
     resolved: list[tuple[str, nn.Module]] = []
@@ -567,8 +592,82 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def load_hf_config(config: str | Mapping[str, Any] | Any) -> Any:
+    """The ``transformers`` config :func:`build_hf_causal_lm` builds from, loaded and checked
+    without building anything (``train --hf-config`` refuses a bad one before it starts).
+
+    Args:
+        config: a key of :data:`HF_CONFIGS` (no network needed); a dict or a JSON string with
+            ``"model_type"`` and the config fields; a ``config.json`` path or a directory holding
+            one; a Hugging Face hub id (only its ``config.json`` is fetched: network or a cache);
+            or a ``transformers.PretrainedConfig``, returned as it is.
+
+    Returns:
+        transformers.PretrainedConfig: the config.
+
+    Raises:
+        ImportError: ``transformers`` is not installed (``pip install transformers``).
+        ValueError: JSON that does not parse or is no object, no ``model_type`` or one transformers
+            does not know, a ``.json`` path that does not exist, or a hub id whose config could not
+            be fetched (no network, no such repository, not cached), each with what to pass instead.
+        TypeError: anything else.
+
+    Example::
+
+        >>> load_hf_config("llama-tiny").num_hidden_layers
+        2
+    """
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("building a transformers model needs the transformers package: pip install transformers") from exc
+
+    if isinstance(config, transformers.PretrainedConfig):
+        return config
+    text = where = None
+    if isinstance(config, str) and config in HF_CONFIGS:
+        config = HF_CONFIGS[config]
+    elif isinstance(config, str) and config.lstrip()[:1] in ("{", "["):
+        text, where = config, "the JSON config"
+    elif isinstance(config, str) and os.path.isfile(config):
+        with open(config, encoding="utf-8") as config_file:
+            text, where = config_file.read(), config
+    if text is not None:
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}; pass a JSON object such as "
+                             '\'{"model_type": "llama", "num_hidden_layers": 2}\'') from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{where} holds a JSON {type(config).__name__}, not an object with 'model_type'")
+    if isinstance(config, Mapping):
+        fields = dict(config)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"a transformers config dict needs 'model_type' (e.g. 'llama'); got keys {sorted(config)}")
+        try:
+            return transformers.AutoConfig.for_model(model_type, **fields)
+        except ValueError as exc:
+            raise ValueError(f"transformers {transformers.__version__} has no model_type {model_type!r} "
+                             f"({str(exc).split('.')[0]}); use one it knows, such as 'llama' or 'qwen2'") from None
+    if not isinstance(config, str):
+        raise TypeError(f"expected a transformers config name, dict, JSON string, path or hub id, got {type(config).__name__}")
+    if config.endswith(".json"):
+        raise ValueError(f"{config}: no such file; pass the path of an existing config.json")
+    try:
+        return transformers.AutoConfig.from_pretrained(config)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{config!r} is no name of HF_CONFIGS ({', '.join(sorted(HF_CONFIGS))}), no JSON object and no "
+            f"config.json path, and no config could be fetched for it as a hub id: {reason} Pass a local "
+            "config.json (or a folder holding one), a JSON object with 'model_type', or a hub id this machine "
+            "can reach (or one in the local cache, with HF_HUB_OFFLINE=1)"
+        ) from None
+
+
 def build_hf_causal_lm(
-    config_name_or_dict: str | Mapping[str, Any],
+    config_name_or_dict: str | Mapping[str, Any] | Any,
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
@@ -576,12 +675,8 @@ def build_hf_causal_lm(
     """Build a randomly initialised ``transformers`` causal LM from a config, without downloading weights.
 
     Args:
-        config_name_or_dict (str | Mapping): one of
-
-            * a key of :data:`HF_CONFIGS` (``"llama-tiny"``, ``"qwen2-tiny"``): no network needed;
-            * a dict or a JSON string with ``"model_type"`` and the config fields;
-            * a path to a ``config.json`` file or a directory holding one;
-            * a Hugging Face hub id: only its ``config.json`` is fetched (needs network or a cache).
+        config_name_or_dict: the config, in any form :func:`load_hf_config` takes (a name of
+            :data:`HF_CONFIGS`, a dict, JSON, a ``config.json`` path, a hub id, a config object).
         device (torch.device | str | None): where to create the parameters (``"meta"`` allocates nothing).
         dtype (torch.dtype | None): parameter dtype.
 
@@ -590,8 +685,7 @@ def build_hf_causal_lm(
         Llama-like architectures.
 
     Raises:
-        ImportError: ``transformers`` is not installed (``pip install transformers``).
-        ValueError: a dict/JSON config without ``model_type``.
+        ImportError, ValueError, TypeError: as :func:`load_hf_config`.
 
     Example::
 
@@ -599,36 +693,8 @@ def build_hf_causal_lm(
         >>> model(torch.randint(0, 256, (1, 8))).logits.shape
         torch.Size([1, 8, 256])
     """
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ImportError(
-            "build_hf_causal_lm needs the transformers package: pip install transformers"
-        ) from exc
+    config = load_hf_config(config_name_or_dict)
+    import transformers
 
-    if isinstance(config_name_or_dict, str) and config_name_or_dict in HF_CONFIGS:
-        config_name_or_dict = HF_CONFIGS[config_name_or_dict]
-    elif isinstance(config_name_or_dict, str) and config_name_or_dict.lstrip().startswith("{"):
-        config_name_or_dict = json.loads(config_name_or_dict)
-    elif isinstance(config_name_or_dict, str) and os.path.isfile(config_name_or_dict):
-        with open(config_name_or_dict, encoding="utf-8") as config_file:
-            config_name_or_dict = json.load(config_file)
-
-    if isinstance(config_name_or_dict, Mapping):
-        fields = dict(config_name_or_dict)
-        model_type = fields.pop("model_type", None)
-        if model_type is None:
-            raise ValueError(
-                "a transformers config dict needs 'model_type' (e.g. 'llama'); "
-                f"got keys {sorted(config_name_or_dict)}"
-            )
-        config = transformers.AutoConfig.for_model(model_type, **fields)
-    elif isinstance(config_name_or_dict, str):
-        config = transformers.AutoConfig.from_pretrained(config_name_or_dict)
-    else:
-        raise TypeError(
-            "build_hf_causal_lm expects a config name, dict, JSON string or path, "
-            f"got {type(config_name_or_dict).__name__}"
-        )
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import inspect
 import logging
 import math
 import types
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, Union
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
 from torch_fsdp_offload import _integration
 from torch_fsdp_offload._integration import fsdp2_hooks
+from torch_fsdp_offload.models import check_block_order, find_blocks
 from torch_fsdp_offload.resolved_plan import CastPlacement, ResolvedPlan
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 
@@ -27,6 +30,7 @@ logger = logging.getLogger(__name__)
 OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
+_PLATFORM_KINDS = {kind.value for kind in PlatformKind}
 CAST_PLACEMENTS = ("host", "device")
 
 
@@ -247,7 +251,7 @@ class CoherentOffload(CPUOffloadPolicy):
                 "number in [0, 1]: the fraction of the fully_shard-ed blocks whose saved "
                 "activations are offloaded to host memory."
             )
-        if self.platform is not None and self.platform not in {k.value for k in PlatformKind}:
+        if self.platform is not None and self.platform not in _PLATFORM_KINDS:
             raise ValueError(
                 f"CoherentOffload(platform={self.platform!r}) is not a platform class; use one "
                 f"of {', '.join(repr(k.value) for k in PlatformKind)}, or None to detect it."
@@ -439,9 +443,19 @@ def fully_shard_with_policy(
     Raises:
         ValueError: ``offload_policy`` among ``fully_shard_kwargs``, ``last_blocks`` or
             ``keep_unsharded_last`` not an int in ``[0, len(blocks)]``, ``spread_fraction`` not a
-            number in [0, 1], both ``last_blocks`` and ``spread_fraction``, or
-            ``keep_unsharded_last`` together with ``reshard_after_forward``; raised before
-            anything is sharded.
+            number in [0, 1], both ``last_blocks`` and ``spread_fraction``,
+            ``keep_unsharded_last`` together with ``reshard_after_forward``,
+            ``activation_checkpointing`` not a bool; blocks that are not submodules of ``model``,
+            one block twice, one inside another, the model itself, or blocks out of the order the
+            model registers them (:func:`~torch_fsdp_offload.models.check_block_order`); a model
+            or block already sharded.
+        TypeError: ``policy`` not an ``OffloadPolicy`` or None (a platform name such as
+            ``"coherent"`` is refused with ``CoherentOffload(platform=...)`` as the fix), ``model``
+            not an ``nn.Module``, ``blocks`` one module instead of a sequence, or a
+            ``fully_shard_kwargs`` name ``fully_shard`` does not take (a typo is refused with the
+            closest name) or a ``mesh`` / ``mp_policy`` of another type.
+
+        Every refusal comes before anything is sharded or changed.
 
     Example::
 
@@ -454,9 +468,45 @@ def fully_shard_with_policy(
     """
     from torch.distributed.fsdp import fully_shard
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fully_shard_with_policy shards an nn.Module, got {type(model).__name__}")
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        named_kind = isinstance(policy, str) and policy in _PLATFORM_KINDS
+        kind = f" (a platform class: CoherentOffload(platform={policy!r}) forces it)" if named_kind else ""
+        raise TypeError(
+            f"fully_shard_with_policy(policy={policy!r}) is no offload policy{kind}; pass a CoherentOffload, "
+            "another torch.distributed.fsdp OffloadPolicy, or None to shard without one"
+        )
+    if not isinstance(activation_checkpointing, bool):
+        raise ValueError(
+            f"activation_checkpointing must be True or False, got {activation_checkpointing!r}: True reruns "
+            "each block's forward in backward"
+        )
     if "offload_policy" in fully_shard_kwargs:
         raise ValueError("fully_shard_with_policy places policy itself; drop offload_policy= and pass the policy")
+    check_fully_shard_kwargs(fully_shard_kwargs, "fully_shard_with_policy")
+    if isinstance(blocks, (str, nn.Module)) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(
+            f"blocks is one {type(blocks).__name__}; pass a sequence of the model's blocks in forward order "
+            "(model.blocks, or [block] for one)"
+        )
     blocks = list(blocks)
+    if blocks:
+        # Submodules of model, each once, none inside another, in the order the model registers them.
+        blocks = list(find_blocks(model, blocks))
+        check_block_order(model, blocks)
+        if any(block is model for block in blocks):
+            raise ValueError("blocks holds the model itself, which fully_shard_with_policy shards last (the root); "
+                             "pass its per-layer modules")
+    sharded = [name for name, module in (("the model", model), *((f"block {i}", b) for i, b in enumerate(blocks)))
+               if isinstance(module, FSDPModule)]
+    if sharded:
+        named = sharded[0] if len(sharded) == 1 else f"{', '.join(sharded[:-1])} and {sharded[-1]}"
+        raise ValueError(
+            f"{named} {'is' if len(sharded) == 1 else 'are'} already sharded (fully_shard ran on "
+            f"{'it' if len(sharded) == 1 else 'them'}); fully_shard_with_policy shards a model that is not: build "
+            "the model anew and call it once"
+        )
 
     def block_count(name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= len(blocks):
@@ -492,6 +542,45 @@ def fully_shard_with_policy(
     given = {"offload_policy": policy} if policy is not None and root_with_policy else {}
     fully_shard(model, **fully_shard_kwargs, **given)
     return model
+
+
+def check_fully_shard_kwargs(kwargs: Any, caller: str) -> None:
+    """Refuse keyword arguments for ``fully_shard`` that it would refuse only after marking the
+    module it was given as sharded (the module could then not be sharded again).
+
+    Args:
+        kwargs: what ``caller`` passes to every ``fully_shard`` call.
+        caller (str): the function named in the message.
+
+    Raises:
+        TypeError: ``kwargs`` is no mapping, or holds a name ``fully_shard`` does not take (the
+            closest one it takes is named), or a ``mesh`` or ``mp_policy`` of another type.
+
+    Example::
+
+        >>> check_fully_shard_kwargs({"mp_polcy": mp}, "plan_and_shard")
+        Traceback (most recent call last):
+        TypeError: plan_and_shard: fully_shard takes no argument 'mp_polcy' (did you mean 'mp_policy'?); ...
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"{caller}: the fully_shard keyword arguments must be a mapping such as {{'mp_policy': mp}}, "
+            f"got {type(kwargs).__name__}"
+        )
+    taken = [name for name, p in inspect.signature(fully_shard).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    for name in kwargs:
+        if name not in taken:
+            close = difflib.get_close_matches(str(name), taken, n=1)
+            raise TypeError(
+                f"{caller}: fully_shard takes no argument {name!r}"
+                f"{f' (did you mean {close[0]!r}?)' if close else ''}; it takes {', '.join(taken)}"
+            )
+    for name, kind in (("mesh", DeviceMesh), ("mp_policy", MixedPrecisionPolicy)):
+        if kwargs.get(name) is not None and not isinstance(kwargs[name], kind):
+            raise TypeError(f"{caller}: fully_shard's {name} must be a {kind.__name__}, got {type(kwargs[name]).__name__}")
 
 
 def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:

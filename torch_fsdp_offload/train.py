@@ -49,6 +49,7 @@ from torch_fsdp_offload.models import (
     build_model,
     causal_lm_loss,
     find_blocks,
+    load_hf_config,
 )
 from torch_fsdp_offload.activations import offload_activations
 from torch_fsdp_offload.materialize import materialize_sharded
@@ -172,6 +173,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.model is not None and args.hf_config is not None:
         parser.error("--model and --hf-config are alternatives: pass one of them")
+    hf_flag = "--model" if args.model in HF_CONFIGS else "--hf-config"
     if args.model in HF_CONFIGS:
         args.hf_config, args.model = args.model, None
     if args.hf_config is None:
@@ -179,6 +181,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         max_seq_len = MODEL_CONFIGS[args.model].max_seq_len
         if args.seq_len > max_seq_len:
             parser.error(f"--seq-len {args.seq_len} exceeds {args.model}'s max_seq_len {max_seq_len}")
+    else:
+        # Loaded (a hub id fetched) now: a bad config fails before the process group and the model.
+        try:
+            args.hf_model_config = load_hf_config(args.hf_config)
+        except (ImportError, ValueError) as exc:
+            parser.error(f"{hf_flag}: {exc}")
     if (args.checkpoint_every is not None or args.resume) and args.checkpoint_dir is None:
         parser.error("--checkpoint-every and --resume need --checkpoint-dir")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
@@ -292,7 +300,7 @@ def build_sharded_model(args: argparse.Namespace, dist_env: _Distributed) -> nn.
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if args.hf_config is not None:
         torch.manual_seed(args.seed)
-        model = build_hf_causal_lm(args.hf_config)
+        model = build_hf_causal_lm(args.hf_model_config)
     else:
         model = build_model(args.model, device="meta")
     fully_shard_with_policy(
@@ -387,8 +395,10 @@ def _listed(names: Sequence[str], shown: int = 4) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _check_checkpoint_fits(path: str, model_state: dict) -> None:
-    """Refuse a checkpoint whose model entries differ from ``model_state``'s names or shapes."""
+def _check_checkpoint_fits(path: str, state: dict) -> None:
+    """Refuse a checkpoint that lacks an entry of ``state`` (``{"model": ..., "optim": ...,
+    "train": ...}``, as :func:`load_checkpoint` loads it) or holds one of another shape, and one whose
+    model entries are another model's."""
     try:
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except FileNotFoundError:
@@ -396,20 +406,14 @@ def _check_checkpoint_fits(path: str, model_state: dict) -> None:
             f"{path} holds no checkpoint (no DCP metadata): point {LATEST_FILE} at a folder written by "
             "save_checkpoint, or drop --resume to train from scratch"
         ) from None
-    saved_model = {key.removeprefix("model."): entry for key, entry in saved.items() if key.startswith("model.")}
-    missing = [name for name in model_state if name not in saved_model]
-    unexpected = [name for name in saved_model if name not in model_state]
-    resized = [
-        f"{name} (checkpoint {list(saved_model[name].size)}, this model {list(value.shape)})"
-        for name, value in model_state.items()
-        if name in saved_model and isinstance(value, torch.Tensor)
-        and tuple(getattr(saved_model[name], "size", ())) != tuple(value.shape)
-    ]
-    mismatches = []
-    if resized:
-        mismatches.append(f"{len(resized)} shape(s) differ: {_listed(resized)}")
-    if missing:
-        mismatches.append(f"{len(missing)} of this model's entries are missing from it: {_listed(missing)}")
+    # The entries dcp.load asks for, named as the checkpoint names them (nested keys joined by dots).
+    planner = dcp.DefaultLoadPlanner()
+    planner.set_up_planner(state, None, True)
+    wanted = planner.state_dict
+    model_wanted = {key.removeprefix("model."): value for key, value in wanted.items() if key.startswith("model.")}
+    model_saved = {key.removeprefix("model."): entry for key, entry in saved.items() if key.startswith("model.")}
+    mismatches = _mismatches(model_wanted, model_saved, "this model")
+    unexpected = [name for name in model_saved if name not in model_wanted]
     if unexpected:
         mismatches.append(f"{len(unexpected)} of its entries are not in this model: {_listed(unexpected)}")
     if mismatches:
@@ -418,20 +422,55 @@ def _check_checkpoint_fits(path: str, model_state: dict) -> None:
             "--model or --hf-config that wrote it, or give this model another --checkpoint-dir (or drop "
             "--resume) to train it from scratch"
         )
+    mismatches = _mismatches({key: value for key, value in wanted.items() if not key.startswith("model.")}, saved, "this run")
+    if mismatches:
+        raise ValueError(
+            f"the checkpoint {path} holds this model's weights but not the optimizer state and training position "
+            f"this run loads: {'; '.join(mismatches)}. It was not written by save_checkpoint (train "
+            "--checkpoint-dir) with this optimizer: point latest at a checkpoint train wrote, or give this run "
+            "another --checkpoint-dir (or drop --resume) to train from scratch"
+        )
+
+
+def _mismatches(wanted: dict, saved: dict, owner: str) -> list[str]:
+    """What keeps ``saved`` (DCP metadata by name) from loading ``wanted``: other shapes, missing names."""
+    resized = [
+        f"{name} (checkpoint {list(saved[name].size)}, {owner} {list(value.shape)})"
+        for name, value in wanted.items()
+        if name in saved and isinstance(value, torch.Tensor) and tuple(getattr(saved[name], "size", ())) != tuple(value.shape)
+    ]
+    missing = [name for name in wanted if name not in saved]
+    return ([f"{len(resized)} shape(s) differ: {_listed(resized)}"] if resized else []) + (
+        [f"{len(missing)} of {owner}'s entries are missing from it: {_listed(missing)}"] if missing else []
+    )
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """Load a checkpoint written by :func:`save_checkpoint`; returns ``(step, data_position)``.
 
+    Args:
+        path (str): the step folder (``<checkpoint-dir>/step_N``).
+        model (nn.Module): the sharded model to load into.
+        optimizer (torch.optim.Optimizer): its optimizer.
+
+    Returns:
+        tuple[int, int]: the step reached and the data position, to continue from.
+
     Raises:
         FileNotFoundError: ``path`` holds no checkpoint.
-        ValueError: the checkpoint was written by another model (the message names the entries
-            whose names or shapes differ); nothing is loaded.
+        ValueError: the checkpoint was written by another model (the message names the model
+            entries whose names or shapes differ), or lacks the optimizer state or training
+            position this run loads (written by another program, or with another optimizer: the
+            message names the missing entries); raised before anything is loaded.
+
+    Example::
+
+        >>> step, data_position = load_checkpoint("ckpt/step_00000010", model, optimizer)
     """
     model_state, optim_state = get_state_dict(model, optimizer)
-    _check_checkpoint_fits(path, model_state)
     train_state = {"step": torch.tensor(0), "data_position": torch.tensor(0)}
     state = {"model": model_state, "optim": optim_state, "train": train_state}
+    _check_checkpoint_fits(path, state)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["train"]["step"]), int(state["train"]["data_position"])

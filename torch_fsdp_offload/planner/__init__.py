@@ -6,7 +6,7 @@ micro-batch gains, partial offload, activation checkpointing) and ends with a ``
 to use. ``python -m torch_fsdp_offload plan`` is its command line. See docs/planner.md.
 """
 
-from torch_fsdp_offload.planner.api import plan, plan_and_shard, predict_per_gpu
+from torch_fsdp_offload.planner.api import NothingFitsError, plan, plan_and_shard, predict_per_gpu
 from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfile, get_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation
 from torch_fsdp_offload.planner.scenario import Scenario, ScenarioError, load_scenario
@@ -15,6 +15,7 @@ from torch_fsdp_offload.planner.training_config import TrainingConfig
 from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
 __all__ = [
+    "NothingFitsError",
     "PLATFORM_PROFILES",
     "PlanResult",
     "PlatformProfile",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from torch_fsdp_offload.planner.arguments import check_plan_and_shard_arguments, check_plan_arguments
 from torch_fsdp_offload.planner.block_timing import measure_block_timings
 from torch_fsdp_offload.host_step import host_GBps_from_link_busy, measure_host_step
 from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, block_names, map_tensors, model_breakdown
@@ -24,7 +26,7 @@ from torch_fsdp_offload.planner.step_time import predict_step, StepPrediction
 from torch_fsdp_offload.planner.training_config import TrainingConfig
 from torch_fsdp_offload.planner.training_profile import fsdp2_reduce_dtype, training_profile
 
-__all__ = ["plan", "plan_and_shard", "predict_per_gpu"]
+__all__ = ["NothingFitsError", "plan", "plan_and_shard", "predict_per_gpu"]
 
 # Peak allocated memory must leave room for the CUDA context, NCCL and allocator fragmentation.
 _MEMORY_HEADROOM = 0.9
@@ -417,9 +419,17 @@ def plan(
         says why).
 
     Raises:
-        ValueError: neither or both of ``model`` and ``scenario``; an unknown profile name;
-            ``gpu_memory_GiB`` not above 0; ``batch_size`` or ``seq_len`` other than
-            ``example_input``'s; ``blocks`` that are not the model's.
+        ValueError: neither or both of ``model`` and ``scenario``; an unknown profile name, or a
+            ``platform`` of another type; ``gpu_memory_GiB`` not a finite number above 0 (``inf``
+            and ``nan`` included); with a scenario, a model's argument (``batch_size``,
+            ``world_size``, ...); ``batch_size``, ``seq_len``, ``world_size`` or
+            ``microbatch_factors`` not ints >= 1, a ``compute_dtype`` / ``reduce_dtype`` that is no
+            floating-point ``torch.dtype``, ``measure`` or ``clipping`` not a bool
+            (:func:`~torch_fsdp_offload.planner.arguments.check_plan_arguments`); ``batch_size`` or
+            ``seq_len`` other than ``example_input``'s; ``example_input`` holding floating-point
+            values where the model takes token ids (an ``nn.Embedding``); ``blocks`` that are not
+            the model's, or not in the order it registers them; ``device`` naming no device, or
+            given where nothing is measured (``platform=`` given, ``measure=False``, no GPU).
         ScenarioError: a malformed scenario (the message names the key).
 
     Example::
@@ -432,10 +442,7 @@ def plan(
         >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=4))
         >>> plan(model, batch_size=2, seq_len=4096).recommended.apply(model, mp_policy=mp)  # on a GPU
     """
-    if (model is None) == (scenario is None):
-        raise ValueError("plan() needs exactly one of a model or scenario=")
-    if gpu_memory_GiB is not None and not gpu_memory_GiB > 0:
-        raise ValueError(f"gpu_memory_GiB must be a positive number of GiB, got {gpu_memory_GiB!r}")
+    check_plan_arguments(dict(locals()), {name: p.default for name, p in inspect.signature(plan).parameters.items()})
     capacity_bytes = None if gpu_memory_GiB is None else gpu_memory_GiB * 2**30
     if scenario is not None:
         loaded = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
@@ -444,15 +451,19 @@ def plan(
         if capacity_bytes is not None:
             loaded = dataclasses.replace(loaded, capacity_GB=capacity_bytes / 1e9)
         return _plan_scenario(loaded)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
     batch_size, seq_len = _micro_batch(example_input, batch_size, seq_len)
     if batch_size < 1 or seq_len < 1 or any(f < 1 for f in microbatch_factors):
         raise ValueError(
             f"batch_size, seq_len and microbatch_factors must be >= 1, got {batch_size}, {seq_len}, {list(microbatch_factors)}"
         )
+    why = "measure=False" if measure is False else "platform= given" if platform is not None else "no CUDA GPU here"
     if measure is None:
         measure = torch.cuda.is_available() and platform is None
+    if device is not None and not measure:
+        raise ValueError(
+            f"device={device!r} says where measure= times, but nothing is measured ({why}): pass measure=True to "
+            "time on it, or drop device="
+        )
     device = torch.device(device if device is not None else "cuda")
     if measure and device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("measure=True needs a CUDA GPU; pass platform= to predict for another machine")
@@ -525,8 +536,18 @@ def plan_and_shard(
         micro-batch to train with.
 
     Raises:
-        ValueError: as :func:`plan` and :meth:`~torch_fsdp_offload.planner.report.Recommendation.apply`,
-            before anything is sharded.
+        NothingFitsError: the plan found no setting that fits in GPU memory; it is on the error's
+            ``.result`` (a ``ValueError``).
+        ValueError: as :func:`plan` (a ``gpu_memory_GiB``, ``batch_size``, ``microbatch_factors``
+            or ``compute_dtype`` of the wrong type or out of range, ``example_input`` holding
+            floating-point values where the model takes token ids, ``blocks`` out of forward order)
+            and :meth:`~torch_fsdp_offload.planner.report.Recommendation.apply`; a model that is
+            already sharded (or one of its modules); ``offload_policy`` in ``fully_shard_kwargs``.
+        TypeError: ``model`` is no ``nn.Module``; ``fully_shard_kwargs`` is no mapping, or holds a
+            name ``fully_shard`` does not take (a typo is refused with the closest name) or a
+            ``mesh`` / ``mp_policy`` of another type.
+
+        Every refusal comes before anything is sharded: the model is left as it was.
 
     Example::
 
@@ -535,14 +556,44 @@ def plan_and_shard(
         >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
         >>> result.recommended.micro_batch_size
     """
+    check_plan_and_shard_arguments(model, fully_shard_kwargs)
     mp_policy = (fully_shard_kwargs or {}).get("mp_policy")
     if mp_policy is not None:
         # Plan what FSDP will run: its compute dtype and the dtype it reduces in on this torch.
         plan_kwargs.setdefault("compute_dtype", mp_policy.param_dtype or torch.float32)
         plan_kwargs.setdefault("reduce_dtype", fsdp2_reduce_dtype(mp_policy))
     result = plan(model, example_input=example_input, blocks=blocks, **plan_kwargs)
+    if result.training is not None and result.training.best is None:
+        raise NothingFitsError(result)
     result.recommended.apply(model, blocks=blocks, **dict(fully_shard_kwargs or {}))
     return result
+
+
+class NothingFitsError(ValueError):
+    """Raised by :func:`plan_and_shard` when its plan found no setting whose step fits in GPU
+    memory, before anything is sharded.
+
+    Attributes:
+        result (PlanResult): the plan: ``result.report()`` lists every setting with its peak.
+
+    Example::
+
+        >>> try:
+        ...     plan_and_shard(model, example_input=batch, gpu_memory_GiB=1)
+        ... except NothingFitsError as error:
+        ...     print(error.result.report())
+    """
+
+    def __init__(self, result: PlanResult) -> None:
+        factor, smallest = min(result.training.predictions, key=lambda prediction: prediction[1].peak_gpu_GiB)
+        super().__init__(
+            f"plan_and_shard: no setting fits in the budget of {result.training.capacity_bytes / 2**30:.3g} GiB per "
+            f"GPU; the smallest predicted peak is {smallest.peak_gpu_GiB:.3g} GiB ({smallest.config.label} at "
+            f"{factor:g}x the micro-batch). Nothing was sharded. Plan a smaller micro-batch (batch_size=, seq_len=), "
+            "shard over more GPUs (world_size=), or give it more GPU memory (a larger gpu_memory_GiB=, or a "
+            "platform= with a larger GPU); this error's .result holds the plan (print(error.result.report()))"
+        )
+        self.result = result
 
 
 def _offload_config(offload: bool | float | TrainingConfig | None) -> TrainingConfig:

@@ -221,8 +221,9 @@ def model_breakdown(
         ModelBreakdown: parameters per block and outside, activation bytes per block.
 
     Raises:
-        ValueError: non-positive sizes, a model without a list of blocks, or blocks its forward
-            never calls.
+        ValueError: non-positive sizes, a model without a list of blocks, blocks its forward
+            never calls or out of the order the model registers them, or an ``example_input``
+            whose floating-point values reach an ``nn.Embedding`` (token ids must be integers).
 
     Example::
 
@@ -236,6 +237,8 @@ def model_breakdown(
     module, name = resolve_model(model)
     module = module.to(compute_dtype)
     blocks = models.find_blocks(module, names)
+    if names is not None:
+        models.check_block_order(module, blocks)
     block_params = [sum(p.numel() for p in block.parameters()) for block in blocks]
     total_params = sum(p.numel() for p in module.parameters())
     recorder = _SavedTensorRecorder([*module.parameters(), *module.buffers()])
@@ -264,7 +267,20 @@ def model_breakdown(
         block_flops[0] += counter.get_total_flops()
         recorder.owner = -1
 
-    handles = []
+    def token_ids(embedding_name: str):
+        def hook(_module, args):
+            if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                raise ValueError(
+                    f"example_input holds floating-point values where {embedding_name}, an nn.Embedding, takes "
+                    "token ids; pass the ids as integers (ids.long())"
+                )
+
+        return hook
+
+    handles = [
+        embedding.register_forward_pre_hook(token_ids(embedding_name))
+        for embedding_name, embedding in module.named_modules() if isinstance(embedding, nn.Embedding)
+    ]
     for index, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(enter(index), with_kwargs=True))
         handles.append(block.register_forward_hook(leave))
