@@ -6,6 +6,7 @@ and the fix, before anything is sharded or loaded, and the model then shards wit
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import re
@@ -15,12 +16,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
 
 from common_offload import Blocks, RefusalTestCase, SingleRankGlooTestCase
-from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy
+from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, offload_activations
 from torch_fsdp_offload.planner import NothingFitsError, plan, plan_and_shard
 from torch_fsdp_offload.train import load_checkpoint, save_checkpoint
 
@@ -245,6 +246,20 @@ class PlanAndShardRefusalTest(RefusalTestCase):
         self.assertIn("no setting of the FSDP2 step model fits in GPU memory", result.report())
         self.assertEqual(result.to_dict()["recommended"], plan(Blocks(), example_input=BATCH, platform="h200-pcie",
                                                                gpu_memory_GiB=1e-7).to_dict()["recommended"])
+
+    def test_activation_offload_refused_before_sharding(self) -> None:
+        # A plan that offloads activations, applied to a model another offloader already hooks:
+        # offload_activations' refusal comes before fully_shard touched a block.
+        model = Blocks()
+        recommended = dataclasses.replace(_planned(Blocks()).recommended, activations_offload_fraction=0.5)
+        offloader = offload_activations(model, blocks=list(model.blocks))
+        with self.assertRaisesRegex(ValueError, "already has its activations offloaded by offload_activations"):
+            recommended.apply(model)
+        self.assertFalse(any(isinstance(p, DTensor) for p in model.parameters()))
+        self.assertNotIsInstance(model, FSDPModule)
+        offloader.remove()
+        recommended.apply(model)
+        self.assertIsInstance(model, FSDPModule)
 
     def test_model_that_is_no_module(self) -> None:
         with self.assertRaisesRegex(TypeError, r"plan_and_shard shards the model itself: pass the nn.Module, got str \("

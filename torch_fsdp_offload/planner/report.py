@@ -133,8 +133,9 @@ class Recommendation:
             ValueError: ``offload_policy`` among ``fully_shard_kwargs`` (or ``reshard_after_forward``
                 with a :attr:`keep_unsharded_last`), a model whose number of blocks differs from
                 the planned one, or, without ``blocks``, a model whose blocks
-                :func:`~torch_fsdp_offload.models.find_blocks` cannot tell; raised before anything
-                is sharded.
+                :func:`~torch_fsdp_offload.models.find_blocks` cannot tell, or, where the plan
+                offloads activations, a model another offloader already hooks; raised before
+                anything is sharded.
 
         Example::
 
@@ -145,6 +146,7 @@ class Recommendation:
             >>> optim = rec.optimizer(model, lr=1e-4, fused=True)
         """
         from torch_fsdp_offload.activations import offload_activations
+        from torch_fsdp_offload.activations._ownership import check_can_hook
         from torch_fsdp_offload.models import find_blocks
         from torch_fsdp_offload.policy import fully_shard_with_policy
 
@@ -154,6 +156,9 @@ class Recommendation:
                 f"the plan is for a model of {self.last_blocks[1]} blocks, this one has {len(blocks)}: "
                 "plan this model, or pass its blocks= in forward order"
             )
+        if self.activations_offload_fraction > 0:
+            # offload_activations' own refusal, before anything is sharded.
+            check_can_hook([model, *blocks], None, "offload_activations")
         fully_shard_with_policy(
             model,
             blocks,
