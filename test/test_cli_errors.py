@@ -206,12 +206,15 @@ class TestTrainArguments(CLITestCase):
 
 class TestResume(CLITestCase):
     def test_checkpoint_of_another_model(self) -> None:
-        stdout = io.StringIO()
+        stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout):
             self.assertEqual(train_main(["--model", "tiny", *QUICK, "--checkpoint-dir", self.tmp]), 0)
-            with self.assertRaisesRegex(ValueError, "was written by another model") as raised:
+            # A usage error (exit 2, one line), like every other refused argument.
+            with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as raised:
                 train_main(["--model", "small", *QUICK, "--steps", "2", "--checkpoint-dir", self.tmp, "--resume"])
-        message = str(raised.exception)
+        self.assertEqual(raised.exception.code, 2)
+        message = stderr.getvalue()
+        self.assertIn("error: --resume: the checkpoint", message)
         checkpoint = os.path.join(self.tmp, "step_00000001")
         self.assertIn(
             f"the checkpoint {checkpoint} was written by another model: 21 shape(s) differ: tok_embeddings.weight "

@@ -548,7 +548,10 @@ def train(args: argparse.Namespace, dist_env: _Distributed) -> list[dict]:
     if args.checkpoint_dir is not None:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         if args.resume_from is not None:
-            start_step, data_position = load_checkpoint(args.resume_from, model, optimizer)
+            try:
+                start_step, data_position = load_checkpoint(args.resume_from, model, optimizer)
+            except (ValueError, FileNotFoundError) as exc:  # refused before anything was loaded
+                build_parser().error(f"--resume: {exc}")
             if is_rank0:
                 print(f"resumed from {args.resume_from}: step {start_step}, data position {data_position}", flush=True)
     data = SyntheticTokens(vocab_size, args.seq_len, seed=args.seed, rank=dist_env.rank, position=data_position)
