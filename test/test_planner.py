@@ -988,6 +988,15 @@ CoherentOffload(optimizer='host'); OffloadOptimizer(model, torch.optim.AdamW, st
         self.assertEqual((resident["world_size"], offloaded["config"]), (2, "modules=1.00 opt=host depth=2"))
         with self.assertRaisesRegex(TypeError, "offload must be a bool, a module fraction or a TrainingConfig"):
             predict_per_gpu("anchor-1.6b", offload="all", platform="h200-pcie")
+        for bad, message in (
+            ({"batch_size": "4"}, "batch_size must be an int >= 1, got '4'"),
+            ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
+            ({"seq_len": 2048.0}, "seq_len must be an int >= 1, got 2048.0"),
+            ({"host_GBps": -1}, r"host_GBps must be a finite number above 0 \(the host optimizer's bandwidth"),
+            ({"gpu_memory_GiB": float("inf")}, "gpu_memory_GiB must be a finite number above 0 .* got inf"),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                predict_per_gpu("anchor-1.6b", platform="h200-pcie", **bad)
 
     def test_scenario_host_bandwidth(self):
         data = load_scenario(os.path.join(REPO, "docs", "examples", "talk_gh200.json")).to_dict()

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from torch_fsdp_offload.planner.arguments import check_plan_and_shard_arguments, check_plan_arguments
+from torch_fsdp_offload.planner.arguments import (
+    check_plan_and_shard_arguments, check_plan_arguments, check_positive_number, is_int,
+)
 from torch_fsdp_offload.planner.block_timing import measure_block_timings
 from torch_fsdp_offload.host_step import host_GBps_from_link_busy, measure_host_step
 from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, block_names, map_tensors, model_breakdown
@@ -645,7 +647,8 @@ def predict_per_gpu(
         ``config`` (label), ``batch_size``, ``world_size``, ``platform``.
 
     Raises:
-        ValueError: ``world_size``, ``batch_size`` or ``seq_len`` below 1; an unknown profile.
+        ValueError: ``world_size``, ``batch_size`` or ``seq_len`` not an int >= 1; ``host_GBps``
+            or ``gpu_memory_GiB`` not a finite number above 0; an unknown profile.
         TypeError: an ``offload`` of another type.
 
     Example::
@@ -655,8 +658,11 @@ def predict_per_gpu(
         ...                              ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0)
         >>> predict_per_gpu(llama_8b, world_size=2, batch_size=4, offload=True)["tokens_per_s_per_gpu"]
     """
-    if world_size < 1 or batch_size < 1 or seq_len < 1:
-        raise ValueError(f"world_size, batch_size and seq_len must be >= 1, got {world_size}, {batch_size}, {seq_len}")
+    for name, value in (("world_size", world_size), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_positive_number("host_GBps", host_GBps, "the host optimizer's bandwidth in GB/s")
+    check_positive_number("gpu_memory_GiB", gpu_memory_GiB, "the GiB the step's peak must fit in")
     config = _offload_config(offload)
     resolved = _resolve_platform(platform)
     breakdown = model_breakdown(model, batch_size=batch_size, seq_len=seq_len)

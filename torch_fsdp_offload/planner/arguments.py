@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch_fsdp_offload.planner.profiles import PLATFORM_PROFILES, PlatformProfile
 from torch_fsdp_offload.policy import check_fully_shard_kwargs
 
-__all__ = ["MODEL_ONLY_ARGUMENTS", "check_plan_and_shard_arguments", "check_plan_arguments"]
+__all__ = ["MODEL_ONLY_ARGUMENTS", "check_plan_and_shard_arguments", "check_plan_arguments", "check_positive_number", "is_int"]
 
 # plan()'s arguments that describe a model; a scenario carries its own figures instead.
 MODEL_ONLY_ARGUMENTS = (
@@ -24,8 +24,16 @@ MODEL_ONLY_ARGUMENTS = (
 _DTYPES = "torch.bfloat16, torch.float16 or torch.float32"
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (any integral type), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_positive_number(name: str, value: Any, meaning: str) -> None:
+    """Refuse ``value`` unless it is None or a finite real number above 0 (``meaning`` says what
+    it measures, for the message)."""
+    if value is not None and not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number above 0 ({meaning}) or None, got {value!r}")
 
 
 def _differs(value: Any, default: Any) -> bool:
@@ -83,16 +91,16 @@ def check_plan_arguments(given: Mapping[str, Any], defaults: Mapping[str, Any]) 
             )
         return
     for name in ("batch_size", "seq_len"):
-        if given[name] is not None and not _is_int(given[name]):
+        if given[name] is not None and not is_int(given[name]):
             raise ValueError(f"{name} must be an int >= 1 or None, got {given[name]!r}")
     factors = given["microbatch_factors"]
-    if isinstance(factors, str) or not isinstance(factors, Sequence) or not all(_is_int(f) for f in factors):
+    if isinstance(factors, str) or not isinstance(factors, Sequence) or not all(is_int(f) for f in factors):
         raise ValueError(
             f"microbatch_factors must be a sequence of ints >= 1 (micro-batch multiples to time, e.g. (1, 2, 4)), "
             f"got {factors!r}"
         )
     world_size = given["world_size"]
-    if not _is_int(world_size):
+    if not is_int(world_size):
         raise ValueError(f"world_size must be an int (the GPUs of one host FSDP shards over), got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
