@@ -59,6 +59,19 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
+def fsdp1_host_bytes(model: nn.Module) -> int:
+    """Bytes of the host shard, gradient buffer and compute-dtype mirror of every handle of an FSDP1
+    front-door model, as allocated at its first forward."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    total = 0
+    for handle in (state._handle for state in FSDP1.fsdp_modules(model) if state._handle is not None):
+        flat_param, offload = handle.flat_param, handle._torch_fsdp_offload
+        for tensor in (flat_param._local_shard, flat_param._cpu_grad, offload.mirror):
+            total += 0 if tensor is None else tensor.numel() * tensor.itemsize
+    return total
+
+
 class RefusalTestCase(SingleRankGlooTestCase):
     """Refusals that must leave the model as it was: after the error, the model is sharded with
     plain ``fully_shard`` and trains exactly like a copy that was never refused."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import unittest
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_offload import GlooMultiProcessTestCase, NcclMultiProcessTestCase, NVLINK_MULTICAST_OFF
+from common_offload import fsdp1_host_bytes, GlooMultiProcessTestCase, NcclMultiProcessTestCase, NVLINK_MULTICAST_OFF
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
@@ -29,7 +31,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.testing._internal.common_utils import TestCase, run_tests
 
+from torch_fsdp_offload._integration.fsdp1_handle_plan import planned_shards
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
+from torch_fsdp_offload.memory import ENV_HOST_MEMORY, HostMemoryError
 from torch_fsdp_offload.models import TransformerBlock, build_model, causal_lm_loss
 from torch_fsdp_offload.policy import CoherentOffload
 from torch_fsdp_offload.transfer import get_transfer_engine
@@ -174,6 +178,58 @@ class TestFSDP1Parity(GlooMultiProcessTestCase):
         self.init_gloo()
         self._check_parity(CPUOffloadPolicy(pin_memory=False), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
                            use_orig_params=True)
+
+    def test_every_sharding_strategy_offloads_like_fsdp1(self) -> None:
+        # NO_SHARD and both hybrid strategies (on a 1 x 2 mesh: the two ranks shard, one replica)
+        # train bit for bit as FSDP1 without offload. The host-capacity check at construction
+        # counts, to the byte, what the handles allocate at the first forward (each parameter
+        # padded to 16 bytes of bf16, the total to the shard group's size, a bf16 mirror).
+        self.init_gloo()
+        mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (1, self.world_size))
+        policy = CoherentOffload(platform="discrete")
+        for strategy, device_mesh in (
+            (ShardingStrategy.NO_SHARD, None),
+            (ShardingStrategy.HYBRID_SHARD, mesh),
+            (ShardingStrategy._HYBRID_SHARD_ZERO2, mesh),
+        ):
+            kwargs = dict(mixed_precision=mixed_precision, sharding_strategy=strategy, device_mesh=device_mesh,
+                          use_orig_params=True)
+            model, _ = self._check_parity(policy, **kwargs)
+            needed = fsdp1_host_bytes(model)
+            with mock.patch.dict(os.environ, {ENV_HOST_MEMORY: str(needed - 1)}):
+                with self.assertRaisesRegex(HostMemoryError, "Cannot allocate", msg=str(strategy)):
+                    _wrap(FullyShardedDataParallel, torch.device("cpu"), offload_policy=policy, **kwargs)
+            with mock.patch.dict(os.environ, {ENV_HOST_MEMORY: str(needed)}):
+                fits = _wrap(FullyShardedDataParallel, torch.device("cpu"), offload_policy=policy, **kwargs)
+                with torch.no_grad():
+                    fits(torch.zeros(1, 8, dtype=torch.long))
+            self.assertEqual(fsdp1_host_bytes(fits), needed)
+        # The shards the check counts, for odd sizes (where FSDP1 pads the flat parameter to a
+        # multiple of the group's size) and every way of giving a hybrid strategy its groups.
+        alone = [dist.new_group([rank]) for rank in range(self.world_size)][self.rank]
+        for strategy, groups in (
+            (ShardingStrategy.NO_SHARD, {}),
+            (ShardingStrategy.FULL_SHARD, {}),
+            (ShardingStrategy.FULL_SHARD, dict(process_group=alone)),
+            (ShardingStrategy.SHARD_GRAD_OP, dict(device_mesh=init_device_mesh("cpu", (self.world_size,)))),
+            (ShardingStrategy.HYBRID_SHARD, dict(device_mesh=mesh)),
+            (ShardingStrategy.HYBRID_SHARD, dict(process_group=(dist.group.WORLD, alone))),
+            (ShardingStrategy.HYBRID_SHARD, {}),  # FSDP1 makes groups of one node's devices
+        ):
+            for use_orig_params in (False, True):
+                call = {"process_group": None, "device_mesh": None, **groups, "sharding_strategy": strategy,
+                        "cpu_offload": CPUOffload(True), "auto_wrap_policy": ModuleWrapPolicy({nn.Linear}),
+                        "mixed_precision": None, "ignored_modules": None, "use_orig_params": use_orig_params,
+                        "ignored_states": None}
+                odd = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+                planned = planned_shards(odd, call, torch.device("cpu"))
+                del call["cpu_offload"]
+                odd = FullyShardedDataParallel(odd, device_id=torch.device("cpu"),
+                                               offload_policy=CPUOffloadPolicy(pin_memory=False), **call)
+                built = [state._handle.flat_param.numel() for state in StockFSDP.fsdp_modules(odd) if state._handle]
+                self.assertEqual(sorted(built), sorted(shard.numel for shard in planned), msg=f"{strategy} {groups}")
+        dist.barrier()
 
     def test_state_dicts_no_sync_summon(self) -> None:
         self.init_gloo()
@@ -375,15 +431,26 @@ class TestFSDP1Errors(TestCase):
         from torch_fsdp_offload.fsdp1 import _plan
 
         self.assertEqual(_plan(None, None, None), (None, None))
-        self.assertEqual(_plan(OffloadPolicy(), CPUOffload(True), None), (None, CPUOffload(True)))
-        plan, cpu_offload = _plan(CPUOffloadPolicy(pin_memory=True), None, None)
-        self.assertIsNone(plan.pinned)  # stock FSDP1 pins itself
+        self.assertEqual(_plan(OffloadPolicy(), CPUOffload(False), None), (None, CPUOffload(False)))
+        plan, cpu_offload = _plan(CPUOffloadPolicy(pin_memory=False), None, None)
+        self.assertFalse(plan.pinned)  # plain host memory
         self.assertFalse(plan.engine)
         self.assertEqual(cpu_offload, CPUOffload(offload_params=True))
         # On a unified-memory machine nothing is offloaded: the GPU's memory is the host's; without
         # an accelerator the shards already live where compute runs.
         self.assertEqual(_plan(CoherentOffload(platform="unified"), None, torch.device("cpu")), (None, None))
         self.assertEqual(_plan(CoherentOffload(platform="host_only"), None, torch.device("cpu")), (None, None))
+
+
+    @unittest.skipIf(not torch.accelerator.is_available(), "pinning needs an accelerator")
+    def test_pinned_stock_offload_is_fsdp1_arguments(self) -> None:
+        from torch_fsdp_offload.fsdp1 import _plan
+
+        self.assertEqual(_plan(OffloadPolicy(), CPUOffload(True), None), (None, CPUOffload(True)))
+        plan, cpu_offload = _plan(CPUOffloadPolicy(pin_memory=True), None, None)
+        self.assertIsNone(plan.pinned)  # stock FSDP1 pins itself
+        self.assertFalse(plan.engine)
+        self.assertEqual(cpu_offload, CPUOffload(offload_params=True))
 
 
 @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")

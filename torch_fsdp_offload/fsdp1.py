@@ -78,8 +78,19 @@ class FullyShardedDataParallel(_FSDP1):
             :func:`~torch_fsdp_offload.offload_activations` on the wrapped model instead);
             ``prefetch_depth=0`` with ``forward_prefetch=True`` or ``BackwardPrefetch.BACKWARD_POST``,
             or ``prefetch_depth >= 1`` with ``backward_prefetch=None`` (the depth sets both); and
-            what :meth:`CoherentOffload.resolve` refuses for the detected platform.
-        TypeError: ``offload_policy`` is not an ``OffloadPolicy``.
+            what :meth:`CoherentOffload.resolve` refuses for the detected platform. Pinned host
+            shards (``CPUOffloadPolicy(pin_memory=True)``, ``cpu_offload=CPUOffload(True)``) on a
+            machine without an accelerator, where pinning is impossible; a ``device_id`` naming a
+            device the machine lacks, or none where it has no accelerator (pass
+            ``torch.device("cpu")``).
+        HostMemoryError: before anything is wrapped, where the host cannot hold the exact-size
+            shards, gradient buffers and mirrors a ``CoherentOffload`` pins for every handle FSDP1
+            will build (``auto_wrap_policy``, ``ignored_modules``, sharding strategy and mixed
+            precision as given), with what built models allocate at their first forward.
+        TypeError: ``offload_policy`` is not an ``OffloadPolicy``, ``cpu_offload`` not a
+            ``CPUOffload``, ``device_id`` not an int or device, ``sharding_strategy`` not a
+            ``ShardingStrategy``, ``mixed_precision`` not a ``MixedPrecision``, or
+            ``auto_wrap_policy`` not a policy.
         RuntimeError: a torch release whose FSDP1 internals were not checked, or the integration
             is not installed (``torch_fsdp_offload.uninstall()`` was called; call
             ``torch_fsdp_offload.install()``).
@@ -122,7 +133,12 @@ class FullyShardedDataParallel(_FSDP1):
         *,
         offload_policy: OffloadPolicy | None = None,
     ) -> None:
+        # FSDP1 reads these more than once (a generator would be empty the second time), and so does
+        # the host-capacity check.
+        ignored_modules = list(ignored_modules) if ignored_modules is not None else None
+        ignored_states = list(ignored_states) if ignored_states is not None else None
         handle_offload, cpu_offload = _plan(offload_policy, cpu_offload, device_id, forward_prefetch, backward_prefetch)
+        device = _compute_device(device_id)  # refuses a device_id this machine cannot compute on
         # The policy's prefetch depth is how far ahead shards are copied in; where nothing is
         # offloaded, FSDP1's own prefetch arguments apply as given.
         prefetch_depth = handle_offload.prefetch_depth if handle_offload is not None else None
@@ -130,8 +146,7 @@ class FullyShardedDataParallel(_FSDP1):
             backward_prefetch, forward_prefetch = None, False
         elif prefetch_depth is not None:
             forward_prefetch = True
-        super().__init__(
-            module,
+        fsdp1_arguments = dict(
             process_group=process_group,
             sharding_strategy=sharding_strategy,
             cpu_offload=cpu_offload,
@@ -148,6 +163,16 @@ class FullyShardedDataParallel(_FSDP1):
             ignored_states=ignored_states,
             device_mesh=device_mesh,
         )
+        _integration.check_fsdp1_arguments(fsdp1_arguments)
+        if handle_offload is not None and handle_offload.pinned:
+            # The shards FSDP1 pins at its first forward, refused here while the module is as it was.
+            _integration.check_fsdp1_host_capacity(
+                module,
+                fsdp1_arguments,
+                device,
+                cast_on="device" if handle_offload.cast_on_device else "host",
+            )
+        super().__init__(module, **fsdp1_arguments)
         self.offload_policy = offload_policy if offload_policy is not None else OffloadPolicy()
         if prefetch_depth:
             _integration.set_fsdp1_prefetch_limit(self, prefetch_depth)
@@ -178,14 +203,23 @@ def _plan(
 ) -> tuple[_Plan | None, CPUOffload | None]:
     """Validate the policy; return what each handle does and FSDP1's ``cpu_offload`` argument.
 
-    Every check runs here, before FSDP1's constructor touches the module.
+    Like every refusal of the front door, these come before FSDP1's constructor touches the module.
     """
+    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(
+            f"FullyShardedDataParallel(cpu_offload=...) takes FSDP1's CPUOffload or None, got {cpu_offload!r}. "
+            "Pass offload_policy=CoherentOffload() or offload_policy=CPUOffloadPolicy() instead"
+        )
     if offload_policy is None or type(offload_policy) is OffloadPolicy:
+        if cpu_offload is not None and cpu_offload.offload_params:
+            _refuse_pinning(f"cpu_offload={cpu_offload!r}")
         return None, cpu_offload
     if not isinstance(offload_policy, OffloadPolicy):
+        hint = " (FSDP1's cpu_offload= argument; its offload_policy is CPUOffloadPolicy())" if isinstance(
+            offload_policy, CPUOffload) else ""
         raise TypeError(
             f"FullyShardedDataParallel(offload_policy=...) takes an OffloadPolicy (e.g. CoherentOffload()), "
-            f"got {type(offload_policy).__name__}"
+            f"got {offload_policy!r}{hint}"
         )
     if cpu_offload is not None:
         raise ValueError(
@@ -200,6 +234,8 @@ def _plan(
     _integration.check_torch_version()
     _integration.ensure_installed("fsdp1")
     if not isinstance(offload_policy, CoherentOffload):
+        if offload_policy.pin_memory:
+            _refuse_pinning(f"offload_policy={offload_policy!r}")
         # FSDP1 pins the shard itself (pinned=None) unless asked not to; the handles still carry
         # the plan so that gradient accumulation outside no_sync() is not lost.
         plan = _Plan(pinned=None if offload_policy.pin_memory else False, engine=False)
@@ -268,12 +304,44 @@ def _refuse_unread_knobs(
         )
 
 
+def _refuse_pinning(what: str) -> None:
+    """Raise ValueError for host shards pinned on a machine without an accelerator, where FSDP1's
+    ``pin_memory()`` fails at the first forward, after the module was wrapped."""
+    if torch.accelerator.is_available():
+        return
+    raise ValueError(
+        f"FullyShardedDataParallel got {what}, which pins the host shards, and pinning needs an "
+        "accelerator; this machine has none. Pass offload_policy=CPUOffloadPolicy(pin_memory=False) "
+        "(shards in plain host memory), or offload_policy=CoherentOffload() (without an accelerator "
+        "the shards stay where compute runs). Nothing was wrapped: the module is unchanged."
+    )
+
+
 def _compute_device(device_id) -> torch.device:
-    if device_id is not None:
-        device = torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    """The device FSDP1 computes on. Raises, before FSDP1 wraps anything, for a ``device_id`` this
+    machine cannot compute on: FSDP1 finds out only while wrapping (a CUDA device on a CPU-only
+    machine), or says only that it needs an accelerator (no ``device_id`` on a machine without one)."""
+    has_accelerator = torch.accelerator.is_available()
+    if device_id is None:
+        if not has_accelerator:
+            raise ValueError(
+                "FullyShardedDataParallel without device_id computes on the current accelerator, and this "
+                "machine has none. Pass device_id=torch.device('cpu') to compute on the host."
+            )
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
+        raise TypeError(f"FullyShardedDataParallel(device_id=...) takes an int or a torch.device, got {device_id!r}")
+    accelerator = torch.accelerator.current_accelerator() if has_accelerator else None
+    if isinstance(device_id, int):  # an index on the current accelerator, as in FSDP1
+        device = torch.device(accelerator.type if accelerator is not None else "cuda", device_id)
+    else:
+        device = torch.device(device_id)
+    if device.type == "cpu":
         return device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if accelerator is None or device.type != accelerator.type or (device.index or 0) >= torch.accelerator.device_count():
+        has = "no accelerator" if accelerator is None else f"{torch.accelerator.device_count()} {accelerator.type} device(s)"
+        raise ValueError(
+            f"FullyShardedDataParallel(device_id={device_id!r}) names a device this machine does not have "
+            f"(it has {has}). Pass device_id=torch.device('cpu') to compute on the host, or a device it has."
+        )
+    return device if device.index is not None else torch.device(device.type, torch.accelerator.current_device_index())

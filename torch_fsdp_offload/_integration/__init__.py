@@ -14,6 +14,7 @@ Modules, named by what they patch or read:
 * ``fsdp2_sharding``: the ``FSDPState.init`` wrap that sees every ``fully_shard`` call, and the
   undoing of a call the policy refused;
 * ``fsdp1_handles``: the seven FSDP1 ``FlatParamHandle`` / ``_runtime_utils`` patch points;
+* ``fsdp1_handle_plan``: the handles FSDP1 will build, read from its wrap policy before it wraps;
 * ``tensors``: DTensor, autograd and allocator internals, each behind one function;
 * ``dtensor_grads``: watching a gradient DTensor for in-place changes (the optimizer's);
 * ``installation``: which parts of the integration are in effect.
@@ -32,6 +33,8 @@ from torch_fsdp_offload._integration import installation
 
 __all__ = [
     "attach_fsdp1_offload",
+    "check_fsdp1_arguments",
+    "check_fsdp1_host_capacity",
     "check_torch_version",
     "ensure_installed",
     "fsdp2_shards_on_host",
@@ -239,6 +242,28 @@ def attach_fsdp1_offload(
 
     ensure_installed("fsdp1")
     fsdp1_handles.attach_handle_offload(root, pinned, engine, cast_on_device)
+
+
+def check_fsdp1_arguments(call: dict[str, Any]) -> None:
+    """Raise TypeError for FSDP1 constructor arguments (``call``) of a type FSDP1 does not take:
+    ``sharding_strategy``, ``mixed_precision``, ``auto_wrap_policy``."""
+    from torch_fsdp_offload._integration import fsdp1_handle_plan
+
+    fsdp1_handle_plan.check_arguments(call)
+
+
+def check_fsdp1_host_capacity(module: Any, call: dict[str, Any], device: torch.device, *, cast_on: str) -> None:
+    """Refuse, before FSDP1 wraps ``module``, host memory that cannot hold the exact-size shards,
+    gradient buffers and mirrors of the handles FSDP1 will build from its constructor's ``call``.
+
+    Raises:
+        HostMemoryError: the host's budget (``MemAvailable``, ``ulimit -l`` where CUDA pins, or
+            ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES``) cannot hold them.
+        ValueError: ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES`` is not a byte size.
+    """
+    from torch_fsdp_offload._integration import fsdp1_handle_plan
+
+    fsdp1_handle_plan.check_capacity(module, call, device, cast_on=cast_on)
 
 
 def fsdp2_shards_on_host(module: Any) -> bool:

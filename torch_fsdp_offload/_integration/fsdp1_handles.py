@@ -43,6 +43,7 @@ from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as _FSDP
 from torch.distributed.fsdp import _flat_param, _runtime_utils
 from torch.overrides import TorchFunctionMode
 
+from torch_fsdp_offload.data_path.group_offload import host_bytes
 from torch_fsdp_offload.memory import pinned_empty
 from torch_fsdp_offload.transfer import Transfer, TransferEngine, get_transfer_engine
 
@@ -92,6 +93,20 @@ def set_prefetch_limit(root: _FSDP1, depth: int) -> None:
     execution-order data is shared with every FSDP instance of the tree at lazy init."""
     root._exec_order_data._forward_prefetch_limit = depth
     root._exec_order_data._backward_prefetch_limit = depth
+
+
+def pending_host_bytes() -> int:
+    """Host bytes that live handles with exact-size pinned shards, built but not yet run forward,
+    will allocate at their first forward (FSDP1's lazy init): shard, gradient buffer, mirror."""
+    total = 0
+    for handle in list(_offloaded_handles):
+        offload = getattr(handle, _HANDLE_ATTRIBUTE)
+        flat_param = handle.flat_param
+        if offload.pinned and handle._offload_params and not hasattr(flat_param, "_cpu_grad"):
+            param_dtype = handle._fwd_bwd_param_dtype if offload.engine is not None else None
+            cast_on = "device" if offload.cast_on_device else "host"
+            total += host_bytes(flat_param.numel(), flat_param.dtype, param_dtype, cast_on)
+    return total
 
 
 def live_offloaded_handles() -> int:
