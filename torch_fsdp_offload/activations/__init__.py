@@ -44,11 +44,13 @@ from torch_fsdp_offload.activations._offloader import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     DEFAULT_PREFETCH_BLOCKS,
 )
+from torch_fsdp_offload.activations._ownership import check_can_hook
 from torch_fsdp_offload.activations._policy_attachment import get_activation_offload
 
 __all__ = [
     "ActivationOffload",
     "ActivationOffloadStats",
+    "check_can_hook",
     "DEFAULT_MAX_INFLIGHT_BYTES",
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "DEFAULT_PREFETCH_BLOCKS",

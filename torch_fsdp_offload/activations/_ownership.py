@@ -56,6 +56,10 @@ def check_can_hook(modules: Iterable[Any], offload: Any, caller: str) -> None:
     Raises:
         TypeError: an entry is not an ``nn.Module``.
         ValueError: naming the module, the offloader that has it and how to keep only one.
+
+    Example::
+
+        >>> check_can_hook([model, *model.blocks], None, "offload_activations")  # before sharding
     """
     modules = list(modules)
     for module in modules:

@@ -145,8 +145,7 @@ class Recommendation:
             >>> rec.apply(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
             >>> optim = rec.optimizer(model, lr=1e-4, fused=True)
         """
-        from torch_fsdp_offload.activations import offload_activations
-        from torch_fsdp_offload.activations._ownership import check_can_hook
+        from torch_fsdp_offload.activations import check_can_hook, offload_activations
         from torch_fsdp_offload.models import find_blocks
         from torch_fsdp_offload.policy import fully_shard_with_policy
 
