@@ -200,8 +200,16 @@ class TestTheReportReadsTrue(TestCase):
             self.assertRegex(row, rf"\syes\s+{mark}\b")
         else:
             self.assertTrue(result.search.baseline().fits)
+        if result.training is not None and recommended.fits:
+            # One memory model: step 6's recommended row is step 7's, at the memory step 7 checks.
+            six = next(line for line in lines[lines.index(next(line for line in lines if line.startswith("6. "))):]
+                       if "<- recommended" in line)
+            best = result.training.best
+            self.assertEqual(re.split(r"\s{2,}", six.strip())[2:4], [
+                f"{best[1].config.module_fraction:.0%}", f"{best[1].config.activations:.0%}"])
+            self.assertIn(f"  {result.training.needed_GiB(best):.1f}  ", six)
         if result.training is not None:
-            # One memory model: what step 1 and step 5 say of today's run is step 7's verdict.
+            # What step 1 and step 5 say of today's run is step 7's verdict.
             fits_today = result.training.fits(result.training.today())
             self.assertIn("fits," if fits_today else "does not fit,", section_1[-1])
             self.assertIn("(fits)" if fits_today else "(does not fit)",

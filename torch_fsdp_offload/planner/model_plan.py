@@ -59,7 +59,19 @@ def _scaled_timing(timing: BlockTiming | None, factor: float) -> BlockTiming | N
 
 def technique_of(config: TrainingConfig) -> str:
     """The talk-level technique (:data:`~torch_fsdp_offload.planner.scenario_cost.TECHNIQUES`) a
-    step-model setting belongs to: weights offloaded first, then checkpointing, then activations."""
+    step-model setting belongs to: weights offloaded first, then checkpointing, then activations.
+
+    Args:
+        config (TrainingConfig): a setting of the step model.
+
+    Returns:
+        str: its technique.
+
+    Example::
+
+        >>> technique_of(TrainingConfig(module_fraction=0.5, checkpointing=True))
+        'checkpointing+offload_weights'
+    """
     weights = config.module_fraction > 0
     if config.checkpointing:
         return "checkpointing+offload_weights" if weights else "checkpointing"
@@ -72,7 +84,24 @@ def step_model_search(scenario: Scenario, training: TrainingPlan, recommended: t
                       blocked: str | None) -> ScenarioSearch:
     """The talk's table of techniques read off the step model: per technique and micro-batch, the
     recommended setting or else the fastest that fits, its gain over the plan's baseline run
-    (:meth:`~torch_fsdp_offload.planner.training_report.TrainingPlan.baseline`; None without one)."""
+    (:meth:`~torch_fsdp_offload.planner.training_report.TrainingPlan.baseline`; None without one).
+
+    Args:
+        scenario (Scenario): the model's talk-level figures (its link, for the link time).
+        training (TrainingPlan): the step model's predictions.
+        recommended (tuple | None): the recommended ``(factor, StepPrediction)``; None where
+            nothing fits (today's run is then the search's recommended candidate).
+        blocked (str | None): why offload cannot pay here, if it cannot.
+
+    Returns:
+        ScenarioSearch: one candidate per technique and micro-batch that fits, in
+        :data:`~torch_fsdp_offload.planner.scenario_cost.TECHNIQUES` order.
+
+    Example::
+
+        >>> search = step_model_search(result.scenario, result.training, result.training.best, None)
+        >>> [c.technique for c in search.candidates]
+    """
     base = training.baseline()
     best: dict[tuple[str, float], tuple[float, StepPrediction]] = {}
     for fp in training.predictions:
@@ -103,8 +132,24 @@ def what_would_fit(breakdown: ModelBreakdown, platform: PlatformProfile, timing:
                    training: TrainingPlan, **profile_kwargs: Any) -> str:
     """What would fit where no setting of the loop does: the largest smaller micro-batch that fits
     with more accumulation (the same sequences per optimizer step, its time in proportion to the
-    timed one), else what is left to change. ``profile_kwargs`` go to
-    :func:`~torch_fsdp_offload.planner.training_profile.training_profile`."""
+    timed one), else what is left to change.
+
+    Args:
+        breakdown (ModelBreakdown): the model at today's micro-batch.
+        platform (PlatformProfile): the machine planned for.
+        timing (BlockTiming | None): today's micro-batch timed, if it was.
+        training (TrainingPlan): the plan in which nothing fits (its budget and loop).
+        **profile_kwargs: passed to :func:`~torch_fsdp_offload.planner.training_profile.training_profile`.
+
+    Returns:
+        str: a clause to quote: the micro-batch and ``grad_accum_steps`` to plan, with the setting
+        that fits and its memory; else a shorter sequence, more GPUs or more memory.
+
+    Example::
+
+        >>> what_would_fit(model_breakdown(config, batch_size=4, seq_len=2048), platform, None, training)
+        'a micro-batch of 2 with 8 accumulated per step fits (batch_size=2, grad_accum_steps=8: ...'
+    """
     batch, accumulated = breakdown.batch_size, training.grad_accum_steps
     split = 2
     while batch % split == 0:
@@ -240,8 +285,33 @@ def plan_model(
     clipping: bool = False,
     grad_accum_steps: int = 1,
 ) -> PlanResult:
-    """:func:`~torch_fsdp_offload.planner.plan` of a real model (its arguments; ``not_measured``
-    says why nothing is timed when ``measure`` is False)."""
+    """:func:`~torch_fsdp_offload.planner.plan` of a real model: its memory broken down, its block
+    timed where the model is (or its times estimated), the step model's grid searched over the
+    user's loop, the recommendation, and where nothing fits what would.
+
+    Args:
+        model, platform, batch_size, seq_len, microbatch_factors, compute_dtype, reduce_dtype,
+        world_size, example_input, blocks, device, clipping, grad_accum_steps: as
+            :func:`~torch_fsdp_offload.planner.plan` (checked there); ``platform`` resolved,
+            ``reduce_dtype`` the one FSDP reduces in, ``device`` a ``torch.device``.
+        measure (bool): time the block on ``device``.
+        not_measured (str): why nothing is timed where ``measure`` is False (the report's top).
+        capacity_bytes (float): the budget per GPU.
+
+    Returns:
+        PlanResult: the plan.
+
+    Raises:
+        ValueError: one block at today's micro-batch does not fit in half of the free GPU memory;
+            as :func:`~torch_fsdp_offload.planner.memory_breakdown.model_breakdown`.
+
+    Example::
+
+        >>> plan_model("anchor-1.6b", get_profile("h200-pcie"), batch_size=4, seq_len=2048, microbatch_factors=(1,),
+        ...            compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, measure=False,
+        ...            not_measured="platform= given", world_size=1, capacity_bytes=14 * 2**30).recommended.fits
+        True
+    """
     notes = []
     breakdown = model_breakdown(
         model, batch_size=batch_size, seq_len=seq_len, compute_dtype=compute_dtype, example_input=example_input, blocks=blocks

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch_fsdp_offload.planner.library_facts import (
     ACTIVATION_PREFETCH_BLOCKS,
     DEFAULT_MAX_INFLIGHT_BYTES,
@@ -14,16 +16,7 @@ from torch_fsdp_offload.planner.training_profile import TrainingProfile
 __all__ = ["phase_parts", "phase_peaks"]
 
 
-def phase_peaks(
-    profile: TrainingProfile,
-    config: TrainingConfig,
-    *,
-    offloaded_blocks: int,
-    streamed_blocks: int,
-    activation_blocks: int,
-    world_size: int = 1,
-    copies: bool = True,
-) -> dict[str, float]:
+def phase_peaks(profile: TrainingProfile, config: TrainingConfig, **placement: Any) -> dict[str, float]:
     """Peak GPU bytes of each phase of one step: what is live when, before ``fixed_bytes``.
 
     * forward: resident state, the saved activations of the blocks not offloaded, the copies to
@@ -55,13 +48,9 @@ def phase_peaks(
 
     Args:
         profile (TrainingProfile): the model at one micro-batch (per GPU).
-        config (TrainingConfig): the knobs (prefetch depth, checkpointing).
-        offloaded_blocks (int): blocks whose state lives on the host (the last in forward order).
-        streamed_blocks (int): offloaded blocks stepped on the GPU (the first offloaded ones;
-            ``OffloadOptimizer`` streams whole groups).
-        activation_blocks (int): blocks whose activations are offloaded (the first ones).
-        world_size (int): GPUs the parameters are sharded over.
-        copies (bool): offloaded state crosses a link (False on UNIFIED: read in place).
+        config (TrainingConfig): the knobs (prefetch depth, checkpointing, accumulation).
+        **placement: what is where (:func:`phase_parts`'s ``offloaded_blocks``,
+            ``streamed_blocks``, ``activation_blocks``, ``world_size``, ``copies``).
 
     Returns:
         dict[str, float]: ``{"forward", "backward", "optimizer"}`` peak bytes.
@@ -71,9 +60,7 @@ def phase_peaks(
         >>> phase_peaks(profile, TrainingConfig(activations=1.0), offloaded_blocks=0,
         ...             streamed_blocks=0, activation_blocks=8)["backward"]
     """
-    return {phase: sum(parts.values()) for phase, parts in phase_parts(
-        profile, config, offloaded_blocks=offloaded_blocks, streamed_blocks=streamed_blocks,
-        activation_blocks=activation_blocks, world_size=world_size, copies=copies).items()}
+    return {phase: sum(parts.values()) for phase, parts in phase_parts(profile, config, **placement).items()}
 
 
 def phase_parts(
@@ -96,7 +83,18 @@ def phase_parts(
     are live from the first micro-batch on: through every later forward and backward, beside a
     freshly reduced shard being added to them. An offloaded group's are added up on the host.
 
-    Args: as :func:`phase_peaks`.
+    Args:
+        profile (TrainingProfile): the model at one micro-batch (per GPU).
+        config (TrainingConfig): the knobs (prefetch depth, checkpointing, accumulation).
+        offloaded_blocks (int): blocks whose state lives on the host (the last in forward order).
+        streamed_blocks (int): offloaded blocks stepped on the GPU (the first offloaded ones;
+            ``OffloadOptimizer`` streams whole groups).
+        activation_blocks (int): blocks whose activations are offloaded (the first ones).
+        world_size (int): GPUs the parameters are sharded over.
+        copies (bool): offloaded state crosses a link (False on UNIFIED: read in place).
+
+    Returns:
+        dict[str, dict[str, float]]: per phase, its peak's bytes by part.
 
     Example::
 

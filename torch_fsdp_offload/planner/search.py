@@ -355,7 +355,12 @@ def micro_batches_at(factor: float, grad_accum_steps: int) -> int:
 
 def samples_per_s(prediction: tuple[float, StepPrediction]) -> float:
     """Sequences per second of a ``(microbatch_factor, StepPrediction)``, relative to today's
-    micro-batch: the factor times the micro-batches of a step, over the step's time."""
+    micro-batch: the factor times the micro-batches of a step, over the step's time.
+
+    Example::
+
+        >>> samples_per_s((2.0, predict_step(profile, TrainingConfig(grad_accum_steps=2), platform)))
+    """
     factor, step = prediction
     return factor * step.config.grad_accum_steps / step.step_s
 

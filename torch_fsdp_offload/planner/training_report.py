@@ -19,7 +19,7 @@ from torch_fsdp_offload.planner.step_time import StepPrediction
 from torch_fsdp_offload.planner.training_config import LABEL_LEGEND, label_kind
 from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
-__all__ = ["TrainingPlan", "memory_lines", "technique_lines", "training_lines"]
+__all__ = ["TrainingPlan", "fits_all_offloaded", "memory_lines", "technique_lines", "training_lines", "without_offload"]
 
 _REPORT_WIDTH = 120
 _Row = tuple[float, StepPrediction]
@@ -51,6 +51,12 @@ class TrainingPlan:
         clipping (bool): the loop clips the gradients.
         what_would_fit (str | None): where nothing fits, what would (a smaller micro-batch with
             more accumulation, or what is left to change).
+
+    Example::
+
+        >>> training = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14).training
+        >>> training.run_name(training.today()), training.baseline()
+        ("today's run (modules=0.00 at 1x)", None)
     """
 
     profiles: tuple[tuple[float, TrainingProfile], ...]
@@ -109,7 +115,12 @@ class TrainingPlan:
 
 def memory_lines(training: TrainingPlan) -> list[str]:
     """Step 1: today's run at its peak, part by part, with the allocator's headroom, against the
-    budget: what is unused, or by how much it is over."""
+    budget: what is unused, or by how much it is over (never a negative amount).
+
+    Example::
+
+        >>> print("\n".join(memory_lines(plan("anchor-1.6b", platform="h200-pcie", batch_size=4).training)))
+    """
     factor, today = training.today()
     profile = training.profiles[0][1]
     budget = training.capacity_bytes
@@ -134,14 +145,26 @@ def memory_lines(training: TrainingPlan) -> list[str]:
 
 def without_offload(training: TrainingPlan, factor: float) -> tuple[float, bool]:
     """Step 5's column: the GiB today's setting needs at ``factor`` times the micro-batch, and
-    whether that fits."""
+    whether that fits.
+
+    Example::
+
+        >>> without_offload(training, 1.0)
+        (26.9..., False)
+    """
     row = next(fp for fp in training.predictions if fp[0] == factor and fp[1].config.module_fraction == 0
                and fp[1].config.activations == 0 and not fp[1].config.checkpointing)
     return training.needed_GiB(row), training.fits(row)
 
 
 def fits_all_offloaded(training: TrainingPlan, factor: float) -> bool:
-    """Whether a setting offloading every block, without checkpointing, fits at ``factor``."""
+    """Whether a setting offloading every block, without checkpointing, fits at ``factor``.
+
+    Example::
+
+        >>> fits_all_offloaded(training, 1.0)
+        True
+    """
     return any(fp[0] == factor and fp[1].config.module_fraction == 1 and not fp[1].config.checkpointing
                and fp[1].config.activations == 0 and training.fits(fp) for fp in training.predictions)
 
@@ -150,7 +173,12 @@ def technique_lines(candidates: tuple[Candidate, ...], training: TrainingPlan, p
                     legend: dict[str, str]) -> list[str]:
     """Step 6 of a real model: the step model's fastest setting of each technique and micro-batch
     that fits, its gain over the baseline run; the recommended one marked; ``legend`` explains
-    the techniques."""
+    the techniques.
+
+    Example::
+
+        >>> technique_lines(result.search.candidates, result.training, result.search.recommended, TECHNIQUE_LEGEND)
+    """
     base = training.baseline()
     lines = [
         "6. Partial offload and checkpointing, per GPU (the step model's fastest setting of each that fits):",
@@ -175,7 +203,12 @@ def technique_lines(candidates: tuple[Candidate, ...], training: TrainingPlan, p
 def training_lines(training: TrainingPlan, picked: _Row | None, blocked: str | None) -> list[str]:
     """Step 7: today's run, the baseline, the fastest settings that fit, the recommended one
     (always a row, marked), the rows the decision rule compared; a legend of the labels; the rule
-    when it chose another row than the fastest (``blocked``: offload cannot pay here)."""
+    when it chose another row than the fastest (``blocked``: offload cannot pay here).
+
+    Example::
+
+        >>> training_lines(result.training, result.training.best, result.search.blocked_reason)
+    """
     tokens = training.profiles[0][1].tokens
     ranked = sorted(training.predictions, key=lambda fp: -samples_per_s(fp))
     fitting = [fp for fp in ranked if training.fits(fp)]
