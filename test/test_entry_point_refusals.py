@@ -236,8 +236,9 @@ class PlanAndShardRefusalTest(RefusalTestCase):
         self.assertRefusalLeavesModelTrainable(
             refuse, NothingFitsError,
             r"plan_and_shard: no setting fits in the budget of 1e-07 GiB per GPU; the smallest predicted peak is "
-            r".* GiB \(modules=1.00 .* at 1x the micro-batch\). Nothing was sharded. Plan a smaller micro-batch "
-            r"\(batch_size=, seq_len=\), shard over more GPUs \(world_size=\), or give it more GPU memory",
+            r".* GiB \(modules=1.00 .* at 1x the micro-batch\). Nothing was sharded. What would fit: no smaller "
+            r"micro-batch of whole sequences fits with more accumulation either: plan a shorter sequence \(seq_len=\), "
+            r"shard over more GPUs \(world_size=\), or give it more GPU memory",
         )
         # The plan is on the error, as plan() returns it; it says what it found.
         result = raised[0].result

@@ -143,7 +143,7 @@ class TestMeasureAnyBlock(TestCase):
         profile = result.training.profiles[0][1]
         self.assertEqual((profile.source, profile.n_blocks, profile.tokens), ("measured block", 4, 32))
         self.assertEqual([f for f, _ in result.scenario.microbatch_scaling], [1.0, 2.0])
-        self.assertIn("Note: times measured: one block timed on cpu at micro-batch 2, 4", result.report())
+        self.assertIn("Times: measured, one block timed on cpu at micro-batch 2, 4", result.report().splitlines()[2])
         self.assertEqual(result.recommended.micro_batch_size, round(2 * result.recommended.microbatch_factor))
 
     def test_checkpointing_recompute_is_the_timed_blocks(self):

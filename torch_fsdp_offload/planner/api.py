@@ -14,23 +14,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch_fsdp_offload.planner.arguments import (
     check_plan_and_shard_arguments, check_plan_arguments, check_positive_number, is_int,
 )
-from torch_fsdp_offload.planner.block_timing import measure_block_timings
-from torch_fsdp_offload.host_step import host_GBps_from_link_busy, measure_host_step
-from torch_fsdp_offload.planner.memory_breakdown import ModelBreakdown, block_names, map_tensors, model_breakdown
+from torch_fsdp_offload.planner.memory_breakdown import map_tensors, model_breakdown
+from torch_fsdp_offload.planner.model_plan import plan_model
 from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
-from torch_fsdp_offload.planner.report import (
-    PlanResult, Recommendation, TrainingPlan, candidate_kwargs, candidate_spread_fraction,
-)
-from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario, load_scenario
+from torch_fsdp_offload.planner.report import PlanResult, Recommendation, candidate_kwargs, candidate_spread_fraction
+from torch_fsdp_offload.planner.scenario import Scenario, load_scenario
 from torch_fsdp_offload.planner.scenario_cost import Candidate
-from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN, search_scenario, search_training
-from torch_fsdp_offload.planner.step_time import predict_step, StepPrediction
+from torch_fsdp_offload.planner.search import ScenarioSearch, search_scenario
+from torch_fsdp_offload.planner.step_time import predict_step
 from torch_fsdp_offload.planner.training_config import TrainingConfig
 from torch_fsdp_offload.planner.training_profile import fsdp2_reduce_dtype, training_profile
 
 __all__ = ["NothingFitsError", "plan", "plan_and_shard", "predict_per_gpu"]
 
-# Peak allocated memory must leave room for the CUDA context, NCCL and allocator fragmentation.
+# Of the GPU's memory, what a step's peak may allocate: the rest for the CUDA context, NCCL and
+# the allocator's fragmentation.
 _MEMORY_HEADROOM = 0.9
 
 
@@ -45,25 +43,28 @@ def _resolve_platform(platform: str | PlatformProfile | None) -> PlatformProfile
     return measured_profile(detect_platform(bandwidth=torch.cuda.is_available()))
 
 
-def _talk_recommendation(scenario: Scenario, candidate: Candidate, blocked: str | None) -> Recommendation:
+def _talk_recommendation(scenario: Scenario, search: ScenarioSearch) -> Recommendation:
+    candidate, blocked = search.recommended, search.blocked_reason
     kwargs = candidate_kwargs(candidate)
     k = candidate.microbatch_factor
+    base = search.baseline()
+    gain = None if base is None else (1 + candidate.throughput_gain) / (1 + base.throughput_gain) - 1
+    versus = "" if base is None else f"{gain:+.0%} throughput over {search.run_name(base)}"
     if not candidate.fits:
+        bound = any(c.link_bound for c in search.candidates)
         reason = (
-            f"nothing fits: today's run needs {candidate.gpu_memory_GB:.1f} GB of {scenario.capacity_GB:.1f} GB and no "
-            "plan fits with the link hidden; use more GPUs (shard further) or a smaller micro-batch."
+            f"nothing fits: today's run needs {candidate.gpu_memory_GB:.1f} GB of {scenario.capacity_GB:.1f} GB and "
+            f"{'every plan that fits is link-bound (never recommended)' if bound else 'no plan fits'}; use more GPUs "
+            "(shard further) or a smaller micro-batch."
         )
     elif candidate.technique == "none" and k == 1:
         reason = f"do not offload: {blocked}." if blocked else (
             "do not offload: no plan that fits in GPU memory beats today's run without the link becoming the bottleneck."
         )
     elif candidate.technique == "none":
-        reason = f"run {k:g}x the micro-batch without offloading: {candidate.throughput_gain:+.0%} throughput."
+        reason = f"run {k:g}x the micro-batch without offloading: {versus}."
     elif candidate.technique == "checkpointing":
-        reason = (
-            f"use activation checkpointing per block and run {k:g}x the micro-batch: "
-            f"{candidate.throughput_gain:+.0%} throughput, no offload needed."
-        )
+        reason = f"use activation checkpointing per block and run {k:g}x the micro-batch: {versus}, no offload needed."
     else:
         parts = []
         if candidate.weights_fraction:
@@ -73,7 +74,7 @@ def _talk_recommendation(scenario: Scenario, candidate: Candidate, blocked: str 
         checkpoint = "use activation checkpointing, " if candidate.checkpointing else ""
         reason = (
             f"{checkpoint}offload {' and '.join(parts)} and run {k:g}x the micro-batch: "
-            f"{candidate.throughput_gain:+.0%} throughput; the link stays hidden at "
+            f"{versus or 'no run fits without offloading, so no gain is quoted'}; the link stays hidden at "
             f"{candidate.required_link_GBps / scenario.link_GBps:.0%} "
             f"({candidate.required_link_GBps:.0f} of {scenario.link_GBps:.0f} GB/s)."
         )
@@ -83,22 +84,25 @@ def _talk_recommendation(scenario: Scenario, candidate: Candidate, blocked: str 
         weights_offload_fraction=candidate.weights_fraction,
         activations_offload_fraction=candidate.activations_fraction,
         checkpointing=candidate.checkpointing,
-        throughput_gain=candidate.throughput_gain,
+        throughput_gain=gain,
         kwargs=kwargs,
         reason=reason,
         spread_fraction=candidate_spread_fraction(candidate),
+        baseline=None if base is None else search.run_name(base),
+        fits=candidate.fits,
     )
 
 
-def _talk_notes(scenario: Scenario, result_search) -> list[str]:
+def _talk_notes(scenario: Scenario, result_search: ScenarioSearch) -> list[str]:
     notes = []
     recommended = result_search.recommended
     bound = [c for c in result_search.candidates if c.link_bound and c.throughput_gain > recommended.throughput_gain + 1e-6]
-    if bound and not result_search.blocked_reason:
+    if bound and not result_search.blocked_reason and recommended.fits:
         best = max(bound, key=lambda c: c.throughput_gain)
+        faster = (1 + best.throughput_gain) / (1 + recommended.throughput_gain) - 1
         notes.append(
-            f"{best.technique} at {best.microbatch_factor:g}x predicts {best.throughput_gain:+.0%} but is link-bound "
-            f"(needs {best.required_link_GBps:.0f} GB/s to hide): it pays only if the link really delivers "
+            f"{best.technique} at {best.microbatch_factor:g}x predicts {faster:+.0%} over the recommendation but is "
+            f"link-bound (needs {best.required_link_GBps:.0f} GB/s to hide): it pays only if the link really delivers "
             f"{scenario.link_GBps:.0f} GB/s, so it is not recommended"
         )
     return notes
@@ -106,242 +110,8 @@ def _talk_notes(scenario: Scenario, result_search) -> list[str]:
 
 def _plan_scenario(scenario: Scenario) -> PlanResult:
     search = search_scenario(scenario)
-    recommendation = _talk_recommendation(scenario, search.recommended, search.blocked_reason)
+    recommendation = _talk_recommendation(scenario, search)
     return PlanResult(scenario=scenario, search=search, recommended=recommendation, notes=_talk_notes(scenario, search))
-
-
-def _scaled_breakdown(breakdown: ModelBreakdown, factor: int) -> ModelBreakdown:
-    return dataclasses.replace(
-        breakdown,
-        batch_size=breakdown.batch_size * factor,
-        block_activation_bytes=breakdown.block_activation_bytes * factor,
-        block_checkpoint_bytes=breakdown.block_checkpoint_bytes * factor,
-        other_activation_bytes=breakdown.other_activation_bytes * factor,
-        loss_transient_bytes=breakdown.loss_transient_bytes * factor,
-        loss_fp32_output_bytes=breakdown.loss_fp32_output_bytes * factor,
-    )
-
-
-def _plan_model(
-    model: Any,
-    platform: PlatformProfile,
-    *,
-    batch_size: int,
-    seq_len: int,
-    microbatch_factors: Sequence[int],
-    compute_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    measure: bool,
-    world_size: int,
-    capacity_bytes: float | None,
-    example_input: Any = None,
-    blocks: Sequence[Any] | None = None,
-    device: torch.device | None = None,
-    clipping: bool = False,
-) -> PlanResult:
-    notes = []
-    if capacity_bytes is None:
-        capacity_bytes = platform.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM
-    breakdown = model_breakdown(
-        model, batch_size=batch_size, seq_len=seq_len, compute_dtype=compute_dtype, example_input=example_input, blocks=blocks
-    )
-    factors = sorted({1, *microbatch_factors})
-    timings = None
-    host_GBps = None
-    host_rates = None
-    not_measured = "" if measure else "no GPU here, or platform= given"
-    if measure:
-        try:
-            timings = measure_block_timings(
-                model, factors, example_input=example_input, batch_size=batch_size, seq_len=seq_len, blocks=blocks,
-                device=device, compute_dtype=compute_dtype,
-            )
-        except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
-            # A block that cannot be run alone on the captured inputs: the FLOP count still can.
-            not_measured = f"timing one block failed ({type(exc).__name__}: {exc})"
-        if timings is not None and not timings:
-            raise ValueError(
-                f"one block at micro-batch {batch_size} x {seq_len} does not fit in half of the free GPU memory; "
-                "plan a smaller micro-batch or pass platform= to predict analytically"
-            )
-    if timings:
-        factors = factors[: len(timings)]
-        notes.append(
-            f"times measured: one block timed on {device} at micro-batch "
-            f"{', '.join(str(t.batch_size) for t in timings)}, on the inputs the model's forward gave it"
-        )
-        # The link can be kept busy only where there is one.
-        host_rates = measure_host_step(link_busy=device.type == "cuda")
-        if host_rates.link_busy_s_per_param is not None:
-            host_GBps = host_GBps_from_link_busy(host_rates.link_busy_s_per_param)
-            notes.append(
-                f"host optimizer step measured here: {host_rates.alone_s_per_param * 1e9:.2f} ns per parameter alone, "
-                f"{host_rates.link_busy_s_per_param * 1e9:.2f} with the link copying both ways "
-                f"({host_rates.link_GBps_meanwhile:.0f} GB/s)"
-            )
-        else:
-            notes.append(
-                f"host optimizer step measured here: {host_rates.alone_s_per_param * 1e9:.2f} ns per parameter alone; "
-                f"without a link to keep busy the step model keeps {platform.name}'s host rates"
-            )
-    else:
-        notes.append(
-            f"times are estimated from FLOPs for {platform.name}, not measured: {not_measured}; micro-batch "
-            "scaling is assumed linear (no gain); run on the GPU (or give a scenario) to measure it"
-        )
-        factors = [1]
-    profiles = tuple(
-        (
-            float(f),
-            training_profile(
-                _scaled_breakdown(breakdown, f),
-                platform,
-                timing=None if timings is None else timings[i],
-                host_GBps=host_GBps,
-                host_rates=host_rates,
-                reduce_dtype=reduce_dtype,
-            ),
-        )
-        for i, f in enumerate(factors)
-    )
-    base = profiles[0][1]
-    # The talk-level steps see one GPU, as the step model does: FSDP shards the parameters, grads
-    # and optimizer state over world_size GPUs, each GPU holds its own micro-batch's activations,
-    # and an iteration is the resident setting's predicted step (its shard's optimizer step).
-    params = base.total_params / world_size
-    resident_steps = [predict_step(p, TrainingConfig(), platform, world_size=world_size).step_s for _, p in profiles]
-    unsharded = 2 * base.block_params * base.compute_bytes + base.block_params * (base.compute_bytes + base.reduce_bytes)
-    iteration = resident_steps[0]
-    activations = base.n_blocks * base.block_activation_bytes + base.other_activation_bytes
-    # Checkpointing every block keeps the block inputs, and one block's activations while it is
-    # recomputed; it adds the recompute the breakdown counted.
-    checkpointed = base.n_blocks * base.block_checkpoint_bytes + base.block_activation_bytes + base.other_activation_bytes
-    scenario = Scenario(
-        name=f"{breakdown.name}, micro-batch {batch_size} x {seq_len}",
-        weights_GB=params * base.param_bytes / 1e9,
-        grads_GB=params * base.grad_bytes / 1e9,
-        optimizer_state_GB=params * base.optimizer_state_bytes / 1e9,
-        activations_GB=activations / 1e9,
-        other_GB=unsharded / 1e9,
-        capacity_GB=capacity_bytes / 1e9,
-        activations_to_dram_GB=activations / 1e9,
-        iteration_time_s=iteration,
-        microbatch_scaling=tuple((f, step / iteration) for (f, _), step in zip(profiles, resident_steps)),
-        gpu_dram_GBps=platform.gpu_dram_GBps,
-        link_GBps=platform.link_GBps,
-        host_GBps=host_GBps or platform.host_GBps,
-        # Weights cross twice in the compute dtype (half the fp32 bytes); the optimizer runs where
-        # its state lives, so the state itself does not cross.
-        crossings={
-            "weights": 2.0 * base.compute_bytes / base.param_bytes,
-            "grads": 1.0,
-            "optimizer_state": 0.0,
-            "activations": 2.0,
-        },
-        n_blocks=base.n_blocks,
-        platform=platform,
-        checkpointing=Checkpointing(
-            recompute_time_fraction=min(1.0, base.forward_s * base.recompute_fraction / iteration),
-            activation_memory_fraction=min(1.0, checkpointed / activations),
-        ),
-    )
-    search = search_scenario(scenario)
-    notes.extend(_talk_notes(scenario, search))
-    capacity = capacity_bytes
-    names = None
-    if blocks is not None:
-        names = tuple(block_names(model, blocks)) if isinstance(model, torch.nn.Module) else tuple(blocks)
-    if world_size > 1:
-        notes.append(
-            f"per-GPU predictions for FSDP over {world_size} GPUs of one host (collectives at "
-            f"{platform.gpu_interconnect_GBps:g} GB/s, one host DRAM for all host optimizer steps)"
-        )
-    predictions, best = search_training(profiles, platform, capacity, world_size=world_size, clipping=clipping)
-    training = TrainingPlan(
-        profiles=profiles, predictions=tuple(predictions), best=best, capacity_bytes=capacity, world_size=world_size
-    )
-    if search.blocked_reason or best is None:
-        recommendation = _talk_recommendation(scenario, search.recommended, search.blocked_reason)
-        if best is None:
-            notes.append("no setting of the FSDP2 step model fits in GPU memory: use more GPUs or a smaller micro-batch")
-    else:
-        factor, prediction = best
-        config = prediction.config
-        resident = [p for f, p in predictions if f == 1 and p.config.module_fraction == 0 and p.config.activations == 0 and not p.config.checkpointing][0]
-        gain = factor * resident.step_s / prediction.step_s - 1.0
-        kwargs = config.coherent_offload_kwargs()
-        what = "do not offload" if config.module_fraction == config.activations == 0 else f"use {config.label}"
-        n_blocks = profiles[0][1].n_blocks
-        offloaded_blocks = len(config.offloaded_blocks(n_blocks))
-        last_blocks = spread_fraction = None
-        if offloaded_blocks == 0:
-            kwargs = None
-        elif offloaded_blocks < n_blocks:
-            # Placement is per module: the policy goes on the blocks the step model offloads, the
-            # last ones (the fastest placement for host steps) or those spread evenly.
-            if config.block_placement == "last":
-                last_blocks = (offloaded_blocks, n_blocks)
-            else:
-                spread_fraction = config.module_fraction
-        recommendation = Recommendation(
-            technique="fsdp2_step_model",
-            microbatch_factor=factor,
-            weights_offload_fraction=config.module_fraction,
-            activations_offload_fraction=config.activations,
-            checkpointing=config.checkpointing,
-            throughput_gain=gain,
-            kwargs=kwargs,
-            reason=(
-                f"{what} at {factor:g}x the micro-batch{' with activation checkpointing' if config.checkpointing else ''}: "
-                f"predicted {prediction.step_s:.3f} s per step, {prediction.peak_gpu_GiB:.1f} GiB peak per GPU, "
-                f"{gain:+.0%} throughput over today's resident run." + _cast_reason(factor, prediction, predictions)
-                + _early_reason(factor, prediction, predictions)
-            ),
-            predicted_step_s=prediction.step_s,
-            predicted_peak_gpu_GiB=prediction.peak_gpu_GiB,
-            last_blocks=last_blocks,
-            spread_fraction=spread_fraction,
-            keep_unsharded_last=config.keep_unsharded,
-            optimizer_kwargs=config.offload_optimizer_kwargs(),
-        )
-    recommendation = dataclasses.replace(
-        recommendation, micro_batch_size=round(batch_size * recommendation.microbatch_factor), block_names=names
-    )
-    return PlanResult(
-        scenario=scenario, search=search, recommended=recommendation, training=training, notes=notes,
-        timing="measured" if timings else "estimated",
-    )
-
-
-def _cast_reason(factor: float, prediction: StepPrediction, predictions: Sequence[tuple[float, StepPrediction]]) -> str:
-    """Why the recommended setting casts on the GPU: its twin casting on the host, compared."""
-    config = prediction.config
-    if config.cast_on != "device":
-        return ""
-    twin = next((p for f, p in predictions if f == factor and p.config == dataclasses.replace(config, cast_on="host")), None)
-    if twin is None:
-        return ""
-    return (
-        f" cast_on='device': {'the host step binds this plan, and ' if twin.host_bound else ''}"
-        f"casting the master on the GPU takes the cast off the host step "
-        f"({prediction.host_optimizer_s:.3f} s of host work instead of {twin.host_optimizer_s:.3f}; "
-        f"{twin.step_s:.3f} s per step with the cast on the host) for "
-        f"{(prediction.h2d_bytes - twin.h2d_bytes) / 1e9:.1f} GB more copied in per step, and no pinned mirror."
-    )
-
-
-def _early_reason(factor: float, prediction: StepPrediction, predictions: Sequence[tuple[float, StepPrediction]]) -> str:
-    """Why the recommended setting steps during backward: its twin keeping torch.optim's contract,
-    compared."""
-    config = prediction.config
-    if not config.breaks_contract:
-        return ""
-    twin = next((p for f, p in predictions if f == factor and p.config == dataclasses.replace(config, step_during_backward=False)), None)
-    against = "" if twin is None else f" ({prediction.step_s:.3f} s per step against {twin.step_s:.3f} s keeping it)"
-    return (
-        f" OffloadOptimizer(step_during_backward=True) is predicted faster by more than {OFFLOAD_MARGIN:.0%}{against}; "
-        "it breaks torch.optim's contract: parameters and optimizer state change before step()."
-    )
 
 
 def plan(
@@ -361,6 +131,7 @@ def plan(
     blocks: Sequence[Any] | None = None,
     device: torch.device | str | None = None,
     clipping: bool = False,
+    grad_accum_steps: int = 1,
 ) -> PlanResult:
     """Decide whether offloading pays, and how much to offload, following the talk's framework:
     memory breakdown, iteration time, the model's own DRAM bandwidth against peak, the link
@@ -373,7 +144,9 @@ def plan(
             ``"anchor-1.6b"``, a transformers config name, a
             :class:`~torch_fsdp_offload.models.TransformerConfig`, or a module factory. Its memory
             is broken down on the ``meta`` device; on a GPU one block is timed on the inputs the
-            model's forward gives it, at ``microbatch_factors`` times the micro-batch.
+            model's forward gives it, at ``microbatch_factors`` times the micro-batch, wherever
+            the model is (the CPU, a GPU, ``meta``): only a copy of the block moves (see
+            :func:`~torch_fsdp_offload.planner.block_timing.measure_block_timings`).
         scenario: instead of a model, an analytic scenario (JSON path, mapping or
             :class:`~torch_fsdp_offload.planner.scenario.Scenario`) for a machine not at hand.
         platform: a built-in profile name (``h100-pcie``, ``h100-sxm``, ``h200-pcie``, ``gh200``,
@@ -412,20 +185,27 @@ def plan(
         clipping (bool): the training loop clips the gradients to a global norm
             (``OffloadOptimizer(max_grad_norm=...)`` or ``clip_grad_norm_``), for a model: host
             steps then start after the whole backward (``TrainingConfig.clipping``).
+        grad_accum_steps (int): micro-batches the training loop accumulates per optimizer step,
+            for a model (``TrainingConfig.grad_accum_steps``: FSDP reducing each micro-batch,
+            resident gradients kept on the GPU throughout). The plan keeps the sequences per step:
+            a larger micro-batch comes with fewer accumulated (``microbatch_factors`` that do not
+            divide it are not tried), and where nothing fits it names a smaller micro-batch with
+            more accumulation that does.
 
     Returns:
         PlanResult: ``.report()`` (text), ``.to_dict()`` (JSON), ``.plot(path)`` (PNG), and
         ``.recommended`` (a :class:`~torch_fsdp_offload.planner.report.Recommendation` with the
-        ``CoherentOffload`` keyword arguments, ``.policy``, the ``micro_batch_size`` to run and
-        ``.apply(model)``), and ``.timing``: ``"measured"`` or ``"estimated"`` (from FLOPs; a note
-        says why).
+        ``CoherentOffload`` keyword arguments, ``.policy``, the ``micro_batch_size`` and
+        ``grad_accum_steps`` to run and ``.apply(model)``), and ``.timing``: ``"measured"`` or
+        ``"estimated"`` (from FLOPs; ``.timing_reason`` says why, as the report's first lines).
 
     Raises:
         ValueError: neither or both of ``model`` and ``scenario``; an unknown profile name, or a
             ``platform`` of another type; ``gpu_memory_GiB`` not a finite number above 0 (``inf``
             and ``nan`` included); with a scenario, a model's argument (``batch_size``,
             ``world_size``, ...); ``batch_size``, ``seq_len``, ``world_size`` or
-            ``microbatch_factors`` not ints >= 1, a ``compute_dtype`` / ``reduce_dtype`` that is no
+            ``microbatch_factors`` or ``grad_accum_steps`` not ints >= 1, a ``compute_dtype`` /
+            ``reduce_dtype`` that is no
             floating-point ``torch.dtype``, ``measure`` or ``clipping`` not a bool
             (:func:`~torch_fsdp_offload.planner.arguments.check_plan_arguments`); ``batch_size`` or
             ``seq_len`` other than ``example_input``'s; ``example_input`` holding floating-point
@@ -443,6 +223,7 @@ def plan(
         >>> plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14).recommended.kwargs
         >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=4))
         >>> plan(model, batch_size=2, seq_len=4096).recommended.apply(model, mp_policy=mp)  # on a GPU
+        >>> print(plan(model, batch_size=4, grad_accum_steps=4, clipping=True, gpu_memory_GiB=24).report())
     """
     check_plan_arguments(dict(locals()), {name: p.default for name, p in inspect.signature(plan).parameters.items()})
     capacity_bytes = None if gpu_memory_GiB is None else gpu_memory_GiB * 2**30
@@ -470,7 +251,7 @@ def plan(
     if measure and device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("measure=True needs a CUDA GPU; pass platform= to predict for another machine")
     resolved = _resolve_platform(platform)
-    return _plan_model(
+    return plan_model(
         model,
         resolved,
         batch_size=batch_size,
@@ -479,12 +260,14 @@ def plan(
         compute_dtype=compute_dtype,
         reduce_dtype=fsdp2_reduce_dtype(MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)),
         measure=measure,
+        not_measured=f"{why} (a plan for {resolved.name}, not this machine)" if why == "platform= given" else why,
         world_size=world_size,
-        capacity_bytes=capacity_bytes,
+        capacity_bytes=resolved.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM if capacity_bytes is None else capacity_bytes,
         example_input=example_input,
         blocks=blocks,
         device=device,
         clipping=clipping,
+        grad_accum_steps=grad_accum_steps,
     )
 
 
@@ -538,8 +321,9 @@ def plan_and_shard(
         micro-batch to train with.
 
     Raises:
-        NothingFitsError: the plan found no setting that fits in GPU memory; it is on the error's
-            ``.result`` (a ``ValueError``).
+        NothingFitsError: the plan found no setting of the loop (``grad_accum_steps``,
+            ``clipping``) that fits in GPU memory; the message says what would, and the plan is on
+            the error's ``.result`` (a ``ValueError``).
         ValueError: as :func:`plan` (a ``gpu_memory_GiB``, ``batch_size``, ``microbatch_factors``
             or ``compute_dtype`` of the wrong type or out of range, ``example_input`` holding
             floating-point values where the model takes token ids, ``blocks`` out of forward order)
@@ -573,7 +357,9 @@ def plan_and_shard(
 
 class NothingFitsError(ValueError):
     """Raised by :func:`plan_and_shard` when its plan found no setting whose step fits in GPU
-    memory, before anything is sharded.
+    memory, before anything is sharded. Its message says what would fit, as the plan's report
+    does (``result.training.what_would_fit``): a smaller micro-batch with more accumulation, or
+    else a shorter sequence, more GPUs or more memory.
 
     Attributes:
         result (PlanResult): the plan: ``result.report()`` lists every setting with its peak.
@@ -587,13 +373,13 @@ class NothingFitsError(ValueError):
     """
 
     def __init__(self, result: PlanResult) -> None:
-        factor, smallest = min(result.training.predictions, key=lambda prediction: prediction[1].peak_gpu_GiB)
+        training = result.training
+        factor, smallest = training.smallest()
         super().__init__(
-            f"plan_and_shard: no setting fits in the budget of {result.training.capacity_bytes / 2**30:.3g} GiB per "
-            f"GPU; the smallest predicted peak is {smallest.peak_gpu_GiB:.3g} GiB ({smallest.config.label} at "
-            f"{factor:g}x the micro-batch). Nothing was sharded. Plan a smaller micro-batch (batch_size=, seq_len=), "
-            "shard over more GPUs (world_size=), or give it more GPU memory (a larger gpu_memory_GiB=, or a "
-            "platform= with a larger GPU); this error's .result holds the plan (print(error.result.report()))"
+            f"plan_and_shard: no setting fits in the budget of {training.capacity_bytes / 2**30:.3g} GiB per GPU; the "
+            f"smallest predicted peak is {smallest.peak_gpu_GiB:.3g} GiB ({smallest.config.label} at {factor:g}x the "
+            f"micro-batch). Nothing was sharded. What would fit: {training.what_would_fit}; this error's .result "
+            "holds the plan (print(error.result.report()))"
         )
         self.result = result
 

@@ -19,7 +19,7 @@ __all__ = ["MODEL_ONLY_ARGUMENTS", "check_plan_and_shard_arguments", "check_plan
 # plan()'s arguments that describe a model; a scenario carries its own figures instead.
 MODEL_ONLY_ARGUMENTS = (
     "batch_size", "seq_len", "microbatch_factors", "compute_dtype", "reduce_dtype", "measure", "world_size",
-    "example_input", "blocks", "device", "clipping",
+    "example_input", "blocks", "device", "clipping", "grad_accum_steps",
 )
 _DTYPES = "torch.bfloat16, torch.float16 or torch.float32"
 
@@ -57,7 +57,8 @@ def check_plan_arguments(given: Mapping[str, Any], defaults: Mapping[str, Any]) 
         ValueError: neither or both of ``model`` and ``scenario``; ``gpu_memory_GiB`` not a finite
             number above 0; ``platform`` neither a name, a ``PlatformProfile`` nor None; with a
             scenario, any of :data:`MODEL_ONLY_ARGUMENTS` given; with a model, ``batch_size``,
-            ``seq_len`` or ``world_size`` not an int, ``world_size`` below 1, ``microbatch_factors``
+            ``seq_len`` or ``world_size`` not an int, ``world_size`` or ``grad_accum_steps`` not an
+            int >= 1, ``microbatch_factors``
             not a sequence of ints, a ``compute_dtype`` (or ``reduce_dtype`` other than None) that
             is no floating-point ``torch.dtype``, ``measure`` or ``clipping`` not a bool,
             ``device`` naming no device, or ``blocks`` one string.
@@ -104,6 +105,12 @@ def check_plan_arguments(given: Mapping[str, Any], defaults: Mapping[str, Any]) 
         raise ValueError(f"world_size must be an int (the GPUs of one host FSDP shards over), got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    accumulated = given["grad_accum_steps"]
+    if not is_int(accumulated) or accumulated < 1:
+        raise ValueError(
+            f"grad_accum_steps must be an int >= 1 (the micro-batches the loop accumulates per optimizer step; 1 for "
+            f"none), got {accumulated!r}"
+        )
     for name, optional in (("compute_dtype", False), ("reduce_dtype", True)):
         dtype = given[name]
         if not (dtype is None and optional) and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -114,10 +114,11 @@ def _materialized(model: Any, blocks: Sequence[nn.Module | str] | None, device: 
                   dtype: torch.dtype) -> tuple[nn.Module, nn.Module, nn.Module]:
     """(the model to run the short forward on, the block to capture at, the block to time).
 
-    A module with real tensors runs where it is and the timed block is a copy of its largest block
-    on ``device``. Anything else (a name, a config, a factory, a ``meta`` module) is built on
-    ``meta`` and everything up to its largest block is materialised on ``device`` with finite
-    random values: the values do not change the times.
+    A module with real tensors runs where it is (the CPU, a GPU) and the timed block is a copy of
+    its largest block on ``device``: nothing of the model moves. Anything else (a name, a config,
+    a factory, a ``meta`` module) is built on ``meta`` and everything up to its largest block is
+    materialised on ``device`` (``to_empty``, then initialised with finite random values: the
+    values do not change the times).
     """
     if isinstance(model, nn.Module) and not _has_meta_tensors(model):
         found = models.find_blocks(model, blocks)
@@ -141,6 +142,21 @@ def _materialized(model: Any, blocks: Sequence[nn.Module | str] | None, device: 
                 else:
                     tensor.zero_()
     return module, found[index], found[index]
+
+
+def _example_on(example_input: Any, device: torch.device) -> Any:
+    """``example_input`` on ``device``, where the model it is for runs. A ``meta`` tensor gives
+    only a shape: it becomes zeros (token ids, positions), ones (a bool mask) or random values."""
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_meta:
+            return tensor.to(device)
+        if tensor.is_floating_point():
+            return torch.randn(tensor.shape, dtype=tensor.dtype, device=device)
+        fill = torch.ones if tensor.dtype == torch.bool else torch.zeros
+        return fill(tensor.shape, dtype=tensor.dtype, device=device)
+
+    return map_tensors(example_input, move)
 
 
 def _scaled(value: Any, batch: int, factor: int) -> Any:
@@ -214,19 +230,23 @@ def measure_block_timings(
 
     The model's largest block (of ``blocks``, or those
     :func:`~torch_fsdp_offload.models.find_blocks` finds) has its inputs captured during one short
-    forward on ``example_input`` (:func:`capture_block_inputs`), cast to ``compute_dtype`` and moved
-    to ``device``; a copy of the block is timed on them with every tensor whose first dimension is
+    forward on ``example_input`` (:func:`capture_block_inputs`) where the model is: a model on the
+    CPU or a GPU runs there, with the example moved to it, and stays there; only a copy of the
+    block goes to ``device``. The inputs are cast to ``compute_dtype`` and moved to ``device``; the
+    block is timed on them with every tensor whose first dimension is
     the captured batch repeated ``factor`` times. On a GPU, sizes whose activations would exceed
     ``memory_fraction`` of the free memory are skipped, with every size after them, and the memory
     the timing cached is given back to the device when it ends.
 
     Args:
-        model: an ``nn.Module`` (a transformers model, a module of blocks in an ``nn.ModuleList``,
-            a built-in transformer), or anything :func:`~torch_fsdp_offload.planner.memory_breakdown.resolve_model`
-            takes (built on ``meta``, materialised up to the block with random values).
+        model: an ``nn.Module`` on any device (a transformers model, a module of blocks in an
+            ``nn.ModuleList``, a built-in transformer), or anything
+            :func:`~torch_fsdp_offload.planner.memory_breakdown.resolve_model` takes; a ``meta``
+            one is built on ``meta`` and materialised on ``device`` up to the block with random values.
         factors: micro-batch multiples of the captured batch, smallest first.
         example_input: what the model is called with (a tensor, a tuple of arguments, or a mapping
-            of keyword arguments); default ``zeros(batch_size, seq_len)`` token ids.
+            of keyword arguments), on any device (a ``meta`` tensor gives its shape); default
+            ``zeros(batch_size, seq_len)`` token ids.
         batch_size (int), seq_len (int): the default example's shape.
         blocks: the model's blocks in forward order (modules or qualified names).
         device: where to time (a CUDA device; the CPU runs the same code, for tests).
@@ -251,11 +271,12 @@ def measure_block_timings(
     """
     device = torch.device(device)
     source, capture_at, block = _materialized(model, blocks, device, compute_dtype)
+    # The short forward runs where the model's tensors are; the example goes there.
+    state = next(iter((*source.parameters(), *source.buffers())), None)
+    where = state.device if state is not None else device
     if example_input is None:
-        parameter = next(source.parameters(), None)
-        where = parameter.device if parameter is not None else device
-        example_input = torch.zeros(batch_size, seq_len, dtype=torch.long, device=where)
-    args, kwargs = capture_block_inputs(source, capture_at, example_input)
+        example_input = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    args, kwargs = capture_block_inputs(source, capture_at, _example_on(example_input, where))
     del source, capture_at
 
     def to_device(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ Examples::
     python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4 --seq-len 2048 --platform h200-pcie
     python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4   # on a GPU: measured
     python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4 --platform h200-pcie --gpu-memory-GiB 14
+    python -m torch_fsdp_offload plan --model anchor-1.6b --batch-size 4 --grad-accum-steps 4 --clipping --platform h200-pcie
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch_fsdp_offload.planner.scenario import ScenarioError
 __all__ = ["add_arguments", "check_arguments", "cli_spelling", "run"]
 
 # Flags that describe a --model run; a --scenario file holds its own figures instead.
-_MODEL_ONLY_FLAGS = ("batch_size", "seq_len", "world_size", "microbatch_factors", "clipping")
+_MODEL_ONLY_FLAGS = ("batch_size", "seq_len", "world_size", "microbatch_factors", "clipping", "grad_accum_steps")
 # plan()'s keyword arguments that a flag sets (the flag is the name with dashes): plan()'s errors
 # name the keywords, the command line's name the flags.
 _PLAN_KEYWORDS = ("platform", "gpu_memory_GiB", *_MODEL_ONLY_FLAGS)
@@ -97,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the training loop clips the gradients (max_grad_norm or clip_grad_norm_): host steps start after backward "
         "(model only)",
     )
+    parser.add_argument(
+        "--grad-accum-steps", type=int,
+        help="micro-batches the training loop accumulates per optimizer step (model only; default 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of the report")
     parser.add_argument("--plot", metavar="FILE.png", help="write throughput against offloaded fraction (needs matplotlib)")
 
@@ -137,7 +142,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 def run(args: argparse.Namespace) -> int:
     """Run the planner; print the report (or JSON); return the exit status."""
     model_options = {
-        name: getattr(args, name) for name in ("batch_size", "seq_len", "world_size", "clipping") if getattr(args, name) is not None
+        name: getattr(args, name) for name in ("batch_size", "seq_len", "world_size", "clipping", "grad_accum_steps")
+        if getattr(args, name) is not None
     }
     if args.microbatch_factors is not None:
         try:

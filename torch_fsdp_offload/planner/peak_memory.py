@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch_fsdp_offload.planner.library_facts import (
     ACTIVATION_PREFETCH_BLOCKS,
     DEFAULT_MAX_INFLIGHT_BYTES,
@@ -11,19 +13,10 @@ from torch_fsdp_offload.planner.library_facts import (
 from torch_fsdp_offload.planner.training_config import TrainingConfig
 from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
-__all__ = ["phase_peaks"]
+__all__ = ["phase_parts", "phase_peaks"]
 
 
-def phase_peaks(
-    profile: TrainingProfile,
-    config: TrainingConfig,
-    *,
-    offloaded_blocks: int,
-    streamed_blocks: int,
-    activation_blocks: int,
-    world_size: int = 1,
-    copies: bool = True,
-) -> dict[str, float]:
+def phase_peaks(profile: TrainingProfile, config: TrainingConfig, **placement: Any) -> dict[str, float]:
     """Peak GPU bytes of each phase of one step: what is live when, before ``fixed_bytes``.
 
     * forward: resident state, the saved activations of the blocks not offloaded, the copies to
@@ -44,6 +37,9 @@ def phase_peaks(
       still copying down was freed by the host, and the allocator keeps its memory (reserved)
       without counting it as allocated, which is what peaks are measured in.
 
+    With gradient accumulation (``config.grad_accum_steps``) the resident groups' gradients are live
+    in every phase (:func:`phase_parts`, which gives each phase's peak by kind).
+
     Every offloaded group's compute-dtype shard is copied into a staging buffer before its
     all-gather: ``prefetch_depth`` of them live beside the unsharded groups. Blocks kept unsharded
     after forward (``config.keep_unsharded``) hold their unsharded parameters from their forward
@@ -52,13 +48,9 @@ def phase_peaks(
 
     Args:
         profile (TrainingProfile): the model at one micro-batch (per GPU).
-        config (TrainingConfig): the knobs (prefetch depth, checkpointing).
-        offloaded_blocks (int): blocks whose state lives on the host (the last in forward order).
-        streamed_blocks (int): offloaded blocks stepped on the GPU (the first offloaded ones;
-            ``OffloadOptimizer`` streams whole groups).
-        activation_blocks (int): blocks whose activations are offloaded (the first ones).
-        world_size (int): GPUs the parameters are sharded over.
-        copies (bool): offloaded state crosses a link (False on UNIFIED: read in place).
+        config (TrainingConfig): the knobs (prefetch depth, checkpointing, accumulation).
+        **placement: what is where (:func:`phase_parts`'s ``offloaded_blocks``,
+            ``streamed_blocks``, ``activation_blocks``, ``world_size``, ``copies``).
 
     Returns:
         dict[str, float]: ``{"forward", "backward", "optimizer"}`` peak bytes.
@@ -68,12 +60,56 @@ def phase_peaks(
         >>> phase_peaks(profile, TrainingConfig(activations=1.0), offloaded_blocks=0,
         ...             streamed_blocks=0, activation_blocks=8)["backward"]
     """
+    return {phase: sum(parts.values()) for phase, parts in phase_parts(profile, config, **placement).items()}
+
+
+def phase_parts(
+    profile: TrainingProfile,
+    config: TrainingConfig,
+    *,
+    offloaded_blocks: int,
+    streamed_blocks: int,
+    activation_blocks: int,
+    world_size: int = 1,
+    copies: bool = True,
+) -> dict[str, dict[str, float]]:
+    """What :func:`phase_peaks` adds up, by kind, at each phase's peak: ``{phase: {part: bytes}}``
+    with the parts ``weights`` (resident fp32 masters), ``optimizer_state``, ``grads``,
+    ``unsharded`` (gathered groups, copy-in staging, blocks kept unsharded), ``activations``
+    (saved, reloaded, in flight, recomputed, outside the blocks), ``loss`` (its transient) and
+    ``streamed`` (optimizer runs in transit), each present where it is not zero.
+
+    With ``config.grad_accum_steps > 1`` the resident groups' sharded gradients (the root's too)
+    are live from the first micro-batch on: through every later forward and backward, beside a
+    freshly reduced shard being added to them. An offloaded group's are added up on the host.
+
+    Args:
+        profile (TrainingProfile): the model at one micro-batch (per GPU).
+        config (TrainingConfig): the knobs (prefetch depth, checkpointing, accumulation).
+        offloaded_blocks (int): blocks whose state lives on the host (the last in forward order).
+        streamed_blocks (int): offloaded blocks stepped on the GPU (the first offloaded ones;
+            ``OffloadOptimizer`` streams whole groups).
+        activation_blocks (int): blocks whose activations are offloaded (the first ones).
+        world_size (int): GPUs the parameters are sharded over.
+        copies (bool): offloaded state crosses a link (False on UNIFIED: read in place).
+
+    Returns:
+        dict[str, dict[str, float]]: per phase, its peak's bytes by part.
+
+    Example::
+
+        >>> phase_parts(profile, TrainingConfig(grad_accum_steps=4), offloaded_blocks=0,
+        ...             streamed_blocks=0, activation_blocks=0)["forward"]["grads"]
+    """
     n_blocks = profile.n_blocks
     shard = profile.block_params / world_size
     grad_shard = shard * profile.grad_bytes
     resident_blocks = n_blocks - offloaded_blocks
     resident_params = (profile.total_params - offloaded_blocks * profile.block_params) / world_size
-    resident_state = resident_params * (profile.param_bytes + profile.optimizer_state_bytes)
+    weights = resident_params * profile.param_bytes
+    optimizer_state = resident_params * profile.optimizer_state_bytes
+    resident_grads = resident_params * profile.grad_bytes
+    accumulating = config.grad_accum_steps > 1
     live_groups = 1 + max(config.prefetch_depth, 1)
     unsharded = live_groups * profile.block_params * profile.compute_bytes
     staging = min(config.prefetch_depth, offloaded_blocks) * shard * profile.compute_bytes if copies else 0.0
@@ -85,37 +121,47 @@ def phase_peaks(
 
     in_flight = min(offloaded_acts * saved, DEFAULT_MAX_INFLIGHT_BYTES)
     # Forward ends with the loss, its transient beside every block's activations.
-    forward = (resident_state + unsharded + staging + (n_blocks - offloaded_acts) * saved + in_flight
-               + profile.other_activation_bytes + max(0, len(kept) - live_groups) * block_unsharded
-               + profile.loss_transient_bytes)
+    forward = {
+        "weights": weights, "optimizer_state": optimizer_state, "grads": resident_grads if accumulating else 0.0,
+        "unsharded": unsharded + staging + max(0, len(kept) - live_groups) * block_unsharded,
+        "activations": (n_blocks - offloaded_acts) * saved + in_flight + profile.other_activation_bytes,
+        "loss": profile.loss_transient_bytes,
+    }
 
     # Blocks 0 .. offloaded_acts-1 have offloaded activations; blocks resident_blocks .. n-1 have
     # offloaded state; of those, the first streamed_blocks are stepped on the GPU.
     reload_window = 1 + ACTIVATION_PREFETCH_BLOCKS
     # Backward opens with the loss's: every block's activations still saved, beside the output's
     # gradient (the same transient).
-    backward = (n_blocks - offloaded_acts) * saved + profile.loss_transient_bytes
+    moments = [{"activations": (n_blocks - offloaded_acts) * saved, "loss": profile.loss_transient_bytes,
+                "grads": resident_grads if accumulating else 0.0}]
     for block in range(n_blocks - 1, -1, -1):
         saved_here = sum(saved for j in range(offloaded_acts, block + 1))
         reloaded = saved * sum(1 for j in range(max(0, block - reload_window + 1), min(block, offloaded_acts - 1) + 1))
         later = range(block + 1, n_blocks)
         on_device = [j for j in later if j < resident_blocks or not copies]
-        grads = grad_shard * len(on_device)
+        # Accumulating, every resident group's gradient is live, and a fresh shard is added to one.
+        grads = resident_grads + grad_shard if accumulating else grad_shard * len(on_device)
         if block + 1 < n_blocks and block + 1 not in on_device:
             grads += grad_shard  # the offloaded group just finished: its gradient on its way down
         recompute = profile.block_activation_bytes if config.checkpointing else 0.0
         # Kept blocks before this one, beyond the prefetched groups counted in `unsharded`.
         kept_params = max(0, sum(1 for j in kept if j < block) - (live_groups - 1)) * block_unsharded
-        backward = max(backward, saved_here + reloaded + grads + recompute + kept_params)
-    backward += resident_state + unsharded + staging + profile.other_activation_bytes
+        moments.append({"activations": saved_here + reloaded + recompute, "grads": grads, "unsharded": kept_params})
+    backward = max(moments, key=lambda parts: sum(parts.values()))
+    backward = {
+        "weights": weights, "optimizer_state": optimizer_state, "grads": backward.get("grads", 0.0),
+        "unsharded": unsharded + staging + backward.get("unsharded", 0.0),
+        "activations": backward["activations"] + profile.other_activation_bytes, "loss": backward.get("loss", 0.0),
+    }
 
-    resident_grads = resident_params * profile.grad_bytes
-    optimizer = resident_state + resident_grads
+    optimizer = {"weights": weights, "optimizer_state": optimizer_state, "grads": resident_grads}
     if streamed_blocks and copies:
         # Streamed gradients went down in backward like the host groups'; each run uploads its
         # parameters, gradients and optimizer state.
         run_bytes = shard * (profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes)
-        optimizer += min(streamed_blocks * run_bytes, (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES)
+        optimizer["streamed"] = min(streamed_blocks * run_bytes, (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES)
     elif streamed_blocks:
-        optimizer += streamed_blocks * grad_shard
-    return {"forward": forward, "backward": backward, "optimizer": optimizer}
+        optimizer["grads"] += streamed_blocks * grad_shard
+    return {phase: {part: amount for part, amount in parts.items() if amount}
+            for phase, parts in (("forward", forward), ("backward", backward), ("optimizer", optimizer))}

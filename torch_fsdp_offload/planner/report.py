@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,16 +14,15 @@ from torch_fsdp_offload.planner.scenario_cost import (
     naive_offload_GB,
     time_factor,
 )
-from torch_fsdp_offload.planner.search import (
-    OFFLOAD_MARGIN,
-    offload_that_pays,
-    ScenarioSearch,
-    throughput_curves,
-    TIE_MARGIN,
+from torch_fsdp_offload.planner.search import ScenarioSearch, throughput_curves
+from torch_fsdp_offload.planner.training_report import (
+    TrainingPlan,
+    fits_all_offloaded,
+    memory_lines,
+    technique_lines,
+    training_lines,
+    without_offload,
 )
-from torch_fsdp_offload.planner.step_time import StepPrediction
-from torch_fsdp_offload.planner.training_config import LABEL_LEGEND, label_kind
-from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
 __all__ = ["PlanResult", "Recommendation", "TECHNIQUE_LEGEND", "TrainingPlan"]
 
@@ -37,7 +35,6 @@ TECHNIQUE_LEGEND: dict[str, str] = {
     "checkpointing+offload_weights": "checkpointing+offload_weights: both",
     "link-bound": "link-bound: its copies need more than the link carries while compute runs: listed, never recommended",
 }
-_REPORT_WIDTH = 120
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,8 @@ class Recommendation:
         weights_offload_fraction (float): fraction of the weights (blocks) offloaded.
         activations_offload_fraction (float): fraction of the activations (blocks) offloaded.
         checkpointing (bool): use activation checkpointing per block.
-        throughput_gain (float): expected samples per second over today's run, minus 1.
+        throughput_gain (float | None): expected samples per second over :attr:`baseline`'s, minus
+            1; None where no run fits without offloading (nothing to compare with).
         kwargs (dict | None): ``CoherentOffload(**kwargs)``, the policy of the offloaded blocks
             (every block and the root unless :attr:`last_blocks` or :attr:`spread_fraction` says
             which); None means pass no offload policy. Activation offload is applied separately,
@@ -78,7 +76,14 @@ class Recommendation:
         optimizer_kwargs (dict): the ``OffloadOptimizer`` timing arguments the step was predicted
             with (:meth:`optimizer` passes them): empty for its defaults, which keep
             ``torch.optim``'s contract; ``{"step_during_backward": True}`` only where that was
-            predicted faster by :data:`OFFLOAD_MARGIN` (it breaks the contract).
+            predicted faster by :data:`~torch_fsdp_offload.planner.search.OFFLOAD_MARGIN` (it
+            breaks the contract).
+        grad_accum_steps (int): micro-batches of :attr:`micro_batch_size` to accumulate per
+            optimizer step (the loop's sequences per step kept).
+        baseline (str | None): the run :attr:`throughput_gain` is over, one that fits: today's
+            where it fits, else the fastest that fits without offloading.
+        fits (bool): the recommended run fits the budget; False where nothing does (:attr:`reason`
+            says what would, and :meth:`apply` refuses).
     """
 
     technique: str
@@ -86,7 +91,7 @@ class Recommendation:
     weights_offload_fraction: float
     activations_offload_fraction: float
     checkpointing: bool
-    throughput_gain: float
+    throughput_gain: float | None
     kwargs: dict[str, Any] | None
     reason: str
     predicted_step_s: float | None = None
@@ -97,6 +102,9 @@ class Recommendation:
     micro_batch_size: int | None = None
     block_names: tuple[str, ...] | None = None
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    grad_accum_steps: int = 1
+    baseline: str | None = None
+    fits: bool = True
 
     @property
     def policy(self):
@@ -130,7 +138,8 @@ class Recommendation:
             nn.Module: ``model``, sharded.
 
         Raises:
-            ValueError: ``offload_policy`` among ``fully_shard_kwargs`` (or ``reshard_after_forward``
+            ValueError: a plan that found nothing that fits (:attr:`fits` False: its :attr:`reason`
+                says what would); ``offload_policy`` among ``fully_shard_kwargs`` (or ``reshard_after_forward``
                 with a :attr:`keep_unsharded_last`), a model whose number of blocks differs from
                 the planned one, or, without ``blocks``, a model whose blocks
                 :func:`~torch_fsdp_offload.models.find_blocks` cannot tell, or, where the plan
@@ -149,6 +158,8 @@ class Recommendation:
         from torch_fsdp_offload.models import find_blocks
         from torch_fsdp_offload.policy import fully_shard_with_policy
 
+        if not self.fits:
+            raise ValueError(f"this plan has nothing to apply: {self.reason} Nothing was sharded: plan again as it says")
         blocks = list(find_blocks(model, self.block_names if blocks is None else blocks))
         if self.last_blocks is not None and self.last_blocks[1] != len(blocks):
             raise ValueError(
@@ -218,9 +229,11 @@ class Recommendation:
 
     def code(self) -> str:
         """The recommendation as a line to paste."""
+        if not self.fits:
+            return "nothing to apply: no setting fits (see the recommendation for what would)"
         if self.kwargs is None:
             code = "offload_policy: none (do not pass CoherentOffload)" + self._activations_code()
-            return code + "; checkpoint each block instead" if self.checkpointing else code
+            return (code + "; checkpoint each block instead" if self.checkpointing else code) + self._loop_code()
         arguments = ", ".join(f"{key}={value!r}" for key, value in self.kwargs.items())
         code = f"CoherentOffload({arguments})"
         if self.last_blocks is not None:
@@ -238,11 +251,17 @@ class Recommendation:
         if self.keep_unsharded_last:
             code += f"; reshard_after_forward=False for the last {self.keep_unsharded_last} blocks"
         code += self._activations_code() + self._optimizer_code()
-        return code + "; activation checkpointing per block" if self.checkpointing else code
+        code = code + "; activation checkpointing per block" if self.checkpointing else code
+        return code + self._loop_code()
+
+    def _loop_code(self) -> str:
+        if self.grad_accum_steps == 1:
+            return ""
+        return f"; accumulate {self.grad_accum_steps} micro-batches of {self.micro_batch_size} per optimizer step"
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["throughput_gain_percent"] = round(100 * self.throughput_gain, 1)
+        data["throughput_gain_percent"] = None if self.throughput_gain is None else round(100 * self.throughput_gain, 1)
         data["coherent_offload"] = self.code()
         return data
 
@@ -260,46 +279,22 @@ def candidate_spread_fraction(candidate: Candidate) -> float | None:
     return round(candidate.weights_fraction, 4) if 0 < candidate.weights_fraction < 1 else None
 
 
-@dataclass(frozen=True)
-class TrainingPlan:
-    """The FSDP2 step model's part of a plan for a real model.
-
-    Attributes:
-        profiles (tuple): ``(microbatch_factor, TrainingProfile)`` pairs predicted.
-        predictions (tuple): ``(microbatch_factor, StepPrediction)`` for every setting tried.
-        best (tuple | None): the chosen ``(microbatch_factor, StepPrediction)``.
-        capacity_bytes (float): GPU memory budget (per GPU) the peaks were checked against.
-        world_size (int): GPUs of one host FSDP shards over; every prediction is per GPU.
-    """
-
-    profiles: tuple[tuple[float, TrainingProfile], ...]
-    predictions: tuple[tuple[float, StepPrediction], ...]
-    best: tuple[float, StepPrediction] | None
-    capacity_bytes: float
-    world_size: int = 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "capacity_GB": self.capacity_bytes / 1e9,
-            "world_size": self.world_size,
-            "profiles": [{"microbatch_factor": f, **p.to_dict()} for f, p in self.profiles],
-            "predictions": [{"microbatch_factor": f, **p.to_dict()} for f, p in self.predictions],
-            "best": None if self.best is None else {"microbatch_factor": self.best[0], **self.best[1].to_dict()},
-        }
-
-
 @dataclass
 class PlanResult:
     """Everything :func:`~torch_fsdp_offload.planner.plan` found.
 
     Attributes:
         scenario (Scenario): the talk-level input (given, or derived from the real model).
-        search (ScenarioSearch): the talk-level candidates and choice.
+        search (ScenarioSearch): the talk-level candidates and choice; for a real model, the step
+            model's fastest setting of each technique (one memory model for the whole plan).
         recommended (Recommendation): the final recommendation.
         training (TrainingPlan | None): the FSDP2 step model's predictions (real models only).
-        notes (list[str]): caveats (what was estimated instead of measured).
+        notes (list[str]): caveats.
         timing (str | None): for a real model, ``"measured"`` (a block and the host step timed
-            here) or ``"estimated"`` (from FLOPs; a note says why); None for a scenario.
+            here) or ``"estimated"`` (from FLOPs); None for a scenario.
+        timing_reason (str | None): why the times are estimated (None where measured): a reason
+            the planner cannot fix (no GPU, ``platform=`` given, a block that cannot run alone).
+        timing_detail (str | None): what was timed, or why not: the report's ``Times:`` line.
     """
 
     scenario: Scenario
@@ -308,20 +303,48 @@ class PlanResult:
     training: TrainingPlan | None = None
     notes: list[str] = field(default_factory=list)
     timing: str | None = None
+    timing_reason: str | None = None
+    timing_detail: str | None = None
 
     # -- the talk's numbers --------------------------------------------------------------------
-    def scaled_factor(self) -> float:
-        """Largest measured micro-batch factor whose activations fit with all weights offloaded."""
+    def scaled_factor(self) -> float | None:
+        """Largest measured micro-batch factor that fits with all weights offloaded (for a real
+        model, by the step model); None where none does."""
         s = self.scenario
-        fitting = [f for f, _ in s.microbatch_scaling if s.activations_GB * f + s.other_GB <= s.capacity_GB]
-        return max(fitting, default=1.0)
+        if self.training is not None:
+            fitting = [f for f, _ in s.microbatch_scaling if fits_all_offloaded(self.training, f)]
+        else:
+            fitting = [f for f, _ in s.microbatch_scaling if s.activations_GB * f + s.other_GB <= s.capacity_GB]
+        return max(fitting, default=None)
 
     def naive_offload_bandwidth_GBps(self) -> float:
         return naive_offload_GB(self.scenario) / self.scenario.iteration_time_s
 
     def scaled_offload_bandwidth_GBps(self) -> float:
-        factor = self.scaled_factor()
+        """The naive offload bandwidth at :meth:`scaled_factor` (at 1x where nothing fits)."""
+        factor = self.scaled_factor() or 1.0
         return naive_offload_GB(self.scenario) / (self.scenario.iteration_time_s * time_factor(self.scenario, factor))
+
+    def _without_offload(self, factor: float) -> tuple[str, bool]:
+        """Step 5's memory without offload at ``factor``: the text and whether it fits, by the
+        plan's one memory model."""
+        if self.training is not None:
+            need, fits = without_offload(self.training, factor)
+            return f"{need:>7.1f} GiB", fits
+        need = evaluate(self.scenario, "none", factor).gpu_memory_GB
+        return f"{need:>7.1f} GB", need <= self.scenario.capacity_GB * (1 + 1e-9)
+
+    def _memory_breakdown_GB(self) -> dict[str, float]:
+        s = self.scenario
+        if self.training is not None:
+            today = self.training.today()[1]
+            parts = {part: amount / 1e9 for part, amount in today.peak_parts.items()}
+            need = (today.peak_gpu_bytes + today.allocation_slack_bytes) / 1e9
+            return {**parts, "headroom": today.allocation_slack_bytes / 1e9, "total": need,
+                    "unused": max(0.0, s.capacity_GB - need), "over_budget": max(0.0, need - s.capacity_GB)}
+        return {"weights": s.weights_GB, "grads": s.grads_GB, "optimizer_state": s.optimizer_state_GB,
+                "activations": s.activations_GB, "other": s.other_GB, "unused": max(0.0, s.unused_GB),
+                "over_budget": max(0.0, -s.unused_GB)}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready result; the top-level keys are documented in docs/planner.md."""
@@ -331,14 +354,7 @@ class PlanResult:
             "name": s.name,
             "platform": None if s.platform is None else dataclasses.asdict(s.platform),
             "platform_kind": s.kind,
-            "memory_breakdown_GB": {
-                "weights": s.weights_GB,
-                "grads": s.grads_GB,
-                "optimizer_state": s.optimizer_state_GB,
-                "activations": s.activations_GB,
-                "other": s.other_GB,
-                "unused": s.unused_GB,
-            },
+            "memory_breakdown_GB": self._memory_breakdown_GB(),
             "capacity_GB": s.capacity_GB,
             "iteration_time_s": s.iteration_time_s,
             "model_dram_bandwidth_GBps": model_bandwidth,
@@ -353,7 +369,7 @@ class PlanResult:
                     "factor": factor,
                     "time_factor": tf,
                     "throughput_gain": factor / tf - 1.0,
-                    "gpu_memory_GB_without_offload": evaluate(s, "none", factor).gpu_memory_GB,
+                    "fits_without_offload": self._without_offload(factor)[1],
                 }
                 for factor, tf in s.microbatch_scaling
             ],
@@ -363,6 +379,7 @@ class PlanResult:
             "scenario": s.to_dict(),
             "notes": list(self.notes),
             "timing": self.timing,
+            "timing_reason": self.timing_reason,
         }
         if self.training is not None:
             data["training"] = self.training.to_dict()
@@ -375,7 +392,9 @@ class PlanResult:
 
     def report(self) -> str:
         """The talk's decision framework, step by step, as text: every figure per GPU, every row
-        label explained under its table, the recommended row marked in its table.
+        label explained under its table, the recommended row marked in its table. For a real
+        model every memory figure comes from the step model, and where its times are estimated,
+        why is said at the top.
 
         Returns:
             str: the report's lines, each ending in a newline.
@@ -392,6 +411,8 @@ class PlanResult:
                 f"Platform: {s.platform.name} ({s.kind}); per GPU: {s.platform.gpu_memory_GB:.1f} GB memory, "
                 f"{s.gpu_dram_GBps:.0f} GB/s DRAM, {s.link_GBps:.0f} GB/s link"
             )
+        if self.timing is not None:
+            lines.append(f"Times: {self.timing}{' ' if self.timing_reason else ', '}{self.timing_detail}")
         if world_size > 1:
             lines.append(
                 f"Every figure is per GPU: FSDP over {world_size} GPUs of one host, each GPU with its own micro-batch "
@@ -400,22 +421,8 @@ class PlanResult:
         else:
             lines.append("Every figure is per GPU (one GPU, nothing sharded).")
         lines.append("")
-        lines.append(
-            f"1. Memory breakdown per GPU (budget {s.capacity_GB:.1f} GB = {s.capacity_GB * 1e9 / 2**30:.1f} GiB)"
-        )
-        sharded = f"  (1/{world_size} of the model's {{:.1f}} GB)" if world_size > 1 else ""
-        rows = [
-            ("weights", s.weights_GB, sharded.format(s.weights_GB * world_size)),
-            ("grads", s.grads_GB, sharded.format(s.grads_GB * world_size)),
-            ("optimizer state", s.optimizer_state_GB, sharded.format(s.optimizer_state_GB * world_size)),
-            ("activations", s.activations_GB, f"  ({s.activations_to_dram_GB:.1f} GB reach DRAM)"),
-            ("other", s.other_GB, ""),
-            ("unused", s.unused_GB, ""),
-        ]
-        for label, amount, extra in rows:
-            if amount or label in ("weights", "activations", "unused"):
-                lines.append(f"   {label:<16}{amount:>8.1f} GB {100 * amount / s.capacity_GB:>6.1f}%{extra}")
-        lines.append(f"2. Iteration time: {s.iteration_time_s:.3f} s per step (today's run)")
+        lines.extend(self._breakdown_lines() if self.training is None else memory_lines(self.training))
+        lines.append(f"2. Iteration time: {s.iteration_time_s:.3f} s per step{self._loop_time()}")
 
         model_bandwidth = model_dram_bandwidth_GBps(s)
         utilization = model_bandwidth / s.gpu_dram_GBps
@@ -444,22 +451,26 @@ class PlanResult:
             + (f": {ratio:.1f}x more than it carries" if ratio > 1 else ": the link keeps up")
         )
 
+        unit = "GB" if self.training is None else "GiB"
         lines.append("5. What can be gained (micro-batch scaling):")
-        lines.append("   micro-batch   time   throughput   GB per GPU without offload")
+        lines.append(f"   micro-batch   time   throughput   {unit} per GPU without offload")
         for factor, tf in s.microbatch_scaling:
-            need = evaluate(s, "none", factor).gpu_memory_GB
-            fits = "fits" if need <= s.capacity_GB * (1 + 1e-9) else "does not fit"
-            lines.append(f"   {factor:>10g}x  {tf:>5.2f}x  {factor / tf - 1:>+10.0%}   {need:>7.1f} GB ({fits})")
+            need, fits = self._without_offload(factor)
+            lines.append(f"   {factor:>10g}x  {tf:>5.2f}x  {factor / tf - 1:>+10.0%}   {need} "
+                         f"({'fits' if fits else 'does not fit'})")
         factor = self.scaled_factor()
+        at = (f"At {factor:g}x (the largest that fits with all weights offloaded)" if factor is not None else
+              "No micro-batch fits even with all weights offloaded; at 1x")
         lines.append(
-            f"   At {factor:g}x (the largest that fits with all weights offloaded) the naive offload needs "
-            f"{traffic} GB / {s.iteration_time_s * time_factor(s, factor):.3f} s = "
+            f"   {at} the naive offload needs {traffic} GB / {s.iteration_time_s * time_factor(s, factor or 1.0):.3f} s = "
             f"{self.scaled_offload_bandwidth_GBps():.0f} GB/s"
         )
-        lines.extend(self._candidate_lines())
-
-        if self.training is not None:
-            lines.extend(self._training_lines())
+        if self.training is None:
+            lines.extend(self._candidate_lines())
+        else:
+            picked = self.search.recommended if self.training.best is not None else None
+            lines.extend(technique_lines(self.search.candidates, self.training, picked, TECHNIQUE_LEGEND))
+            lines.extend(training_lines(self.training, self.training.best, self.search.blocked_reason))
 
         r = self.recommended
         lines.append(f"{8 if self.training is not None else 7}. Recommendation: {r.reason}")
@@ -467,6 +478,34 @@ class PlanResult:
             lines.append(f"   Note: {note}")
         lines.append(f"   {r.code()}")
         return "\n".join(lines) + "\n"
+
+    def _breakdown_lines(self) -> list[str]:
+        """Step 1 of a scenario: its breakdown against the budget; what is unused, or by how
+        much it is over."""
+        s = self.scenario
+        lines = [f"1. Memory breakdown per GPU (budget {s.capacity_GB:.1f} GB = {s.capacity_GB * 1e9 / 2**30:.1f} GiB)"]
+        rows = [
+            ("weights", s.weights_GB, ""),
+            ("grads", s.grads_GB, ""),
+            ("optimizer state", s.optimizer_state_GB, ""),
+            ("activations", s.activations_GB, f"  ({s.activations_to_dram_GB:.1f} GB reach DRAM)"),
+            ("other", s.other_GB, ""),
+            ("unused", s.unused_GB, "") if s.unused_GB >= 0 else ("over budget", -s.unused_GB, "  (does not fit)"),
+        ]
+        for label, amount, extra in rows:
+            if amount or label in ("weights", "activations", "unused"):
+                lines.append(f"   {label:<16}{amount:>8.1f} GB {100 * amount / s.capacity_GB:>6.1f}%{extra}")
+        return lines
+
+    def _loop_time(self) -> str:
+        """Step 2's words: today's run, for a real model with its accumulation and whether it fits."""
+        if self.training is None:
+            return " (today's run)"
+        today = self.training.today()
+        accumulated = self.training.grad_accum_steps
+        loop = (f" of one micro-batch (today's run: {today[1].step_s:.3f} s with its {accumulated} accumulated"
+                if accumulated > 1 else " (today's run")
+        return loop + ("" if self.training.fits(today) else "; predicted, it does not fit the budget") + ")"
 
     def _naive_formula(self) -> str:
         s = self.scenario
@@ -478,12 +517,14 @@ class PlanResult:
         return f"({' + '.join(terms)})" if terms else "0"
 
     def _candidate_lines(self) -> list[str]:
-        """Step 6: the talk-level plans that fit, the recommended one marked when the
-        recommendation is the talk-level one (a row even where nothing fits), and the legend."""
+        """Step 6 of a scenario: the talk-level plans that fit, the recommended one marked (a row
+        even where nothing fits), gains over the baseline run (none quoted without one), and the
+        legend."""
         candidates = list(self.search.candidates)
-        picked = self.search.recommended if self.recommended.technique != "fsdp2_step_model" else None
-        if picked is not None and picked not in candidates:
+        picked = self.search.recommended
+        if picked not in candidates:
             candidates.append(picked)
+        base = self.search.baseline()
         lines = [
             "6. Partial offload and checkpointing, per GPU (plans that fit):",
             "   technique                       batch  weights  activ.  GB/GPU  link GB/s     gain",
@@ -491,91 +532,20 @@ class PlanResult:
         for c in candidates:
             marks = (["link-bound"] if c.link_bound else []) + (["does not fit"] if not c.fits else [])
             if c == picked:
-                marks.append("<- recommended")
+                # Where nothing fits, the row is today's run, not a recommendation.
+                marks.append("<- recommended" if c.fits else "today's run")
+            gain = "" if base is None else f"{(1 + c.throughput_gain) / (1 + base.throughput_gain) - 1:>+7.0%}"
             lines.append(
                 f"   {c.technique:<30}{c.microbatch_factor:>5g}x  {c.weights_fraction:>7.0%}  "
                 f"{c.activations_fraction:>6.0%}  {c.gpu_memory_GB:>6.1f}  {c.required_link_GBps:>9.0f}  "
-                f"{c.throughput_gain:>+7.0%}  {', '.join(marks)}".rstrip()
+                f"{gain:>7}  {', '.join(marks)}".rstrip()
             )
         used = {c.technique for c in candidates} | ({"link-bound"} if any(c.link_bound for c in candidates) else set())
-        lines.append("   legend: Nx: N times today's micro-batch; link GB/s: what the copies need to stay hidden; gain: throughput over today's run")
+        versus = ("no run fits without offloading, so no gain is quoted" if base is None else
+                  f"gain: throughput over {self.search.run_name(base)}")
+        lines.append(f"   legend: Nx: N times today's micro-batch; link GB/s: what the copies need to stay hidden; {versus}")
         lines.extend(f"   {text}" for key, text in TECHNIQUE_LEGEND.items() if key in used)
         return lines
-
-    def _training_lines(self) -> list[str]:
-        """Step 7: today's run, the fastest settings that fit, the recommended one (always a row,
-        marked), the rows the decision rule compared; a legend of the labels; the rule when it
-        chose another row than the fastest."""
-        training = self.training
-        tokens = training.profiles[0][1].tokens
-
-        def speed(fp: tuple[float, StepPrediction]) -> float:
-            return fp[0] / fp[1].step_s
-
-        ranked = sorted(training.predictions, key=lambda fp: -speed(fp))
-        fitting = [fp for fp in ranked if fp[1].fits(training.capacity_bytes)]
-        resident = [fp for fp in training.predictions if fp[0] == 1 and fp[1].config.module_fraction == 0
-                    and fp[1].config.activations == 0 and not fp[1].config.checkpointing]
-        picked = training.best if self.recommended.technique == "fsdp2_step_model" else None
-        rule, compared = self._rule(fitting, picked) if picked is not None and fitting[0] != picked else ([], [])
-        chosen = fitting[:8] + compared + ([picked] if picked is not None else [])
-        rows = resident + [fp for fp in fitting if fp in chosen and fp not in resident]
-        width = max(len(p.config.label) for _, p in rows)
-        lines = [
-            f"7. FSDP2 step model, per GPU (budget {training.capacity_bytes / 2**30:.1f} GiB; "
-            f"{training.profiles[0][1].source}):",
-            f"   batch  {'setting':<{width}}  step s  peak GiB/GPU  tokens/s/GPU  fits",
-        ]
-        for fp in rows:
-            factor, p = fp
-            marks = (["today's run"] if fp in resident else []) + (["<- recommended"] if fp == picked else [])
-            fits = "yes" if p.fits(training.capacity_bytes) else "no"
-            lines.append(
-                f"   {factor:>4g}x  {p.config.label:<{width}}  {p.step_s:>6.3f}  {p.peak_gpu_GiB:>12.1f}  "
-                f"{factor * tokens / p.step_s:>12.0f}  {fits:<4}  {', '.join(marks)}".rstrip()
-            )
-        kinds = {label_kind(part) for _, p in rows for part in p.config.label.split()}
-        lines.append("   legend: Nx: N times today's micro-batch; fits: the peak, and a free block for the loss's fp32 output, within the budget")
-        lines.extend(f"   {text}" for key, text in LABEL_LEGEND.items() if key in kinds)
-        lines.extend(textwrap.wrap(rule, _REPORT_WIDTH, initial_indent="   ", subsequent_indent="   ") if rule else [])
-        return lines
-
-    @staticmethod
-    def _rule(
-        fitting: list[tuple[float, StepPrediction]], picked: tuple[float, StepPrediction]
-    ) -> tuple[str, list[tuple[float, StepPrediction]]]:
-        """Why ``picked`` and not the fastest row that fits (``fitting[0]``): the offload margin
-        or the tie rule of :func:`~torch_fsdp_offload.planner.search.choose`; and the rows compared."""
-
-        def speed(fp: tuple[float, StepPrediction]) -> float:
-            return fp[0] / fp[1].step_s
-
-        def moved_GB(fp: tuple[float, StepPrediction]) -> float:
-            return (fp[1].h2d_bytes + fp[1].d2h_bytes) / 1e9
-
-        def name(fp: tuple[float, StepPrediction]) -> str:
-            return f"{fp[1].config.label} at {fp[0]:g}x"
-
-        fastest = fitting[0]
-        head = (
-            f"recommended: the fastest row that fits; a row that moves bytes over the link must beat the fastest "
-            f"moving none by {OFFLOAD_MARGIN:.0%} (the step model's error against measured steps), and within "
-            f"{TIE_MARGIN:.0%} of the fastest the row moving the fewest bytes wins (then: the one without ckpt). "
-        )
-        if fastest not in offload_that_pays(fitting, throughput=speed, moves_bytes=lambda fp: moved_GB(fp) > 0):
-            staying = max((fp for fp in fitting if moved_GB(fp) == 0), key=speed)
-            return head + (
-                f"Here {name(fastest)} is {speed(fastest) / speed(staying) - 1:+.1%} faster than {name(staying)}, "
-                f"less than the {OFFLOAD_MARGIN:.0%} margin, so the recommendation moves no bytes."
-            ), [staying]
-        fewer = (
-            f"moves {moved_GB(picked):.1f} GB per step, not {moved_GB(fastest):.1f} GB"
-            if moved_GB(picked) < moved_GB(fastest) else "does not checkpoint"
-        )
-        return head + (
-            f"Here {name(picked)} is within {TIE_MARGIN:.0%} of {name(fastest)} "
-            f"({speed(picked) / speed(fastest) - 1:+.1%}) and {fewer}."
-        ), []
 
     # -- plot ---------------------------------------------------------------------------------
     def plot(self, path: str) -> None:
@@ -601,7 +571,8 @@ class PlanResult:
         axes.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
         r = self.recommended
         fraction = max(r.weights_offload_fraction, r.activations_offload_fraction)
-        axes.plot([fraction], [1.0 + r.throughput_gain], marker="*", markersize=14, color="black", label="recommended")
+        if r.throughput_gain is not None:
+            axes.plot([fraction], [1.0 + r.throughput_gain], marker="*", markersize=14, color="black", label="recommended")
         axes.set_xlabel("offloaded fraction")
         axes.set_ylabel("throughput relative to today")
         axes.set_title(self.scenario.name[:80])

@@ -49,7 +49,9 @@ class Candidate:
         link_time_s (float): time the link needs for the offload traffic of one iteration.
         required_link_GBps (float): link bandwidth that would hide the traffic completely.
         iteration_time_s (float): ``max(compute_time_s, link_time_s)``.
-        throughput_gain (float): samples per second relative to today's run, minus 1.
+        throughput_gain (float | None): samples per second relative to today's run, minus 1 (for
+            a real model's plan, to its baseline run; None without one: see
+            :func:`~torch_fsdp_offload.planner.model_plan.step_model_search`).
         link_bound (bool): the link, not the GPU, sets the iteration time.
     """
 
@@ -64,7 +66,7 @@ class Candidate:
     link_time_s: float
     required_link_GBps: float
     iteration_time_s: float
-    throughput_gain: float
+    throughput_gain: float | None
     link_bound: bool
 
     def to_dict(self) -> dict[str, Any]:

@@ -39,8 +39,10 @@ __all__ = [
     "choose",
     "ScenarioSearch",
     "default_training_configs",
+    "micro_batches_at",
     "offload_blocked_reason",
     "offload_that_pays",
+    "samples_per_s",
     "search_scenario",
     "search_training",
     "throughput_curves",
@@ -71,6 +73,20 @@ class ScenarioSearch:
     candidates: tuple[Candidate, ...]
     recommended: Candidate
     blocked_reason: str | None
+
+    def baseline(self) -> Candidate | None:
+        """The run gains are quoted over: today's run where it fits, else the fastest that fits
+        without offloading anything; None where none does."""
+        staying = [c for c in self.candidates if c.fits and c.weights_fraction == c.activations_fraction == 0]
+        today = [c for c in staying if c.technique == "none" and c.microbatch_factor == 1]
+        return today[0] if today else max(staying, key=lambda c: c.throughput_gain, default=None)
+
+    @staticmethod
+    def run_name(candidate: Candidate) -> str:
+        """How the report names a talk-level run."""
+        if candidate.technique == "none" and candidate.microbatch_factor == 1:
+            return "today's run"
+        return f"{candidate.technique} at {candidate.microbatch_factor:g}x"
 
 
 def offload_blocked_reason(scenario: Scenario) -> str | None:
@@ -196,7 +212,9 @@ def throughput_curves(scenario: Scenario, points: int = 101) -> dict[str, list[t
 _DEFAULT_PLACEMENTS: tuple[str | float, ...] = ("host", 0.25, 0.5)
 
 
-def default_training_configs(n_blocks: int, *, checkpointing: bool = True, clipping: bool = False) -> list[TrainingConfig]:
+def default_training_configs(
+    n_blocks: int, *, checkpointing: bool = True, clipping: bool = False, grad_accum_steps: int = 1
+) -> list[TrainingConfig]:
     """The grid :func:`search_training` explores: module fractions in whole blocks (at most 9
     values), the offloaded groups' optimizer on the host or a quarter or half of them streamed
     through the GPU, the offloaded (last) blocks resharded after forward or not (``keep_unsharded``:
@@ -204,7 +222,7 @@ def default_training_configs(n_blocks: int, *, checkpointing: bool = True, clipp
     with host-stepped groups cast the master to the compute dtype (``cast_on``: on the host, or on
     the GPU for twice the copy-in bytes), activations offloaded for none, half or all blocks, with
     and without checkpointing, every one with ``OffloadOptimizer``'s defaults (nothing steps before
-    ``step()``) and ``clipping`` as given. Pass configs with ``optimizer="stream"`` or
+    ``step()``), and ``clipping`` and ``grad_accum_steps`` as given. Pass configs with ``optimizer="stream"`` or
     ``step_during_backward=True`` to predict those too (without clipping the step model prices
     ``step_during_backward`` as the default; with it the optimizer never steps early).
 
@@ -236,6 +254,7 @@ def default_training_configs(n_blocks: int, *, checkpointing: bool = True, clipp
                                     keep_unsharded=keep,
                                     cast_on=cast_on,
                                     clipping=clipping,
+                                    grad_accum_steps=grad_accum_steps,
                                 )
                             )
     return configs
@@ -313,6 +332,39 @@ def choose(
     return min(close, key=lambda c: (bytes_moved(c), checkpointing(c), -throughput(c)))
 
 
+def micro_batches_at(factor: float, grad_accum_steps: int) -> int:
+    """Micro-batches accumulated per step at ``factor`` times the micro-batch, for a loop that
+    accumulates ``grad_accum_steps`` at factor 1: one without accumulation runs the larger
+    micro-batch alone (its step grows); one with accumulation keeps the sequences per step.
+
+    Raises:
+        ValueError: ``factor`` does not divide a loop's accumulation into whole micro-batches.
+
+    Example::
+
+        >>> micro_batches_at(2, 1), micro_batches_at(2, 4), micro_batches_at(0.5, 4)
+        (1, 2, 8)
+    """
+    if grad_accum_steps == 1 and factor >= 1:
+        return 1
+    count = grad_accum_steps / factor
+    if count < 1 or abs(count - round(count)) > 1e-9:
+        raise ValueError(f"{factor:g}x the micro-batch does not divide {grad_accum_steps} accumulated micro-batches")
+    return round(count)
+
+
+def samples_per_s(prediction: tuple[float, StepPrediction]) -> float:
+    """Sequences per second of a ``(microbatch_factor, StepPrediction)``, relative to today's
+    micro-batch: the factor times the micro-batches of a step, over the step's time.
+
+    Example::
+
+        >>> samples_per_s((2.0, predict_step(profile, TrainingConfig(grad_accum_steps=2), platform)))
+    """
+    factor, step = prediction
+    return factor * step.config.grad_accum_steps / step.step_s
+
+
 def search_training(
     profiles: Sequence[tuple[float, TrainingProfile]],
     platform: PlatformProfile,
@@ -321,6 +373,7 @@ def search_training(
     *,
     world_size: int = 1,
     clipping: bool = False,
+    grad_accum_steps: int = 1,
 ) -> tuple[list[tuple[float, StepPrediction]], tuple[float, StepPrediction] | None]:
     """Predict every config at every micro-batch factor and pick the highest throughput that fits.
 
@@ -331,13 +384,19 @@ def search_training(
         configs: settings to predict (default :func:`default_training_configs`).
         world_size (int): GPUs the parameters are sharded over; predictions are per GPU.
         clipping (bool): the loop clips the gradients (the default grid's ``clipping``).
+        grad_accum_steps (int): micro-batches the loop accumulates per step at factor 1; the
+            default grid's at each factor come from :func:`micro_batches_at`.
 
     Returns:
         ``(predictions, best)``: every ``(factor, prediction)``, and the fitting one with the most
-        samples per second (within 2%, the one that moves the fewest bytes), or None if none fits.
+        samples per second (:func:`samples_per_s`; within 2%, the one that moves the fewest
+        bytes), or None if none fits.
         A plan that offloads is picked over a fitting plan that moves nothing only if it is faster
         by :data:`OFFLOAD_MARGIN` (the step model's error against measured steps), and one that
         breaks ``torch.optim``'s contract over the fastest that keeps it by the same margin.
+
+    Raises:
+        ValueError: a factor that does not divide ``grad_accum_steps`` (:func:`micro_batches_at`).
 
     Example::
 
@@ -345,14 +404,16 @@ def search_training(
     """
     predictions = []
     for factor, profile in profiles:
-        for config in configs if configs is not None else default_training_configs(profile.n_blocks, clipping=clipping):
+        grid = configs if configs is not None else default_training_configs(
+            profile.n_blocks, clipping=clipping, grad_accum_steps=micro_batches_at(factor, grad_accum_steps))
+        for config in grid:
             predictions.append((factor, predict_step(profile, config, platform, world_size=world_size)))
     fitting = [(f, p) for f, p in predictions if p.fits(capacity_bytes)]
     if not fitting:
         return predictions, None
     best = choose(
         fitting,
-        throughput=lambda fp: fp[0] / fp[1].step_s,
+        throughput=samples_per_s,
         bytes_moved=lambda fp: fp[1].h2d_bytes + fp[1].d2h_bytes,
         checkpointing=lambda fp: fp[1].config.checkpointing,
         breaks_contract=lambda fp: fp[1].config.breaks_contract,

@@ -10,11 +10,11 @@ streams and its collectives, the host optimizer step beside them, and the peak o
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch_fsdp_offload.planner.library_facts import DEFAULT_MAX_INFLIGHT_BYTES
-from torch_fsdp_offload.planner.peak_memory import phase_peaks
+from torch_fsdp_offload.planner.peak_memory import phase_parts
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.traffic import (
     copy_in_bytes_per_param,
@@ -37,7 +37,8 @@ class StepPrediction:
     Attributes:
         config (TrainingConfig): the setting predicted.
         step_s (float): predicted step time; forward_s + backward_s + optimizer_s.
-        forward_s, backward_s, optimizer_s (float): the phases, copies overlapped.
+        forward_s, backward_s, optimizer_s (float): the phases, copies overlapped; forward and
+            backward of every accumulated micro-batch (``config.grad_accum_steps``).
         peak_gpu_bytes (int): predicted peak of allocated GPU memory.
         h2d_bytes (int), d2h_bytes (int): link traffic.
         host_optimizer_s (float): host optimizer work (beside backward, after it with clipping, and the next forward).
@@ -47,6 +48,9 @@ class StepPrediction:
             (:func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks`).
         allocation_slack_bytes (int): room beside the peak for the largest block the step
             allocates anew, the loss's fp32 copy of the output (see :meth:`fits`).
+        peak_parts (dict): ``peak_gpu_bytes`` by kind (``weights``, ``grads``, ``activations``,
+            ``loss``, ...; :func:`~torch_fsdp_offload.planner.peak_memory.phase_parts`), and
+            ``fixed`` for ``fixed_bytes``.
     """
 
     config: TrainingConfig
@@ -62,6 +66,7 @@ class StepPrediction:
     host_bound: bool = False
     peak_phase: str = "backward"
     allocation_slack_bytes: int = 0
+    peak_parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak_gpu_GiB(self) -> float:
@@ -175,6 +180,12 @@ def predict_step(
     the whole step running at the busy rate. With only ``host_step_s_per_param`` the whole host
     work runs at that rate; with neither, the host step's and the DMA's bytes share
     ``profile.host_GBps``.
+
+    With ``config.grad_accum_steps`` = N the loop runs N forwards and backwards, each with its
+    copies (offloaded groups' parameters in, their gradients down to be added up on the host),
+    then one optimizer step: host steps start after the last backward and run into the next
+    forward as without accumulation; streamed groups step once. The host's additions of the
+    offloaded gradients are not priced.
 
     Peak GPU memory is the largest of the phase peaks of
     :func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks` (forward end, each block's
@@ -317,21 +328,26 @@ def predict_step(
         host_tail = reach - (start + forward * host_indices[-1] / n_blocks)
     optimizer = gpu_path_optimizer + host_tail
 
-    peaks = phase_peaks(profile, config, offloaded_blocks=offloaded_blocks, streamed_blocks=streamed_blocks,
+    parts = phase_parts(profile, config, offloaded_blocks=offloaded_blocks, streamed_blocks=streamed_blocks,
                         activation_blocks=activation_blocks, world_size=world_size, copies=bool(copies))
-    peak = max(peaks.values()) + profile.fixed_bytes
+    peak_phase = max(parts, key=lambda phase: sum(parts[phase].values()))
+    peak_parts = {**parts[peak_phase], **({"fixed": profile.fixed_bytes} if profile.fixed_bytes else {})}
+    # Every accumulated micro-batch runs forward and backward with its copies; the optimizer (and
+    # the host steps it waits for) once, after the last.
+    micro_batches = config.grad_accum_steps
     return StepPrediction(
         config=config,
-        step_s=forward + backward + optimizer,
-        forward_s=forward,
-        backward_s=backward,
+        step_s=micro_batches * (forward + backward) + optimizer,
+        forward_s=micro_batches * forward,
+        backward_s=micro_batches * backward,
         optimizer_s=optimizer,
-        peak_gpu_bytes=int(peak),
-        peak_phase=max(peaks, key=peaks.__getitem__),
-        h2d_bytes=int(h2d_bytes),
-        d2h_bytes=int(d2h_bytes),
+        peak_gpu_bytes=int(sum(peak_parts.values())),
+        peak_phase=peak_phase,
+        h2d_bytes=int(micro_batches * (h2d_bytes - stream_up) + stream_up),
+        d2h_bytes=int(micro_batches * (d2h_bytes - stream_down) + stream_down),
         host_optimizer_s=host_time,
         link_bound=forward_bound or backward_bound,
         host_bound=host_tail > 0,
+        peak_parts=peak_parts,
         allocation_slack_bytes=profile.loss_fp32_output_bytes,
     )

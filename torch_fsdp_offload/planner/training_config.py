@@ -25,6 +25,8 @@ LABEL_LEGEND: dict[str, str] = {
              "contract (parameters and state change before step())",
     "clip": "clip: the gradients clipped to a global norm (max_grad_norm or clip_grad_norm_): host steps start "
             "after the whole backward",
+    "accum": "accum=N: N micro-batches accumulated per optimizer step, FSDP reducing each: resident blocks' "
+             "gradients stay on the GPU, offloaded blocks' land on the host",
 }
 
 
@@ -66,6 +68,11 @@ class TrainingConfig:
         clipping (bool): the training loop clips the gradients to a global norm
             (``OffloadOptimizer(max_grad_norm=...)`` or ``clip_grad_norm_`` before ``step()``):
             ``step()`` waits for every gradient and the norm, so host steps start after backward.
+        grad_accum_steps (int): micro-batches whose gradients the loop accumulates per optimizer
+            step, with FSDP's default of reducing each (no ``set_requires_gradient_sync(False)``,
+            which would hold every block's unsharded gradients on the GPU): the resident groups'
+            sharded gradients stay on the GPU from the first micro-batch to ``step()``; the
+            offloaded groups' are added up on the host.
 
     Raises:
         ValueError: a knob outside its range, naming the knob and what it accepts.
@@ -86,6 +93,7 @@ class TrainingConfig:
     cast_on: str = "host"
     step_during_backward: bool = False
     clipping: bool = False
+    grad_accum_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in ("module_fraction", "activations"):
@@ -108,6 +116,8 @@ class TrainingConfig:
         for name in ("step_during_backward", "clipping"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TrainingConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.grad_accum_steps, bool) or not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
+            raise ValueError(f"TrainingConfig.grad_accum_steps must be an int >= 1, got {self.grad_accum_steps!r}")
         if self.cast_on not in CAST_PLACEMENTS:
             raise ValueError(
                 f"TrainingConfig.cast_on must be 'host' (the master cast into a pinned mirror on the host) or "
@@ -168,6 +178,8 @@ class TrainingConfig:
             parts.append("early")
         if self.clipping:
             parts.append("clip")
+        if self.grad_accum_steps > 1:
+            parts.append(f"accum={self.grad_accum_steps}")
         return " ".join(parts)
 
     def coherent_offload_kwargs(self) -> dict[str, Any] | None:
