@@ -58,6 +58,9 @@ class HostSteps:
         self._worker: StepWorker | None = None
         # The gradient-norm computations of this step's landings (an error is step()'s to raise).
         self._norm_tasks: list[concurrent.futures.Future] = []
+        # The norms they started in the pool and not seen done: each reads its gradient's memory.
+        self._norms_running: list[concurrent.futures.Future] = []
+        self._norms_lock = threading.Lock()
         # The 2-norm of a CPU tensor runs on one core whatever the thread count: the norms of a
         # group's gradients run side by side in these threads (each kernel releases the GIL).
         self._norm_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -122,11 +125,17 @@ class HostSteps:
         expect_norms(param.grad for param in owner.params)
         self._norm_tasks.append(self._thread().submit(self._norms_in_worker, owner, landed=owner.grads_landed))
 
-    def wait_norms(self) -> None:
-        """Wait until the norms of this step's landings were started, re-raising an error."""
+    def wait_norms(self, computed: bool = False) -> None:
+        """Wait until the norms of this step's landings were started, re-raising an error; with
+        ``computed``, until every norm started has been computed too (nothing of the pool's then
+        reads a gradient)."""
         norm_tasks, self._norm_tasks = self._norm_tasks, []
         for task in norm_tasks:
             task.result()
+        if computed:
+            with self._norms_lock:
+                running, self._norms_running = self._norms_running, []
+            concurrent.futures.wait(running)  # a failed norm is computed by the op that reads it
 
     def end_cycle(self) -> None:
         """``step()`` took (or refused) the steps started during backward."""
@@ -223,7 +232,9 @@ class HostSteps:
                 max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="torch_fsdp_offload-grad-norms"
             )
         with torch.profiler.record_function("torch_fsdp_offload::grad_norms"):
-            compute_norms((param.grad for param in owner.params), self._norm_pool)
+            started = compute_norms((param.grad for param in owner.params), self._norm_pool)
+        with self._norms_lock:
+            self._norms_running = [norm for norm in self._norms_running if not norm.done()] + started
 
     def _thread(self) -> StepWorker:
         if self._worker is None:

@@ -285,7 +285,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._build()
-        self.synchronize()
+        self._wait_for_steps()
         self._host_steps.wait_norms()
         learned_safe = self._check_steps_during_backward()
         if not self._clip_or_skip():
@@ -404,7 +404,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Call it also before dropping the model and the optimizer: a step still running holds the
         optimizer's parts (its inner optimizers and their state), and through them the groups'
         memory, until it ends (and the model, whose FSDP state holds reference cycles, then waits
-        for the next garbage collection).
+        for the next garbage collection); so does a gradient norm still computed in the host's
+        pool, which it waits for too.
 
         Example::
 
@@ -412,6 +413,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             >>> optim.synchronize()
             >>> log_norms(model)  # reads the updated parameters
         """
+        self._wait_for_steps()
+        self._host_steps.wait_norms(computed=True)
+
+    def _wait_for_steps(self) -> None:
+        """Wait until every step has finished (what ``step()`` waits for before it starts its own:
+        not the gradient norms, which it needs started only)."""
         self._finishing_steps.wait()
         self._streamed_steps.wait()
 
