@@ -157,14 +157,14 @@ class HostSteps:
         GIL for the whole op. The thread that launches the GPU work needs the GIL, so a host step
         running beside backward or the next forward would leave the GPU idle (measured on an H200,
         see docs/benchmarks.md). A twin optimizer over plain aliases of the local shards runs the
-        same kernels with the GIL released inside each. The first step (which creates the state)
-        runs on the parameters themselves, so the state is made, shaped and placed as the class
-        makes it; the twin then reads and updates that state's local tensors in place.
+        same kernels with the GIL released inside each, and steps what torch's DTensor cannot
+        (Rprop's in-place indexing on torch 2.13). The twin reads and updates the state's local
+        tensors in place; the state it creates (a first step) is held as the class holds it over
+        the parameters: parameter-shaped tensors as DTensors sharded like their parameter.
         """
         state = self._inner.state
         params = [param for group in inner.param_groups for param in group["params"]]
-        stepped = [param for param in params if param.grad is not None]
-        if not any(isinstance(param, DTensor) for param in params) or not all(state.get(p) for p in stepped):
+        if not any(isinstance(param, DTensor) for param in params):
             with stepping():
                 inner.step()
             return
