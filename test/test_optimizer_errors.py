@@ -15,6 +15,7 @@ import math
 import os
 import re
 import warnings
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,8 @@ from torch.testing._internal.common_utils import (
 from common_offload import GlooMultiProcessTestCase, HostStepGate, RefusalTestCase, SingleRankGlooTestCase
 from test_fsdp2_offload import _batch, _loss, _shard, REPO_ROOT, STEPS, TiedBlocksModel
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload.optimizer import host_steps
+from torch_fsdp_offload.optimizer.pending_updates import PendingUpdate
 
 NOTHING_OFFLOADED = "none of its parameters was sharded with CoherentOffload"
 
@@ -411,6 +414,21 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
         self.assertFalse(any(NOTHING_OFFLOADED in str(w.message) for w in caught))
         return reference, model, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), optim
 
+    def _stepping_during_backward(self, gate: HostStepGate | None = None):
+        """``_models(step_during_backward=True)`` trained until overlap is on, and a third backward
+        run, in which groups stepped (or, with ``gate`` closed, started their steps)."""
+        reference, model, reference_optim, optim = self._models(step_during_backward=True, gate=gate)
+        for step in range(2):  # the first step learns that overlap is safe
+            _loss(model, _batch(step, self.rank)).backward()
+            optim.step()
+            optim.zero_grad()
+        if gate is not None:
+            optim.synchronize()  # the last step()'s steps end before the gate holds the next
+            gate.close()
+        _loss(model, _batch(2, self.rank)).backward()
+        self.assertGreater(len(optim._host_steps.during_backward), 0)  # groups stepped during backward
+        return reference, model, reference_optim, optim
+
     def test_clip_grad_norm_between_backward_and_step_is_exact(self):
         # Clipping with clip_grad_norm_ between backward and step(): nothing steps before step()
         # (the default), so training matches FSDP2 with the same clip, and the groups' steps
@@ -464,13 +482,7 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
 
         for change in (clip, clip_value, foreach_mul, mul, local_mul, rebind):
             with self.subTest(change=change.__name__):
-                _, model, _, optim = self._models(step_during_backward=True)
-                for step in range(2):  # the first step learns that overlap is safe
-                    _loss(model, _batch(step, self.rank)).backward()
-                    optim.step()
-                    optim.zero_grad()
-                _loss(model, _batch(2, self.rank)).backward()
-                self.assertGreater(len(optim._host_steps.during_backward), 0)  # groups stepped during backward
+                _, model, _, optim = self._stepping_during_backward()
                 change(model)
                 with self.assertRaisesRegex(
                     RuntimeError,
@@ -485,6 +497,59 @@ class GradientsChangedAfterOverlappedStepTest(GlooMultiProcessTestCase):
                 self.assertTrue(all(type(p.grad).__name__ != "_WatchedGrad" for p in model.parameters() if p.grad is not None))
                 optim.zero_grad()
                 self.assertTrue(all(math.isfinite(p.full_tensor().sum().item()) for p in model.parameters()))
+
+    def test_second_backward_before_step_is_refused_once(self):
+        # With step_during_backward, a second backward before step() gives groups that already
+        # stepped during backward a second gradient: nothing raises inside backward (FSDP's backward
+        # runs to its end), step() refuses once, naming the knob and the fix, and training goes on
+        # from there exactly as the class over plain FSDP2 would.
+        self.init_gloo()
+        reference, model, reference_optim, optim = self._stepping_during_backward()
+        _loss(model, _batch(3, self.rank)).backward()
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r"OffloadOptimizer\(step_during_backward=True\): a parameter group received a second gradient before "
+            r"step\(\).*Call zero_grad\(\) and train on.*set_requires_gradient_sync\(False\).*step_during_backward=False",
+        ):
+            optim.step()
+        optim.zero_grad()
+        reference.load_state_dict(model.state_dict())
+        reference_optim.load_state_dict(copy.deepcopy(optim.state_dict()))  # it would share the tensors
+        for step in range(4, 7):
+            for m, o in ((reference, reference_optim), (model, optim)):
+                _loss(m, _batch(step, self.rank)).backward()
+                if o is optim:
+                    self.assertGreater(len(optim._host_steps.during_backward), 0)  # overlap stays on
+                o.step()
+                o.zero_grad()
+        for (name, param), (_, reference_param) in zip(model.named_parameters(), reference.named_parameters()):
+            self.assertEqual(param.full_tensor(), reference_param.full_tensor(), atol=0, rtol=0, msg=name)
+
+    def test_a_forward_before_step_reads_the_steps_taken_during_backward(self):
+        # A forward before step() (here a second micro-batch's) copies each group in after the
+        # step it started during backward: the steps are held until the copy-in waits for them,
+        # and the forward computes with the stepped parameters, as the next one does.
+        self.init_gloo()
+        gate = HostStepGate()
+
+        class OpensTheGate(PendingUpdate):
+            def result(self):
+                gate.open()
+                return super().result()
+
+        with mock.patch.object(host_steps, "PendingUpdate", OpensTheGate):
+            _, model, _, optim = self._stepping_during_backward(gate)
+        self.assertTrue(gate.holds_a_step())
+        tokens = _batch(3, self.rank)[:, :-1]
+        with torch.no_grad():
+            during = model(tokens)
+            gate.open()
+            for future in optim._host_steps.during_backward.values():
+                future.result()
+            after = model(tokens)
+        self.assertEqual(during, after, atol=0, rtol=0)
+        optim.step()  # nothing more to step: each group received one gradient
+        optim.zero_grad()
 
     def test_own_steps_during_backward_are_no_change(self):
         # A parameter without optimizer state yet (here: its state dropped; in models, one whose

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, compute_norms, expect_norms
-from torch_fsdp_offload.optimizer.pending_updates import stepping
+from torch_fsdp_offload.optimizer.pending_updates import PendingUpdate, stepping
 from torch_fsdp_offload._helpers.tensors import local_tensor
 from torch_fsdp_offload.optimizer.finishing_steps import FinishingSteps
 from torch_fsdp_offload.optimizer.groups import OffloadedGroup
@@ -105,6 +105,9 @@ class HostSteps:
     def start_during_backward(self, owner: OffloadedGroup) -> None:
         """Step ``owner`` in the worker as soon as its gradients have landed, before ``step()``."""
         self.during_backward.update(self.submit([owner]))
+        # A forward before step() (another micro-batch) copies the group in after its step, as the
+        # next forward after step() does (which also guards the reads of what the step changes).
+        owner.update_pending = PendingUpdate(self.during_backward[owner], ())
 
     def submit(self, owners: list[OffloadedGroup]) -> dict[OffloadedGroup, concurrent.futures.Future]:
         """Queue the host steps of ``owners`` in the worker at once, each to run once its gradients

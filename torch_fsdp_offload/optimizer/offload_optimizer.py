@@ -128,8 +128,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             another model (other parameter groups, or a state tensor of another shape).
         RuntimeError: at ``step()``, with ``step_during_backward``, when a group received a
             second gradient before ``step()``, or its gradients or the hyperparameters (lr, ...)
-            were modified after it had stepped during backward. Schedulers that change the lr after
-            ``step()`` are fine: each group's step uses the values of the moment it was started.
+            were modified after it had stepped during backward: once, stepping nothing more;
+            after ``zero_grad()`` training goes on. Schedulers that change the lr after ``step()``
+            are fine: each group's step uses the values of the moment it was started.
 
     Example::
 
@@ -334,6 +335,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         hyperparameters or gradients than this step has; return whether the gradients arrived in
         the pattern that makes overlap safe."""
         stepped = self._host_steps.during_backward
+        if stepped and self._overlap.received_twice():
+            self._refuse_step(SECOND_GRADIENT)
         if any(self._inner.hyperparameters_changed(owner) for owner in stepped):
             self._refuse_step(HYPERPARAMETERS_CHANGED)
         # Reading gradient versions is safe while those groups still step in the worker.
@@ -402,7 +405,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``owner``'s gradient copy to the host was issued (:func:`notify_grads_ready`)."""
         self._overlap.on_landing(owner)
         if owner in self._host_steps.during_backward:
-            raise RuntimeError(SECOND_GRADIENT)
+            # It stepped with its first gradient: step() refuses this one. Raising here, inside
+            # FSDP's backward, would leave that backward half run and the model unusable.
+            return
         if not self.step_during_backward and is_last_backward:
             # The host is idle until step(): compute the group's gradient norms as they land, for
             # clip_grad_norm_ (the user's, or max_grad_norm's) to read.
