@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import functools
 import math
 import os
@@ -20,7 +21,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -379,6 +380,54 @@ class EveryOptimizerClassWorldSize1Test(_EveryOptimizerClass):
             optim.add_param_group({"params": params[1:]})
             trained.append(self._train(m, optim))
         self.assertEqual(trained[0], trained[1], atol=0, rtol=0)
+
+
+class PolicyFixedOnceItShardedTest(SingleRankGlooTestCase):
+    """A ``CoherentOffload`` that sharded modules planned their groups (and the optimizer's
+    placement, the activation offloader) with its knobs: a later change would not reach them, so
+    every knob is fixed from then on, and the model trains as sharded."""
+
+    # A valid value of every knob (pin_memory's only one).
+    CHANGES = {"pin_memory": True, "optimizer": "host", "cast_on": "device", "prefetch_depth": 2, "activations": True, "platform": "host_only"}
+
+    def test_every_knob_is_fixed_once_the_policy_sharded_a_module(self):
+        self.assertEqual(set(self.CHANGES), {field.name for field in dataclasses.fields(CoherentOffload)})
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        model = TiedBlocksModel()
+        reference = copy.deepcopy(model)
+        policy = CoherentOffload(platform="discrete", optimizer=0.5)
+        for name, value in self.CHANGES.items():  # free until it shards
+            unchanged = getattr(policy, name)
+            setattr(policy, name, value)
+            setattr(policy, name, unchanged)
+        _shard(model, policy, mesh, MixedPrecisionPolicy())
+        _shard(reference, CoherentOffload(platform="discrete", optimizer=0.5), mesh, MixedPrecisionPolicy())
+        before = dict(vars(policy))
+        for name, value in self.CHANGES.items():
+            with self.subTest(knob=name), self.assertRaisesRegex(
+                dataclasses.FrozenInstanceError,
+                rf"CoherentOffload\.{name} = {re.escape(repr(value))}: this policy already sharded modules.*would not see "
+                rf"the change\. Build a new policy for the modules to shard next: policy\.replace\({name}={re.escape(repr(value))}\)",
+            ):
+                setattr(policy, name, value)
+        with self.assertRaisesRegex(dataclasses.FrozenInstanceError, r"del CoherentOffload\.activations: this policy already sharded"):
+            del policy.activations
+        self.assertEqual(vars(policy), before)
+        # replace() builds another policy, free until it shards in turn.
+        other = policy.replace(optimizer="host")
+        other.prefetch_depth = 2
+        self.assertEqual((other.optimizer, other.prefetch_depth, policy.optimizer, policy.prefetch_depth), ("host", 2, 0.5, 1))
+        _assert_trains_alike(self, model, reference)
+
+    def test_a_refused_fully_shard_leaves_the_policy_free(self):
+        # A refusal shards nothing: the policy planned no group, and stays free to change.
+        policy = CoherentOffload(platform="discrete")
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, dtype=torch.float64))
+        with self.assertRaisesRegex(ValueError, "mix"):
+            fully_shard(model, offload_policy=policy)
+        policy.prefetch_depth = 2
+        self.assertEqual(policy.prefetch_depth, 2)
 
 
 class PlainOptimizerOnOffloadedModelTest(SingleRankGlooTestCase):
