@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
 from torch_fsdp_offload import _integration
-from torch_fsdp_offload._integration import fsdp2_hooks
+from torch_fsdp_offload._integration import fsdp2_hooks, fsdp2_sharding
 from torch_fsdp_offload.models import check_block_order, find_blocks
 from torch_fsdp_offload.resolved_plan import CastPlacement, ResolvedPlan
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
@@ -93,7 +93,9 @@ class CoherentOffload(CPUOffloadPolicy):
     The object is configuration only: sharding never writes to it, so one object can shard any
     number of models. Knobs are validated at construction, by :meth:`replace`, and on every
     assignment (a refused assignment leaves the object unchanged); assigning an attribute that is
-    not a knob is refused.
+    not a knob is refused. Once a module was sharded with it, its knobs are fixed: the groups were
+    planned with them as they were and would not see a change, so an assignment is refused too;
+    :meth:`replace` builds another policy for the modules to shard next.
 
     Attributes:
         pin_memory (bool): the base class's knob, kept at its default True: offloaded shards,
@@ -159,7 +161,9 @@ class CoherentOffload(CPUOffloadPolicy):
         TypeError: a knob that was removed (``memory``, ``offload_params``, ``offload_grads``,
             ``offload_optimizer_state``, ``chunk_bytes``, ``module_fraction``), naming what
             replaces it.
-        AttributeError: an assignment to an attribute that is not a knob.
+        AttributeError: an assignment to an attribute that is not a knob; a deletion.
+        dataclasses.FrozenInstanceError: an assignment to a knob (an AttributeError) once a module
+            was sharded with the policy, naming the :meth:`replace` call that builds another.
         RuntimeError: at construction, on a torch whose FSDP internals the integration does not
             support, or when another library patched a site the integration needs (constructing
             the first policy installs FSDP2's part of the integration; importing installs nothing).
@@ -210,10 +214,25 @@ class CoherentOffload(CPUOffloadPolicy):
                 f"CoherentOffload has no knob {name!r}; its knobs are {', '.join(sorted(knobs))}."
             )
         if knobs <= vars(self).keys():
+            self._refuse_once_sharded(f"CoherentOffload.{name} = {value!r}", f"policy.replace({name}={value!r})")
             # Constructed: validate the assignment on a copy first, so a refused value leaves
             # this object as it was.
             dataclasses.replace(self, **{name: value})
         object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._refuse_once_sharded(f"del CoherentOffload.{name}", "CoherentOffload(...)")
+        raise AttributeError(f"CoherentOffload.{name} cannot be deleted: assign a knob's default instead.")
+
+    def _refuse_once_sharded(self, change: str, instead: str) -> None:
+        """Refuse ``change`` of a policy that already sharded modules: their groups were planned with
+        its knobs as they were, and would ignore it."""
+        if fsdp2_sharding.has_sharded(self):
+            raise dataclasses.FrozenInstanceError(
+                f"{change}: this policy already sharded modules (fully_shard(..., offload_policy=policy)), "
+                "whose groups were planned with its knobs as they were and would not see the change. Build "
+                f"a new policy for the modules to shard next: {instead}."
+            )
 
     def __post_init__(self) -> None:
         if self.pin_memory is not True:

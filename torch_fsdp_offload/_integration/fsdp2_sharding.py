@@ -88,6 +88,13 @@ def record_group(policy: Any, sharding: ModelSharding, modules: Sequence[nn.Modu
     _models[key] = (weakref.ref(policy, lambda _: _models.pop(key, None)), sharding)
 
 
+def has_sharded(policy: Any) -> bool:
+    """Whether a group was built with ``policy``: its knobs planned that group, and a change of them
+    would not reach it."""
+    entry = _models.get(id(policy))
+    return entry is not None and entry[0]() is policy
+
+
 def note_fully_shard(modules: Sequence[nn.Module]) -> None:
     """Called by every ``fully_shard`` (from ``FSDPState.init``, before any group is built)."""
     if not _models:

@@ -6,9 +6,13 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from torch_fsdp_offload.optimizer.groups import offloaded_group
 
 
 def check_arguments(
@@ -68,6 +72,26 @@ def check_arguments(
                 f"OffloadOptimizer(host_threads={host_threads!r}) must be an int >= 1 or None (CPU threads "
                 "for host steps; None: torch's intra-op thread count minus one)."
             )
+
+
+def parameters_of(params: Any) -> tuple[Any, list[torch.Tensor]]:
+    """An optimizer's ``params`` argument readable twice (iterators read once, here), and the tensors
+    it holds: parameters, parameter groups' ``params``, ``(name, tensor)`` pairs. Anything else is
+    left for torch.optim to refuse."""
+    if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+        return params, []
+    items = [
+        {**item, "params": list(item["params"])} if isinstance(item, dict) and isinstance(item.get("params"), Iterator) else item
+        for item in params
+    ]
+    tensors = []
+    for item in items:
+        group = item.get("params", ()) if isinstance(item, dict) else (item,)
+        for entry in (group,) if isinstance(group, torch.Tensor) else group:
+            tensor = entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
+            if isinstance(tensor, torch.Tensor):
+                tensors.append(tensor)
+    return items, tensors
 
 
 def check_lr(lr: Any, name: str) -> None:
@@ -132,14 +156,114 @@ def check_loadable(optimizer: Any, state_dict: dict[str, Any], param_names: list
                 )
 
 
-def fused_by_default(optimizer_class: type, optimizer_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``optimizer_kwargs`` with ``fused=True`` added where ``optimizer_class`` takes ``fused`` and
-    the caller chose no implementation (``fused``, ``foreach``) and no ``differentiable`` step,
-    which the fused kernels refuse."""
+# The classes whose fused kernels run on every tensor OffloadOptimizer steps: plain shards on the
+# host and the GPU, and FSDP2's DTensor parameters (those no group offloads; plain FSDP2's, which
+# the contract compares with). torch registers DTensor sharding strategies for the fused Adam and
+# AdamW kernels only: SGD's and Adagrad's fused kernels fail on a DTensor.
+_FUSED_ON_DTENSORS = (torch.optim.Adam, torch.optim.AdamW)
+# Devices with fused Adam and AdamW kernels: the host steps on the CPU, the streamed ones on CUDA.
+_FUSED_DEVICES = ("cpu", "cuda")
+# Classes whose step is not elementwise (Adafactor's row and column means, Muon's orthogonalization):
+# stepped shard by shard, as OffloadOptimizer steps FSDP2's parameters, they would not take their step.
+_NOT_ELEMENTWISE = (torch.optim.Adafactor, torch.optim.Muon)
+
+
+def check_optimizer_class(optimizer_class: type, params: list[torch.Tensor]) -> None:
+    """Refuse a ``torch.optim`` class OffloadOptimizer cannot run over ``params``."""
+    name = optimizer_class.__name__
+    if issubclass(optimizer_class, torch.optim.LBFGS):
+        raise TypeError(
+            f"OffloadOptimizer(optimizer_class={name}) cannot run it: LBFGS re-evaluates the model through "
+            "its closure several times in one step over all parameters at once, while OffloadOptimizer "
+            "steps each offloaded group on its own. Use torch.optim.LBFGS itself over the model's "
+            "parameters, or a first-order optimizer such as torch.optim.AdamW."
+        )
+    if not any(isinstance(param, DTensor) for param in params):
+        return
+    if issubclass(optimizer_class, torch.optim.SparseAdam):
+        raise TypeError(
+            f"OffloadOptimizer(optimizer_class={name}) cannot step FSDP2's sharded parameters: it steps "
+            "sparse gradients only, and FSDP2 reduces every gradient to a dense DTensor. Use "
+            "torch.optim.Adam (or AdamW) for a sharded model."
+        )
+    if issubclass(optimizer_class, _NOT_ELEMENTWISE):
+        raise TypeError(
+            f"OffloadOptimizer(optimizer_class={name}) cannot step FSDP2's sharded parameters: {name}'s "
+            "step is not elementwise (an element's update reads others of its parameter), and "
+            "OffloadOptimizer steps each rank's shard of a parameter on its own. Use an elementwise "
+            "optimizer such as torch.optim.AdamW."
+        )
+
+
+def check_optimizer_kwargs(optimizer_class: type, optimizer_kwargs: dict[str, Any]) -> None:
+    """Refuse, naming the argument, a tuple-valued argument whose length is not the class's default's
+    (``betas=(0.9,)``): torch.optim reads it by position and fails deep inside, or at the first step."""
+    try:
+        signature = inspect.signature(optimizer_class.__init__).parameters
+    except (TypeError, ValueError):  # no signature to read: the class checks its arguments itself
+        return
+    for name, value in optimizer_kwargs.items():
+        default = signature[name].default if name in signature else None
+        if isinstance(default, tuple) and not (isinstance(value, (tuple, list)) and len(value) == len(default)):
+            raise (ValueError if isinstance(value, (tuple, list)) else TypeError)(
+                f"OffloadOptimizer: {optimizer_class.__name__}({name}={value!r}) must be a tuple of "
+                f"{len(default)} values, like its default {name}={default!r}."
+            )
+
+
+def class_defaults(optimizer_class: type, optimizer_kwargs: dict[str, Any], own_arguments: Iterable[str]) -> dict[str, Any]:
+    """The defaults of ``optimizer_class`` built with ``optimizer_kwargs`` over a placeholder
+    parameter; where it refuses them, an error naming the arguments it refuses (those without which
+    it takes the rest, else all). ``own_arguments``: OffloadOptimizer's, named where the class got a
+    keyword it does not take."""
+
+    def build(kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+        return optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs)
+
+    try:
+        return build(optimizer_kwargs).defaults
+    except Exception as error:  # noqa: BLE001 - whatever the class raises, it refused the arguments
+        refused = []
+        for name in optimizer_kwargs:
+            try:
+                build({key: value for key, value in optimizer_kwargs.items() if key != name})
+            except Exception:  # noqa: BLE001 - another argument is refused too
+                continue
+            refused.append(name)
+        given = ", ".join(f"{name}={optimizer_kwargs[name]!r}" for name in refused or optimizer_kwargs)
+        name = optimizer_class.__name__
+        hint = f"Pass the keyword arguments {name} takes, with valid values"
+        if isinstance(error, TypeError) and "unexpected keyword" in str(error):
+            hint += f"; OffloadOptimizer's own arguments are {', '.join(own_arguments)}"
+        raise (TypeError if isinstance(error, TypeError) else ValueError)(
+            f"OffloadOptimizer: {name}({given}) refused the optimizer arguments: {error}. {hint}."
+        ) from error
+
+
+def implementation_kwargs(optimizer_class: type, optimizer_kwargs: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+    """``optimizer_kwargs`` with ``fused=True`` added where ``optimizer_class``'s fused kernel runs on
+    every tensor it will step, and on plain FSDP2's (:data:`_FUSED_ON_DTENSORS`, real floating-point
+    parameters on the CPU or CUDA), and the caller chose no implementation (``fused``, ``foreach``)
+    and no ``differentiable`` step, which the fused kernels refuse. An explicit ``fused=True`` the
+    class cannot run on the DTensors it would step (parameters no group offloads) is refused here:
+    it would fail at the first ``step()``."""
+    name = optimizer_class.__name__
+    stepped_as_dtensors = [p for p in params if isinstance(p, DTensor) and offloaded_group(p) is None]
+    if optimizer_kwargs.get("fused") and stepped_as_dtensors and not issubclass(optimizer_class, _FUSED_ON_DTENSORS):
+        raise ValueError(
+            f"OffloadOptimizer({name}, fused=True): {name}'s fused kernel does not run on DTensors (torch has "
+            f"fused DTensor kernels for Adam and AdamW only), and {len(stepped_as_dtensors)} of these FSDP2 "
+            "parameters would step as DTensors: no offloaded group holds them (sharded without "
+            f"CoherentOffload, or on a platform that copies nothing). Drop fused=True ({name} then runs its "
+            "default implementation, as over plain FSDP2), or use torch.optim.AdamW or Adam."
+        )
     if any(key in optimizer_kwargs for key in ("fused", "foreach")) or optimizer_kwargs.get("differentiable"):
         return optimizer_kwargs
     try:
         takes_fused = "fused" in inspect.signature(optimizer_class.__init__).parameters
     except (TypeError, ValueError):  # no signature to read: leave the arguments as given
         return optimizer_kwargs
-    return {**optimizer_kwargs, "fused": True} if takes_fused else optimizer_kwargs
+    runs_fused = takes_fused and issubclass(optimizer_class, _FUSED_ON_DTENSORS) and all(
+        torch.is_floating_point(param) and param.device.type in _FUSED_DEVICES for param in params
+    )
+    return {**optimizer_kwargs, "fused": True} if runs_fused else optimizer_kwargs

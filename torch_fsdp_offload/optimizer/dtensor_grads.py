@@ -130,13 +130,15 @@ def _writes_first_argument(name: str) -> bool:
 
 class _LandedNorm:
     """A watched gradient's local 2-norm, computed in another thread: ``ready`` once it is (or
-    failed: ``local`` None), with the gradient's versions it belongs to."""
+    failed: ``local`` None), with the gradient's versions it belongs to, and the local shard it is
+    computed from until then."""
 
-    __slots__ = ("local", "ready", "versions")
+    __slots__ = ("local", "ready", "source", "versions")
 
     def __init__(self) -> None:
         self.ready = threading.Event()
         self.local: torch.Tensor | None = None
+        self.source: torch.Tensor | None = None
         self.versions: tuple[int, int] | None = None
 
     def __reduce__(self) -> tuple:
@@ -211,28 +213,37 @@ def expect_norms(grads: Iterable[torch.Tensor | None]) -> None:
                 grad.__dict__[_NORM] = _LandedNorm()
 
 
-def _local_norm(entry: _LandedNorm, local: torch.Tensor) -> None:
+def _local_norm(entry: _LandedNorm) -> None:
+    # The task holds the entry, not the shard: once the norm ran, nothing of the pool's references
+    # the gradient's memory (a dropped model's buffers are freed at once).
+    source, entry.source = entry.source, None
     try:
         with torch.profiler.record_function("torch_fsdp_offload::grad_norm"):
-            entry.local = torch.linalg.vector_norm(local, 2)
+            entry.local = torch.linalg.vector_norm(source, 2)
     finally:
+        del source
         entry.ready.set()
 
 
-def compute_norms(grads: Iterable[torch.Tensor | None], pool: concurrent.futures.Executor) -> None:
+def compute_norms(grads: Iterable[torch.Tensor | None], pool: concurrent.futures.Executor) -> list[concurrent.futures.Future]:
     """Start the 2-norm of each gradient's local shard that :func:`expect_norms` named, now that
     its bytes are final: each in a thread of ``pool`` (the same kernel on the same bytes as the
-    caller's norm op, so the same bits); ``_foreach_norm`` over them waits for each."""
+    caller's norm op, so the same bits); ``_foreach_norm`` over them waits for each. Returns the
+    norms' futures: until each is done, its task holds the gradient's memory."""
+    started = []
     for grad in grads:
         with _lock:
             entry = grad.__dict__.get(_NORM) if grad is not None else None
         if entry is None:
             continue
         entry.versions = _versions(grad)
+        entry.source = grad._local_tensor
         try:
-            pool.submit(_local_norm, entry, grad._local_tensor)
+            started.append(pool.submit(_local_norm, entry))
         except RuntimeError:  # the interpreter is shutting down: no norm, the op computes it
+            entry.source = None
             entry.ready.set()
+    return started
 
 
 def take_scales(grad: torch.Tensor | None) -> list[torch.Tensor]:

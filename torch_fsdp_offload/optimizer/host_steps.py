@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, compute_norms, expect_norms
-from torch_fsdp_offload.optimizer.pending_updates import stepping
+from torch_fsdp_offload.optimizer.pending_updates import PendingUpdate, stepping
 from torch_fsdp_offload._helpers.tensors import local_tensor
 from torch_fsdp_offload.optimizer.finishing_steps import FinishingSteps
 from torch_fsdp_offload.optimizer.groups import OffloadedGroup
@@ -58,6 +58,9 @@ class HostSteps:
         self._worker: StepWorker | None = None
         # The gradient-norm computations of this step's landings (an error is step()'s to raise).
         self._norm_tasks: list[concurrent.futures.Future] = []
+        # The norms they started in the pool and not seen done: each reads its gradient's memory.
+        self._norms_running: list[concurrent.futures.Future] = []
+        self._norms_lock = threading.Lock()
         # The 2-norm of a CPU tensor runs on one core whatever the thread count: the norms of a
         # group's gradients run side by side in these threads (each kernel releases the GIL).
         self._norm_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -102,6 +105,9 @@ class HostSteps:
     def start_during_backward(self, owner: OffloadedGroup) -> None:
         """Step ``owner`` in the worker as soon as its gradients have landed, before ``step()``."""
         self.during_backward.update(self.submit([owner]))
+        # A forward before step() (another micro-batch) copies the group in after its step, as the
+        # next forward after step() does (which also guards the reads of what the step changes).
+        owner.update_pending = PendingUpdate(self.during_backward[owner], ())
 
     def submit(self, owners: list[OffloadedGroup]) -> dict[OffloadedGroup, concurrent.futures.Future]:
         """Queue the host steps of ``owners`` in the worker at once, each to run once its gradients
@@ -122,11 +128,17 @@ class HostSteps:
         expect_norms(param.grad for param in owner.params)
         self._norm_tasks.append(self._thread().submit(self._norms_in_worker, owner, landed=owner.grads_landed))
 
-    def wait_norms(self) -> None:
-        """Wait until the norms of this step's landings were started, re-raising an error."""
+    def wait_norms(self, computed: bool = False) -> None:
+        """Wait until the norms of this step's landings were started, re-raising an error; with
+        ``computed``, until every norm started has been computed too (nothing of the pool's then
+        reads a gradient)."""
         norm_tasks, self._norm_tasks = self._norm_tasks, []
         for task in norm_tasks:
             task.result()
+        if computed:
+            with self._norms_lock:
+                running, self._norms_running = self._norms_running, []
+            concurrent.futures.wait(running)  # a failed norm is computed by the op that reads it
 
     def end_cycle(self) -> None:
         """``step()`` took (or refused) the steps started during backward."""
@@ -148,14 +160,14 @@ class HostSteps:
         GIL for the whole op. The thread that launches the GPU work needs the GIL, so a host step
         running beside backward or the next forward would leave the GPU idle (measured on an H200,
         see docs/benchmarks.md). A twin optimizer over plain aliases of the local shards runs the
-        same kernels with the GIL released inside each. The first step (which creates the state)
-        runs on the parameters themselves, so the state is made, shaped and placed as the class
-        makes it; the twin then reads and updates that state's local tensors in place.
+        same kernels with the GIL released inside each, and steps what torch's DTensor cannot
+        (Rprop's in-place indexing on torch 2.13). The twin reads and updates the state's local
+        tensors in place; the state it creates (a first step) is held as the class holds it over
+        the parameters: parameter-shaped tensors as DTensors sharded like their parameter.
         """
         state = self._inner.state
         params = [param for group in inner.param_groups for param in group["params"]]
-        stepped = [param for param in params if param.grad is not None]
-        if not any(isinstance(param, DTensor) for param in params) or not all(state.get(p) for p in stepped):
+        if not any(isinstance(param, DTensor) for param in params):
             with stepping():
                 inner.step()
             return
@@ -223,7 +235,9 @@ class HostSteps:
                 max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="torch_fsdp_offload-grad-norms"
             )
         with torch.profiler.record_function("torch_fsdp_offload::grad_norms"):
-            compute_norms((param.grad for param in owner.params), self._norm_pool)
+            started = compute_norms((param.grad for param in owner.params), self._norm_pool)
+        with self._norms_lock:
+            self._norms_running = [norm for norm in self._norms_running if not norm.done()] + started
 
     def _thread(self) -> StepWorker:
         if self._worker is None:

@@ -3,6 +3,7 @@ optimizers."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -71,8 +72,17 @@ class InnerOptimizers:
             inner.state = state
 
     def make(self, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        """The wrapped class over ``param_groups``, with the wrapper's arguments."""
-        return self.optimizer_class(param_groups, **self.optimizer_kwargs)
+        """The wrapped class over ``param_groups``, with the wrapper's arguments, and no state: what
+        a class creates at construction (Adagrad's sums) the wrapper took once
+        (:meth:`initial_state`), and state made here over placeholders would be stepped as theirs."""
+        optimizer = self.optimizer_class(param_groups, **self.optimizer_kwargs)
+        optimizer.state = defaultdict(dict)
+        return optimizer
+
+    def initial_state(self, param_groups: list[dict[str, Any]]) -> dict[torch.Tensor, dict[str, Any]]:
+        """The state the wrapped class creates at construction over ``param_groups`` (the wrapper's):
+        Adagrad's, for every parameter; most classes create theirs at the first step, and have none."""
+        return dict(self.optimizer_class([dict(group) for group in param_groups], **self.optimizer_kwargs).state)
 
     def owners(self) -> list[OffloadedGroup | None]:
         """What each inner optimizer steps: an offloaded group, or None for the parameters no group

@@ -15,6 +15,7 @@ the streamed steps, the learned overlap, and the steps that finish after ``step(
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -26,7 +27,16 @@ from torch.distributed.tensor import DTensor
 
 from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, NORM_READS
 from torch_fsdp_offload.optimizer.pending_updates import in_step
-from torch_fsdp_offload.optimizer.arguments import check_arguments, check_loadable, check_lr, fused_by_default
+from torch_fsdp_offload.optimizer.arguments import (
+    check_arguments,
+    check_loadable,
+    check_lr,
+    check_optimizer_class,
+    check_optimizer_kwargs,
+    class_defaults,
+    implementation_kwargs,
+    parameters_of,
+)
 from torch_fsdp_offload.optimizer.finishing_steps import changed_by_step, FinishingSteps, zero_grads
 from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, OffloadedGroup
 from torch_fsdp_offload.optimizer.host_steps import HostSteps
@@ -73,11 +83,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
     Args:
         params (nn.Module or iterable): the FSDP-sharded model, or its parameters / parameter
             groups as for any ``torch.optim`` optimizer.
-        optimizer_class (type): the optimizer to run, e.g. ``torch.optim.AdamW``. Where the
-            class takes ``fused`` (AdamW, Adam, SGD, Adagrad) and neither ``fused``, ``foreach``
-            nor ``differentiable`` is given, it runs with ``fused=True``: the fused CPU kernel
+        optimizer_class (type): the optimizer to run, e.g. ``torch.optim.AdamW``: any class
+            whose step is elementwise (LBFGS, and over FSDP2's parameters SparseAdam, Adafactor
+            and Muon, are refused). Host steps run it over plain aliases of the local shards,
+            streamed ones over the GPU's copies. Adam and AdamW run with ``fused=True`` where
+            neither ``fused``, ``foreach`` nor ``differentiable`` is given: the fused CPU kernel
             steps several times faster than the per-tensor loop (pass ``fused=False`` for that
-            loop's rounding).
+            loop's rounding), and runs on DTensors too. SGD's and Adagrad's fused kernels do not:
+            they run their default, as over plain FSDP2, unless ``fused=True`` is given.
         step_during_backward (bool): step groups during backward once it is known to be safe;
             breaks the contract above (parameters change before ``step()``). Default False.
         max_grad_norm (float or None): clip the global gradient norm to this value before
@@ -98,21 +111,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass (or is an
-            instance, or ``OffloadOptimizer``); ``lr`` (also a parameter group's) is not a real
-            number or a one-element tensor; ``max_grad_norm`` is not a real number or None;
-            ``host_threads`` is not an int or None; ``step_during_backward``,
-            ``overlap_next_forward`` or ``skip_nonfinite`` is not a bool; ``optimizer_class``
-            rejects the type of an ``optimizer_kwargs`` value.
+            instance, or ``OffloadOptimizer``), or one it cannot run (above); ``lr`` (also a
+            parameter group's) is not a real number or a one-element tensor; ``max_grad_norm`` is
+            not a real number or None; ``host_threads`` is not an int or None;
+            ``step_during_backward``, ``overlap_next_forward`` or ``skip_nonfinite`` is not a
+            bool; a tuple argument of the class is no tuple (``betas=0.9``); ``optimizer_class``
+            rejects the type of an ``optimizer_kwargs`` value (the error names the argument).
         ValueError: ``lr`` is negative or not finite; ``max_grad_norm`` is not finite and
             positive; ``host_threads`` is below 1; ``skip_nonfinite`` with
-            ``step_during_backward``; ``optimizer_class`` rejects a value of
-            ``optimizer_kwargs``. All are checked before anything is built.
+            ``step_during_backward``; a tuple argument of another length than the class's default
+            (``betas=(0.9,)``); ``fused=True`` for a class whose fused kernel does not run on the
+            DTensors it would step (SGD, Adagrad over parameters no group offloads);
+            ``optimizer_class`` rejects a value of ``optimizer_kwargs``. All are checked before
+            anything is built.
         ValueError: at ``load_state_dict()``, for the state of another optimizer class or of
             another model (other parameter groups, or a state tensor of another shape).
         RuntimeError: at ``step()``, with ``step_during_backward``, when a group received a
             second gradient before ``step()``, or its gradients or the hyperparameters (lr, ...)
-            were modified after it had stepped during backward. Schedulers that change the lr after
-            ``step()`` are fine: each group's step uses the values of the moment it was started.
+            were modified after it had stepped during backward: once, stepping nothing more;
+            after ``zero_grad()`` training goes on. Schedulers that change the lr after ``step()``
+            are fine: each group's step uses the values of the moment it was started.
 
     Example::
 
@@ -153,19 +171,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         )
         if "lr" in optimizer_kwargs:
             check_lr(optimizer_kwargs["lr"], "lr")
-        optimizer_kwargs = fused_by_default(optimizer_class, optimizer_kwargs)
         model = params if isinstance(params, nn.Module) else None
-        if model is not None:
-            params = model.parameters()
-        # A throwaway instance validates the kwargs and yields the class's defaults.
-        try:
-            defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs).defaults
-        except (TypeError, ValueError) as error:
-            given = ", ".join(f"{key}={value!r}" for key, value in optimizer_kwargs.items())
-            raise type(error)(
-                f"OffloadOptimizer: {optimizer_class.__name__}({given}) refused the optimizer arguments: "
-                f"{error}. Pass the keyword arguments {optimizer_class.__name__} takes, with valid values."
-            ) from error
+        params, tensors = parameters_of(model.parameters() if model is not None else params)
+        check_optimizer_class(optimizer_class, tensors)
+        check_optimizer_kwargs(optimizer_class, optimizer_kwargs)
+        # A throwaway instance validates the kwargs as given (an error names only the caller's), and
+        # yields the defaults; another, those of the kwargs it runs with.
+        signature = inspect.signature(OffloadOptimizer.__init__).parameters.values()
+        own_arguments = [argument.name for argument in signature if argument.kind is argument.KEYWORD_ONLY]
+        defaults = class_defaults(optimizer_class, optimizer_kwargs, own_arguments)
+        given, optimizer_kwargs = optimizer_kwargs, implementation_kwargs(optimizer_class, optimizer_kwargs, tensors)
+        if optimizer_kwargs is not given:
+            defaults = class_defaults(optimizer_class, optimizer_kwargs, own_arguments)
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = optimizer_kwargs
         self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
@@ -176,6 +193,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._streamed_steps = StreamedSteps(self._inner, self._host_steps, self._finishing_steps)
         self._overlap = LearnedOverlap()
         super().__init__(params, defaults)
+        # The state a class creates at construction (Adagrad's), as over plain FSDP2.
+        self.state.update(self._inner.initial_state(self.param_groups))
         # Where the policy was applied but offloads nothing (a unified-memory or GPU-less
         # platform), that is its decision for this machine, and the same script runs on
         # every machine: no warning then.
@@ -285,7 +304,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._build()
-        self.synchronize()
+        self._wait_for_steps()
         self._host_steps.wait_norms()
         learned_safe = self._check_steps_during_backward()
         if not self._clip_or_skip():
@@ -316,6 +335,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         hyperparameters or gradients than this step has; return whether the gradients arrived in
         the pattern that makes overlap safe."""
         stepped = self._host_steps.during_backward
+        if stepped and self._overlap.received_twice():
+            self._refuse_step(SECOND_GRADIENT)
         if any(self._inner.hyperparameters_changed(owner) for owner in stepped):
             self._refuse_step(HYPERPARAMETERS_CHANGED)
         # Reading gradient versions is safe while those groups still step in the worker.
@@ -384,7 +405,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``owner``'s gradient copy to the host was issued (:func:`notify_grads_ready`)."""
         self._overlap.on_landing(owner)
         if owner in self._host_steps.during_backward:
-            raise RuntimeError(SECOND_GRADIENT)
+            # It stepped with its first gradient: step() refuses this one. Raising here, inside
+            # FSDP's backward, would leave that backward half run and the model unusable.
+            return
         if not self.step_during_backward and is_last_backward:
             # The host is idle until step(): compute the group's gradient norms as they land, for
             # clip_grad_norm_ (the user's, or max_grad_norm's) to read.
@@ -404,7 +427,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Call it also before dropping the model and the optimizer: a step still running holds the
         optimizer's parts (its inner optimizers and their state), and through them the groups'
         memory, until it ends (and the model, whose FSDP state holds reference cycles, then waits
-        for the next garbage collection).
+        for the next garbage collection); so does a gradient norm still computed in the host's
+        pool, which it waits for too.
 
         Example::
 
@@ -412,6 +436,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             >>> optim.synchronize()
             >>> log_norms(model)  # reads the updated parameters
         """
+        self._wait_for_steps()
+        self._host_steps.wait_norms(computed=True)
+
+    def _wait_for_steps(self) -> None:
+        """Wait until every step has finished (what ``step()`` waits for before it starts its own:
+        not the gradient norms, which it needs started only)."""
         self._finishing_steps.wait()
         self._streamed_steps.wait()
 

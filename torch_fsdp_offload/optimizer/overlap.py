@@ -32,11 +32,12 @@ __all__ = [
 _Landed = list[tuple[torch.Tensor | None, int, int]]
 
 SECOND_GRADIENT = (
-    "OffloadOptimizer: a parameter group received a second gradient before step(), "
-    "after it had already stepped during backward. With overlap on, accumulate "
-    "gradients with model.set_requires_gradient_sync(False) (or "
-    "set_is_last_backward(False)) on all but the last micro-batch, or keep "
-    "OffloadOptimizer(..., step_during_backward=False), the default."
+    "OffloadOptimizer(step_during_backward=True): a parameter group received a second gradient "
+    "before step(), after it had already stepped during backward with its first, so this step() "
+    "is refused: it steps nothing more (the groups that stepped during backward keep that step). "
+    "Call zero_grad() and train on; the next step is exact. To accumulate gradients over "
+    "micro-batches, call model.set_requires_gradient_sync(False) (or set_is_last_backward(False)) "
+    "on all but the last, or keep step_during_backward=False, the default."
 )
 HYPERPARAMETERS_CHANGED = (
     "OffloadOptimizer: learning rate or another hyperparameter changed between "
@@ -86,6 +87,10 @@ class LearnedOverlap:
             watch_grad(grad)
             landed.append((grad, *_grad_versions(grad)))
         self._landed_grads[owner] = landed
+
+    def received_twice(self) -> bool:
+        """Whether a group received gradients more than once in this step."""
+        return any(landings > 1 for landings in self._landings.values())
 
     def pattern_is_safe(self, clipping: bool) -> bool:
         """Whether this step's gradients arrived in the pattern that makes overlap safe: every
