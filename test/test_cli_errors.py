@@ -157,7 +157,7 @@ class TestTrainArguments(CLITestCase):
 
     @unittest.skipIf(importlib.util.find_spec("transformers") is None, "needs transformers")
     def test_hf_config_that_gives_no_config(self) -> None:
-        # Each used to build the process group first and end in a traceback (exit 1).
+        # Each is a usage error (exit 2) raised before the process group is built.
         import huggingface_hub.constants
 
         missing = os.path.join(self.tmp, "config.json")
