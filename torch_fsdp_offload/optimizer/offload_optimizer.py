@@ -176,13 +176,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         check_optimizer_class(optimizer_class, tensors)
         check_optimizer_kwargs(optimizer_class, optimizer_kwargs)
         # A throwaway instance validates the kwargs as given (an error names only the caller's), and
-        # yields the defaults; another, those of the kwargs it runs with.
+        # yields the defaults; the implementation added to them (fused=True) is recorded as given.
         signature = inspect.signature(OffloadOptimizer.__init__).parameters.values()
         own_arguments = [argument.name for argument in signature if argument.kind is argument.KEYWORD_ONLY]
         defaults = class_defaults(optimizer_class, optimizer_kwargs, own_arguments)
         given, optimizer_kwargs = optimizer_kwargs, implementation_kwargs(optimizer_class, optimizer_kwargs, tensors)
-        if optimizer_kwargs is not given:
-            defaults = class_defaults(optimizer_class, optimizer_kwargs, own_arguments)
+        defaults.update({name: value for name, value in optimizer_kwargs.items() if name not in given})
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = optimizer_kwargs
         self.host_threads = host_threads or max(1, torch.get_num_threads() - 1)
