@@ -20,11 +20,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import FILE_SCHEMA, TestCase
 
+from torch_fsdp_offload._integration import fsdp2_shards_on_host
 from torch_fsdp_offload.cpu_copy_stream import misuses_detected
 
 
@@ -115,6 +116,17 @@ class RefusalTestCase(SingleRankGlooTestCase):
                 fully_shard(block)
             fully_shard(target)
         self.assertEqual(self.train_step(model), self.train_step(plain), atol=0, rtol=0)
+
+
+def set_gradient_sync(model: nn.Module, reference: nn.Module, sync: bool) -> None:
+    """``model.set_requires_gradient_sync(sync)``, as a user's accumulation loop calls it, and on
+    ``reference`` (the same model sharded by plain FSDP2) what the policy makes of it: a group the
+    policy offloads reduces every backward whatever it is told, every other group as told."""
+    model.set_requires_gradient_sync(sync)
+    modules = dict(model.named_modules())
+    for name, module in reference.named_modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync or fsdp2_shards_on_host(modules[name]), recurse=False)
 
 
 class GlooMultiProcessTestCase(MultiProcessTestCase):

@@ -251,6 +251,33 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         # The norms started while backward ran; no group stepped before step().
         self.assertEqual(started_in_backward, [(True, False)])
 
+    def test_accumulated_gradients_are_added_off_the_training_thread(self):
+        # A micro-batch whose gradients add to earlier ones lands in a host buffer of its own, and
+        # the copy engine's host thread adds it in: backward goes on meanwhile.
+        self.init_gloo()
+        model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"))
+        adds = []
+        then_on_host = TransferEngine.then_on_host
+
+        def recording_then_on_host(engine, transfer, work, label):
+            def recorded_work():
+                adds.append((label.split(":")[0], threading.current_thread() is threading.main_thread()))
+                work()
+
+            return then_on_host(engine, transfer, recorded_work, label)
+
+        generator = torch.Generator().manual_seed(self.rank)
+        with mock.patch.object(TransferEngine, "then_on_host", recording_then_on_host):
+            for micro in range(3):
+                model.set_requires_gradient_sync(micro == 2)
+                model(torch.randn(3, DIM, generator=generator)).backward()
+        optim.step()
+        optim.synchronize()
+        groups = len(optim._inner.offloaded_groups())
+        self.assertGreater(groups, 0)
+        # Every offloaded group, in each of the two micro-batches after the first, on a host thread.
+        self.assertEqual(adds, [("grads_accumulate", False)] * (2 * groups))
+
     def test_host_step_starts_before_backward_ends(self):
         self.init_gloo()
         model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"), step_during_backward=True)

@@ -154,6 +154,46 @@ class TestCodebase(TestCase):
             graph.setdefault(part(module), set()).update(targets)
         self.assertEqual(_cycles(graph), [])
 
+    def test_module_level_state_is_process_wide_only(self):
+        # State lives on the objects that own it: a module keeps at module level only what is one
+        # per process by nature, each named here with why.
+        expected = {
+            "torch_fsdp_offload._integration.installation": {"installed", "_holders"},  # torch's patches are process-wide
+            "torch_fsdp_offload.memory": {"_pinned_pool", "_managed_lock", "_managed_totals"},  # the host allocator, like torch's
+            "torch_fsdp_offload.transfer": {"_engines", "_engines_lock"},  # one copy engine per device, like CUDA's streams
+            "torch_fsdp_offload.platform": {"_DETECTIONS"},  # facts about this machine, read once
+            "torch_fsdp_offload.platform.bandwidth": {"_BANDWIDTHS"},
+            "torch_fsdp_offload.optimizer.pending_updates": {"_stepping"},  # per thread
+            "torch_fsdp_offload.optimizer.dtensor_grads": {"_lock", "NORM_READS"},  # process-wide counts
+            "torch_fsdp_offload.cpu_copy_stream": {"misuses_detected", "_overrides"},  # the test engine's
+        }
+        found: dict[str, set[str]] = {}
+        library = "\n".join(open(path, encoding="utf-8").read() for path in _library_modules().values())
+        for module, path in _library_modules().items():
+            source = open(path, encoding="utf-8").read()
+            for node in ast.parse(source).body:
+                if isinstance(node, ast.AnnAssign):
+                    targets, value = [node.target], node.value
+                elif isinstance(node, ast.Assign):
+                    targets, value = node.targets, node.value
+                else:
+                    continue
+                constructor = ast.unparse(value.func).split(".")[-1] if isinstance(value, ast.Call) else None
+                # Registries, locks and thread-locals; and containers the library writes to (a table
+                # it only reads is a constant).
+                registry = constructor in {"WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "Lock", "RLock", "local", "_HostPool"}
+                container = isinstance(value, (ast.List, ast.Dict, ast.Set)) or constructor in {"set", "dict", "list", "defaultdict"}
+                for target in targets:
+                    if not isinstance(target, ast.Name) or target.id == "__all__":
+                        continue
+                    written = re.search(
+                        rf"\b{target.id}(\[[^\]]*\]\s*[-+]?=(?!=)|\.(append|add|update|clear|pop|setdefault|remove|discard|extend|insert)\()",
+                        library,
+                    )
+                    if registry or (container and written):
+                        found.setdefault(module, set()).add(target.id)
+        self.assertEqual(found, expected)
+
     def test_modules_are_at_most_700_lines(self):
         long = {
             module: sum(1 for _ in open(path, encoding="utf-8"))

@@ -24,11 +24,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests, TestCase
 
-from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase
+from common_offload import checkpoint_and_resume, GlooMultiProcessTestCase, set_gradient_sync
 from torch_fsdp_offload import CoherentOffload, fully_shard_with_policy, OffloadOptimizer
 from torch_fsdp_offload.optimizer import step_worker, streamed_steps
 from torch_fsdp_offload.optimizer.host_steps import HostSteps
 from torch_fsdp_offload.optimizer.streamed_steps import StreamedSteps
+from torch_fsdp_offload._integration import fsdp2_shards_on_host
 from torch_fsdp_offload.data_path.group_offload import GroupOffload
 from torch_fsdp_offload.planner.report import Recommendation
 from torch_fsdp_offload.transfer import get_transfer_engine, TransferEngine
@@ -85,6 +86,22 @@ def _shard(
     return fully_shard_with_policy(
         model, groups or model.blocks, policy, last_blocks=last_blocks, mesh=mesh, mp_policy=mp_policy, **fully_shard_kwargs
     )
+
+
+def _unsharded_grads(model: nn.Module, offloaded_only: bool = True) -> list[str]:
+    """The parameters of ``model``'s offloaded groups (any group's, without ``offloaded_only``)
+    whose unsharded gradient FSDP2 keeps (on the device, between backwards that do not reduce)."""
+    kept = []
+    for module in model.modules():
+        counted = isinstance(module, FSDPModule) and (not offloaded_only or fsdp2_shards_on_host(module))
+        state = module._get_fsdp_state() if counted else None
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+        for group in (group for group in groups if group is not None):
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
+                    kept.append(fsdp_param._param_fqn)
+    return kept
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -297,14 +314,17 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         for step in range(STEPS):
             for micro in range(grad_accum):
                 last = micro == grad_accum - 1
-                for m in (reference, model):
-                    m.set_requires_gradient_sync(last)
+                # The user's accumulation loop; the policy's groups reduce every micro-batch all
+                # the same, keeping no unsharded gradient: as plain FSDP2 that reduces each one.
+                set_gradient_sync(model, reference, last)
                 tokens = _batch(step * grad_accum + micro, self.rank)
                 reference_loss = _loss(reference, tokens)
                 reference_loss.backward()
                 loss = _loss(model, tokens)
                 loss.backward()
                 self.assertEqual(loss, reference_loss, atol=0, rtol=0)
+                if expect_copies:
+                    self.assertEqual(_unsharded_grads(model), [])
             if max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
             reference_optim.step()
@@ -342,6 +362,16 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self._run_parity(policy=CoherentOffload(platform="discrete"), grad_accum=2, step_during_backward=True)
         self._run_parity(policy=CoherentOffload(platform="discrete"), max_grad_norm=0.05)
         self._run_parity(policy=CoherentOffload(platform="discrete"), spread_fraction=0.5)
+
+    def test_without_gradient_sync_plain_fsdp2_keeps_unsharded_gradients(self):
+        # What _run_parity asserts the policy never does between micro-batches.
+        self.init_gloo()
+        torch.manual_seed(0)
+        plain = TiedBlocksModel()
+        _shard(plain, None, self._mesh(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        plain.set_requires_gradient_sync(False)
+        _loss(plain, _batch(0, self.rank)).backward()
+        self.assertNotEqual(_unsharded_grads(plain, offloaded_only=False), [])
 
     def test_parity_each_optimizer_placement(self):
         # "auto" streams half the groups on a discrete platform (the other tests); here the others.

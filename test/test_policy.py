@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 from unittest import mock
@@ -256,7 +257,7 @@ class CoherentOffloadCapacityTest(SingleRankGlooTestCase):
 
 class PerModulePlacementTest(SingleRankGlooTestCase):
     """Placement is per module: a module sharded with the policy is offloaded, one sharded without
-    it is not; one policy object shards any number of models alike and is not written to."""
+    it is not; one policy object shards any number of models alike, its knobs unchanged."""
 
     @staticmethod
     def _blocks_model(n_blocks: int = 3) -> nn.Module:
@@ -268,12 +269,14 @@ class PerModulePlacementTest(SingleRankGlooTestCase):
 
     def test_sharding_leaves_the_policy_unchanged(self):
         policy = CoherentOffload(platform="discrete", activations=True)
-        before = dict(vars(policy))
+        before = dataclasses.asdict(policy)
         model = self._blocks_model()
         fully_shard_with_policy(model, list(model), None)
         model = self._blocks_model()
         fully_shard_with_policy(model, list(model), policy, spread_fraction=0.5)
-        self.assertEqual(vars(policy), before)
+        self.assertEqual(dataclasses.asdict(policy), before)
+        # A copy carries the knobs, not what this object's calls accumulated: it is not frozen.
+        copy.copy(policy).prefetch_depth = 2
 
     def test_the_modules_given_the_policy_are_offloaded(self):
         shared = CoherentOffload(platform="discrete")

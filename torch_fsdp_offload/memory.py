@@ -34,12 +34,15 @@ from torch_fsdp_offload.platform import read_host_available_bytes, read_locked_m
 __all__ = [
     "ENV_HOST_MEMORY",
     "HostMemoryError",
+    "HostPromise",
     "PinnedFreeList",
     "check_host_capacity",
     "empty_cache",
     "host_capacity_bytes",
     "memory_stats",
     "pinned_empty",
+    "promise_host_bytes",
+    "promised_host_bytes",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -238,6 +241,8 @@ class _HostPool:
         self.cached_count = 0
         self.reserved_bytes = 0
         self.locked = 0
+        # What owners will allocate later (HostPromise), weakly: a promise ends with its owner.
+        self.promises: "weakref.WeakSet[HostPromise]" = weakref.WeakSet()
 
     def locked_bytes(self) -> int:
         with self._lock:
@@ -347,6 +352,44 @@ class _HostPool:
 
 
 _pinned_pool = _HostPool()
+
+
+class HostPromise:
+    """Host bytes an owner will allocate later: an offloaded FSDP group or handle, built now, makes
+    its buffers at its first forward. Checks of the host's capacity for later groups count every open
+    promise (:func:`promised_host_bytes`), so two groups are never promised the same memory. The owner
+    holds it; it ends at :meth:`fulfil` or when the owner is collected.
+
+    Args:
+        nbytes (int): the bytes promised.
+
+    Example::
+
+        >>> promise = promise_host_bytes(group_bytes)  # the group is built
+        >>> promise.fulfil()  # its buffers were allocated
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def fulfil(self) -> None:
+        """The owner allocated the bytes (or never will): they count no more."""
+        self.nbytes = 0
+
+
+def promise_host_bytes(nbytes: int) -> HostPromise:
+    """Promise ``nbytes`` of host memory to the caller, who holds the returned :class:`HostPromise`
+    until it allocates them."""
+    promise = HostPromise(nbytes)
+    with _pinned_pool._lock:
+        _pinned_pool.promises.add(promise)
+    return promise
+
+
+def promised_host_bytes() -> int:
+    """Host bytes promised and not allocated yet, to count beside a new request."""
+    with _pinned_pool._lock:
+        return sum(promise.nbytes for promise in list(_pinned_pool.promises))
 
 
 def _normalize_shape(shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]:

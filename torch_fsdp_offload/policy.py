@@ -198,6 +198,10 @@ class CoherentOffload(CPUOffloadPolicy):
     # On a torch with the offload-policy hooks: place_shards gives exact-size pinned buffers, so
     # FSDP's own pin_memory() (rounded up to a power of two) must not run (docs/upstream.md).
     places_shards: ClassVar[bool] = True
+    # An offloaded group keeps no unsharded gradient on the GPU: it reduces and lands every
+    # backward's, also under set_requires_gradient_sync(False) (Note: [Post-accumulate-grad
+    # hooks and accumulation] in docs/design.md).
+    reduces_every_backward: ClassVar[bool] = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CoherentOffload":
         removed = next((name for name in kwargs if name in _REMOVED_KNOBS), None)
@@ -219,6 +223,11 @@ class CoherentOffload(CPUOffloadPolicy):
             # this object as it was.
             dataclasses.replace(self, **{name: value})
         object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy or a pickle carries the knobs only: what this object's fully_shard calls
+        # accumulated (the model it shards, its frozen knobs) stays with this object.
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
     def __delattr__(self, name: str) -> None:
         self._refuse_once_sharded(f"del CoherentOffload.{name}", "CoherentOffload(...)")

@@ -19,6 +19,7 @@ __all__ = [
     "parse_to_device",
     "pytree",
     "tensor_str",
+    "unversioned_alias",
     "version_counter",
 ]
 
@@ -34,6 +35,14 @@ def version_counter(tensor: torch.Tensor) -> int:
     """The tensor's version counter: bumped by every in-place change that goes through autograd's
     in-place handling (including under ``torch.no_grad()``)."""
     return tensor._version
+
+
+def unversioned_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``tensor``'s memory with a version counter of its own (not a view): writes
+    through it do not count as changes of ``tensor`` (:func:`version_counter`), for writes that
+    complete a value still on its way rather than change it."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 def current_graph_task_id() -> int:

@@ -189,9 +189,7 @@ def uninstall() -> None:
         >>> torch_fsdp_offload.uninstall()
     """
     if "fsdp1" in installation.installed:
-        from torch_fsdp_offload._integration import fsdp1_handles
-
-        live = fsdp1_handles.live_offloaded_handles()
+        live = installation.holders("fsdp1")
         if live:
             raise RuntimeError(
                 f"torch_fsdp_offload.uninstall(): {live} FSDP1 handle(s) of FullyShardedDataParallel("

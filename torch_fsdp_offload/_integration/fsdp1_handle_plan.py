@@ -32,9 +32,8 @@ from torch.distributed.fsdp.wrap import (
     _wrap_module_cls_individually,
 )
 
-from torch_fsdp_offload._integration.fsdp1_handles import pending_host_bytes
 from torch_fsdp_offload.data_path.group_offload import host_bytes
-from torch_fsdp_offload.memory import check_host_capacity
+from torch_fsdp_offload.memory import check_host_capacity, promised_host_bytes
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -76,7 +75,7 @@ def check_capacity(module: nn.Module, call: dict[str, Any], device: torch.device
     forward. The shards are pinned where CUDA is (:func:`~torch_fsdp_offload.memory.pinned_empty`)."""
     need = sum(host_bytes(s.numel, s.dtype, s.param_dtype, cast_on) for s in planned_shards(module, call, device))
     check_host_capacity(
-        pending_host_bytes() + need,
+        promised_host_bytes() + need,
         pinned=torch.cuda.is_available(),
         what="FullyShardedDataParallel(offload_policy=CoherentOffload()) shards and gradients (and "
         "compute-dtype mirrors with cast_on='host')",

@@ -43,8 +43,9 @@ from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as _FSDP
 from torch.distributed.fsdp import _flat_param, _runtime_utils
 from torch.overrides import TorchFunctionMode
 
+from torch_fsdp_offload._integration import installation
 from torch_fsdp_offload.data_path.group_offload import host_bytes
-from torch_fsdp_offload.memory import pinned_empty
+from torch_fsdp_offload.memory import HostPromise, pinned_empty, promise_host_bytes
 from torch_fsdp_offload.transfer import Transfer, TransferEngine, get_transfer_engine
 
 _HANDLE_ATTRIBUTE = "_torch_fsdp_offload"
@@ -52,11 +53,6 @@ _SITE_PREFIX = {
     _flat_param.FlatParamHandle: "torch.distributed.fsdp._flat_param.FlatParamHandle",
     _runtime_utils: "torch.distributed.fsdp._runtime_utils",
 }
-# Every handle that carries a HandleOffload: uninstall() refuses while one is alive, since the
-# handle would silently fall back to stock FSDP1 offload.
-_offloaded_handles: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
 @dataclass
 class HandleOffload:
     """What one ``FlatParamHandle`` does differently under an offload policy."""
@@ -71,6 +67,9 @@ class HandleOffload:
     # The previous backward's (host) gradient, on the compute device, while a backward outside
     # no_sync() accumulates onto it; added to the reduced gradient before it is offloaded.
     previous_grad: torch.Tensor | None = None
+    # The exact-size pinned shard, gradient buffer and mirror, promised until FSDP1's lazy init
+    # allocates them.
+    host_promise: HostPromise | None = None
 
 
 def attach_handle_offload(
@@ -80,12 +79,19 @@ def attach_handle_offload(
     for state in _FSDP1.fsdp_modules(root):
         handle = state._handle
         if handle is not None:
-            setattr(handle, _HANDLE_ATTRIBUTE, HandleOffload(
+            offload = HandleOffload(
                 pinned=pinned,
                 engine=get_transfer_engine(handle.device) if engine else None,
                 cast_on_device=cast_on_device,
-            ))
-            _offloaded_handles.add(handle)
+            )
+            setattr(handle, _HANDLE_ATTRIBUTE, offload)
+            installation.hold("fsdp1", handle)
+            if pinned and handle._offload_params:
+                flat_param = handle.flat_param
+                param_dtype = handle._fwd_bwd_param_dtype if engine else None
+                cast_on = "device" if cast_on_device else "host"
+                offload.host_promise = promise_host_bytes(host_bytes(flat_param.numel(), flat_param.dtype, param_dtype, cast_on))
+                weakref.finalize(handle, offload.host_promise.fulfil)
 
 
 def set_prefetch_limit(root: _FSDP1, depth: int) -> None:
@@ -93,25 +99,6 @@ def set_prefetch_limit(root: _FSDP1, depth: int) -> None:
     execution-order data is shared with every FSDP instance of the tree at lazy init."""
     root._exec_order_data._forward_prefetch_limit = depth
     root._exec_order_data._backward_prefetch_limit = depth
-
-
-def pending_host_bytes() -> int:
-    """Host bytes that live handles with exact-size pinned shards, built but not yet run forward,
-    will allocate at their first forward (FSDP1's lazy init): shard, gradient buffer, mirror."""
-    total = 0
-    for handle in list(_offloaded_handles):
-        offload = getattr(handle, _HANDLE_ATTRIBUTE)
-        flat_param = handle.flat_param
-        if offload.pinned and handle._offload_params and not hasattr(flat_param, "_cpu_grad"):
-            param_dtype = handle._fwd_bwd_param_dtype if offload.engine is not None else None
-            cast_on = "device" if offload.cast_on_device else "host"
-            total += host_bytes(flat_param.numel(), flat_param.dtype, param_dtype, cast_on)
-    return total
-
-
-def live_offloaded_handles() -> int:
-    """How many live FSDP1 handles carry a :class:`HandleOffload`."""
-    return len(_offloaded_handles)
 
 
 def patches() -> list[tuple[str, Any, str, Any, Any]]:
@@ -165,8 +152,12 @@ def _init_flat_param_attributes(self) -> None:
     offload = getattr(self, _HANDLE_ATTRIBUTE, None)
     if offload is None or offload.pinned is None or not self._offload_params:
         return _original("init_flat_param_attributes")(self)
-    with _PinMemoryAs(offload.pinned):
-        return _original("init_flat_param_attributes")(self)
+    try:
+        with _PinMemoryAs(offload.pinned):
+            return _original("init_flat_param_attributes")(self)
+    finally:
+        if offload.host_promise is not None and hasattr(self.flat_param, "_cpu_grad"):
+            offload.host_promise.fulfil()
 
 
 def _use_low_precision_shard(self) -> None:

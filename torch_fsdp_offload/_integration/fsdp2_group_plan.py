@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from torch_fsdp_offload.data_path.group_offload import host_bytes
-from torch_fsdp_offload.memory import check_host_capacity
+from torch_fsdp_offload.memory import check_host_capacity, promised_host_bytes
 from torch_fsdp_offload.resolved_plan import ResolvedPlan
 
 
@@ -40,13 +40,11 @@ def padded_shard_numel(param: nn.Parameter, mesh_info: Any, shard_placement_fn: 
     return 0 if size == 0 else -(-size // world_size) * (param.numel() // size)
 
 
-def plan_group(
-    policy: Any, call: dict[str, Any], *, pending_host_bytes: int
-) -> tuple[ResolvedPlan, bool]:
+def plan_group(policy: Any, call: dict[str, Any]) -> tuple[ResolvedPlan, bool]:
     """The policy's plan for the group ``fully_shard`` is about to build from ``call`` (the base
     constructor's arguments) and whether it is offloaded, raising every refusal the policy makes,
-    all before FSDP converts a parameter. ``pending_host_bytes``: what live offloaded groups not yet
-    homed will pin, counted against the same host capacity.
+    all before FSDP converts a parameter. What groups built before and not yet homed will allocate
+    (:func:`~torch_fsdp_offload.memory.promised_host_bytes`) counts against the same host capacity.
 
     Every group built with the policy is offloaded where the platform copies (placement is per
     module: a module sharded without the policy is not); on UNIFIED and HOST_ONLY platforms none is.
@@ -59,7 +57,7 @@ def plan_group(
         compute_dtype = one_compute_dtype(call["mp_policy"], params)
         numel = sum(padded_shard_numel(p, call["mesh_info"], call.get("shard_placement_fn")) for p in params)
         check_host_capacity(
-            pending_host_bytes + host_bytes(numel, params[0].dtype, compute_dtype, plan.cast_on),
+            promised_host_bytes() + host_bytes(numel, params[0].dtype, compute_dtype, plan.cast_on),
             pinned=plan.memory == "pinned",
             what="CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')",
         )

@@ -78,18 +78,8 @@ class HookedGroupOffload(GroupOffload):
             return None
         self.layout()
         self.master = pinned_empty((self.numel,), self.group.fsdp_params[0].sharded_param.dtype)
-        self.placement = GroupPlacement.HOMED
+        self.mark_homed()
         return [self.master[offset : offset + numel] for offset, numel in self.param_ranges()]
-
-
-# Every live group's offload state (FSDP keeps it as the group's ``offload_state``), to count the
-# host memory of groups not homed yet.
-_offloads: "weakref.WeakSet[HookedGroupOffload]" = weakref.WeakSet()
-# The prefetch schedule of each root, by its communication context (one per root); its groups'
-# offload states hold it.
-_schedules: "weakref.WeakKeyDictionary[Any, weakref.ref[RootSchedule]]" = weakref.WeakKeyDictionary()
-# What offloads_group decided for the group FSDP is building, for its init_group.
-_building: list[tuple[Any, Any, Any, bool]] = []
 
 
 def _active(offload: HookedGroupOffload | None) -> bool:
@@ -105,27 +95,24 @@ def offloads_group(policy: Any, params, modules, mesh_info, mp_policy, shard_pla
             "shard_placement_fn": shard_placement_fn}
     # A refusal raises: fully_shard then leaves the modules as they were.
     activation_hooks.check_activation_offload(policy, modules)
-    pending = sum(
-        o.host_bytes() for o in list(_offloads) if o.placement is GroupPlacement.ON_HOST and o.group_ref() is not None
-    )
-    plan, offloaded = plan_group(policy, call, pending_host_bytes=pending)
-    _building[:] = [(modules, model, plan, offloaded)]
+    plan, offloaded = plan_group(policy, call)
+    sharding.policy_sharding(policy).building = (modules, model, plan, offloaded)
     return offloaded
 
 
 def init_group(policy: Any, group: Any) -> HookedGroupOffload | None:
-    if not _building or _building[0][0] is not group.modules:
+    state = sharding.policy_sharding(policy)
+    building, state.building = state.building, None
+    if building is None or building[0] is not group.modules:
         return None  # built without the integration
-    (_, model, plan, offloaded), = _building
-    _building.clear()
+    _, model, plan, offloaded = building
     sharding.record_group(policy, model, group.modules)
     if not model.plan_logged:
         model.plan_logged = True
         logger.info(plan.describe())
     offload = HookedGroupOffload(group, plan, offloaded)
-    _offloads.add(offload)
     if offloaded:
-        offload.layout()
+        offload.promise_host_memory(group)
     optim.register_offloaded_group(offload)
     activation_hooks.attach_activation_offload(types.SimpleNamespace(
         modules=group.modules, device=group.device, coherent_policy=policy, _offload=offload, _model_sharding=model,
@@ -139,11 +126,7 @@ def place_shards(policy: Any, group: Any) -> list[torch.Tensor] | None:
     if offload is None:
         return None
     offload.model_sharding.ran = True  # the model is complete: the policy's next call starts another
-    schedule = _schedules[group.comm_ctx]() if group.comm_ctx in _schedules else None
-    if schedule is None:
-        schedule = RootSchedule()
-        _schedules[group.comm_ctx] = weakref.ref(schedule)
-    offload.root_schedule = schedule
+    offload.root_schedule = RootSchedule.of_root(group.comm_ctx)
     return offload.host_shards()
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from torch_fsdp_offload.data_path.group_state import GradCapture, GroupPlacement
 from torch_fsdp_offload._integration.fsdp2_group_plan import implements_offload_hooks, plan_group
 from torch_fsdp_offload._helpers.tensors import in_backward
 from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
-from torch_fsdp_offload.data_path.group_offload import GroupOffload, is_host_grad
+from torch_fsdp_offload.data_path.group_offload import GroupOffload
 from torch_fsdp_offload.data_path.prefetch_schedule import RootSchedule
 from torch_fsdp_offload.memory import pinned_empty
 
@@ -37,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 _BaseParamGroup = fsdp_param_group_module.FSDPParamGroup
 
-# Every live coherent group, so a root can find its groups at lazy init.
-_live_groups: "weakref.WeakSet[CoherentFSDPParamGroup]" = weakref.WeakSet()
 _base_init_signature = inspect.signature(_BaseParamGroup.__init__)
 
 
@@ -97,7 +94,7 @@ class SwappedGroupOffload(GroupOffload):
         self.master = pinned_empty((self.numel,), first.dtype)
         for fsdp_param in self.group.fsdp_params:
             self.rehome_param(fsdp_param)
-        self.placement = GroupPlacement.HOMED
+        self.mark_homed()
 
     @torch.no_grad()
     def rehome_param(self, fsdp_param: FSDPParam) -> None:
@@ -118,7 +115,7 @@ class SwappedGroupOffload(GroupOffload):
         return self.group._module_fqn or "root"
 
     def schedule(self) -> "RootSchedule | None":
-        return getattr(self.group.comm_ctx, "coherent_schedule", None)
+        return RootSchedule.find(self.group.comm_ctx)
 
     def needs_copy_in(self, backward: bool) -> bool:
         return self.group.needs_copy_in(backward)
@@ -140,8 +137,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         model = sharding.model_sharding(policy, call["modules"])
         try:
             activation_hooks.check_activation_offload(policy, call["modules"])
-            pending = sum(g._offload.host_bytes() for g in _live_groups if g._offload.placement is GroupPlacement.ON_HOST)
-            plan, offloaded = plan_group(policy, call, pending_host_bytes=pending)
+            plan, offloaded = plan_group(policy, call)
         except Exception as error:
             sharding.take_back_refused_call(call["modules"], error)
             raise
@@ -167,8 +163,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             fsdp_param.__class__ = CoherentFSDPParam
             fsdp_param._offload = self._offload
         if offloaded:
-            self._offload.layout()
-        _live_groups.add(self)
+            self._offload.promise_host_memory(self)
         optim.register_offloaded_group(self._offload)
         activation_hooks.attach_activation_offload(self)
 
@@ -182,8 +177,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             self._offload.home()
 
     def _ensure_schedule(self) -> None:
-        if getattr(self.comm_ctx, "coherent_schedule", None) is None:
-            self.comm_ctx.coherent_schedule = RootSchedule()
+        RootSchedule.of_root(self.comm_ctx)
 
     # -- runtime -----------------------------------------------------------------------
     def unshard(self, async_op: bool = False):
@@ -197,7 +191,7 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         result = super().wait_for_unshard()
         offload = self._offload
         if offload is not None and offload.active:
-            schedule: RootSchedule = self.comm_ctx.coherent_schedule
+            schedule = RootSchedule.of_root(self.comm_ctx)
             # A checkpointed block's forward recomputed in backward is a FORWARD to FSDP, but the
             # groups that compute next are those of backward order.
             schedule.on_compute(
@@ -241,46 +235,46 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         # FSDP would copy each reduced gradient to the host synchronously-ish and allocate a
         # fresh pinned tensor per step; keep them on the device through the reduce, then move
         # them ourselves, coalesced, on the D2H stream, into persistent host buffers.
-        accumulated = {}
+        previous = {}  # gradients from earlier backwards, accumulated on the host
         hooks = {}
         for p in params:
             p.offload_to_cpu = False
-            grad = p.sharded_param.grad
-            if grad is not None:
-                # The next D2H lands in the same host buffer: keep a copy to add back.
-                local = grad._local_tensor
-                accumulated[p] = local.clone() if is_host_grad(offload, p) else local
-                p.sharded_param.grad = None
+            if p.sharded_param.grad is not None:
+                previous[p] = p.sharded_param.grad
+                p.sharded_param.grad = None  # FSDP must not add to it: the host does
             param_hooks = getattr(p.sharded_param, "_post_accumulate_grad_hooks", None)
             if param_hooks:
                 hooks[p] = param_hooks
                 p.sharded_param._post_accumulate_grad_hooks = None
+        # See Note: [Post-accumulate-grad hooks and accumulation]: the group reduces and offloads
+        # every backward's gradients, whatever set_requires_gradient_sync said.
+        requested_sync = self.reduce_grads, self.all_reduce_grads
+        self.reduce_grads = self.all_reduce_grads = True
         offload.begin_grad_capture()
         try:
             super().post_backward(*unused)
         finally:
             offload.end_grad_capture()
+            self.reduce_grads, self.all_reduce_grads = requested_sync
             for p in params:
                 p.offload_to_cpu = True
             for p, param_hooks in hooks.items():
                 p.sharded_param._post_accumulate_grad_hooks = param_hooks
-        if not offload.offload_grads(self._post_reduce_event):
+        if previous:
+            landed = offload.offload_accumulating(self._post_reduce_event, previous)
+        else:
+            landed = offload.offload_grads(self._post_reduce_event)
+        if not landed:
             return
         offload.mark_stale()
-        if accumulated or hooks:
-            # Accumulating across reduce-scatters, and post-accumulate-grad hooks, need the
-            # gradient on the host now.
+        if hooks:
+            # Post-accumulate-grad hooks need the gradient on the host now.
             offload.wait_grads()
-            for p, previous in accumulated.items():
-                if p.sharded_param.grad is not None:
-                    p.sharded_param.grad._local_tensor.add_(previous.to(offload.grads.device))
-                else:
-                    p.sharded_param.grad = p.to_sharded_dtensor(previous)
             for p, param_hooks in hooks.items():
                 for hook in param_hooks.values():
                     hook(p.sharded_param)
         state = _get_module_fsdp_state(self.modules[0])
-        is_last_backward = state is None or state._state_ctx.is_last_backward
+        is_last_backward = (state is None or state._state_ctx.is_last_backward) and requested_sync[0]
         optim.notify_grads_ready(offload, is_last_backward=is_last_backward)
 
 

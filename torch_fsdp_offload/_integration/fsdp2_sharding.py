@@ -5,8 +5,10 @@ call this package refused.
 
 A policy object is configuration only, so one object can shard any number of models. What a model's
 sharding accumulates (its activation offloader, whether its plan was logged) lives in a
-:class:`ModelSharding`, one per model and policy object, found through a registry keyed weakly by the
-policy. Which groups are offloaded is not among it: every group built with the policy is.
+:class:`ModelSharding`, one per model and policy object. The policy holds its current one (and the
+decision for the group FSDP is building), each module it sharded points back to it weakly, and
+nothing is kept in this module: a ``fully_shard`` call finds the models it completes among the
+modules it shards. Which groups are offloaded is not among it: every group built with the policy is.
 """
 
 from __future__ import annotations
@@ -68,39 +70,71 @@ class ModelSharding:
                 self.root = weakref.ref(module)
 
 
-# The current model of each live policy object, by id (a policy is an unhashable dataclass); the
-# entry goes when the policy does.
-_models: "dict[int, tuple[weakref.ReferenceType[Any], ModelSharding]]" = {}
+# On a policy object: its PolicySharding. On each module a group was built for: its ModelSharding,
+# weakly (the policy holds the current one; a completed model's goes with its last module).
+_POLICY_ATTRIBUTE = "_torch_fsdp_offload_sharding"
+_MODULE_ATTRIBUTE = "_torch_fsdp_offload_model_sharding"
+
+
+class PolicySharding:
+    """What one policy object's ``fully_shard`` calls accumulate: the model it shards now, and what
+    it decided for the group FSDP is building (from the ``offloads_group`` hook to ``init_group``)."""
+
+    def __init__(self) -> None:
+        self.current: ModelSharding | None = None
+        self.building: Any = None
+
+
+def _policy_sharding(policy: Any) -> PolicySharding | None:
+    return vars(policy).get(_POLICY_ATTRIBUTE)
+
+
+def policy_sharding(policy: Any) -> PolicySharding:
+    """``policy``'s :class:`PolicySharding`, made on first use (it bypasses the policy's refusal of
+    attributes that are no knob: it is no configuration)."""
+    state = _policy_sharding(policy)
+    if state is None:
+        state = PolicySharding()
+        object.__setattr__(policy, _POLICY_ATTRIBUTE, state)
+    return state
 
 
 def model_sharding(policy: Any, modules: Sequence[nn.Module]) -> ModelSharding:
     """The sharding of the model ``modules`` belong to: the policy's current one, or a new one
-    (registered by :func:`record_group` once a group was built, so a refusal records nothing)."""
-    entry = _models.get(id(policy))
-    current = entry[1] if entry is not None and entry[0]() is policy else None
+    (the policy's current once :func:`record_group` records a group built, so a refusal records
+    nothing)."""
+    state = _policy_sharding(policy)
+    current = state.current if state is not None else None
     return current if current is not None and current.continues_with(modules) else ModelSharding()
 
 
 def record_group(policy: Any, sharding: ModelSharding, modules: Sequence[nn.Module]) -> None:
     """Record that a group was built for ``modules`` in ``sharding``, the policy's current model."""
     sharding.add_group(modules)
-    key = id(policy)
-    _models[key] = (weakref.ref(policy, lambda _: _models.pop(key, None)), sharding)
+    for module in modules:
+        module.__dict__[_MODULE_ATTRIBUTE] = weakref.ref(sharding)
+    policy_sharding(policy).current = sharding
 
 
 def has_sharded(policy: Any) -> bool:
     """Whether a group was built with ``policy``: its knobs planned that group, and a change of them
     would not reach it."""
-    entry = _models.get(id(policy))
-    return entry is not None and entry[0]() is policy
+    state = _policy_sharding(policy)
+    return state is not None and state.current is not None
 
 
 def note_fully_shard(modules: Sequence[nn.Module]) -> None:
-    """Called by every ``fully_shard`` (from ``FSDPState.init``, before any group is built)."""
-    if not _models:
-        return
+    """Called by every ``fully_shard`` (from ``FSDPState.init``, before any group is built): tell the
+    models whose modules it contains."""
     inside = [set(module.modules()) for module in modules]
-    for _, model in list(_models.values()):
+    models = {}
+    for contained in inside:
+        for module in contained:
+            ref = module.__dict__.get(_MODULE_ATTRIBUTE)
+            model = ref() if ref is not None else None
+            if model is not None:
+                models[id(model)] = model
+    for model in models.values():
         model.note_call(modules, inside)
 
 

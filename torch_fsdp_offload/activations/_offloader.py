@@ -206,6 +206,8 @@ class ActivationOffload:
         self._registered_blocks = 0
         self._last_pass_blocks: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # The modules it hooked, weakly: released from the ownership record at remove().
+        self._hooked_modules: list[weakref.ReferenceType[nn.Module]] = []
         self._root_entered: list[bool] = []
         self._warned_outside = False
         # How it was made: names it when a second offloader is refused. Front doors other than this
@@ -338,6 +340,7 @@ class ActivationOffload:
         check_can_hook(modules, self, caller)
         for module in modules:
             record_owner(module, self)
+            self._hooked_modules.append(weakref.ref(module))
             if as_blocks:
                 pre_hook, post_hook = self._block_pre_hook, self._block_post_hook
             else:
@@ -358,7 +361,8 @@ class ActivationOffload:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        forget_owner(self)
+        forget_owner([module for module in (ref() for ref in self._hooked_modules) if module is not None], self)
+        self._hooked_modules.clear()
         self._registered_blocks = 0
         self._root = None
         if self._copies is not None:

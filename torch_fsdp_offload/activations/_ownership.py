@@ -1,4 +1,5 @@
-"""The one record of which offloader offloads each module's activations, and who made that offloader.
+"""The one record of which offloader offloads each module's activations (kept on the module), and who
+made that offloader.
 
 A module carries the hooks of at most one live offloader, as a model or as a block: a second would
 offload what the module saves twice. Every front door (:func:`offload_activations`,
@@ -35,13 +36,14 @@ _KEEP_ONE = {
     ),
 }
 
-# Weak both ways: the record keeps neither the module nor its offloader alive.
-_offloader_of_module: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+# On each module an offloader hooked: that offloader, weakly (the module does not keep it alive).
+_OWNER_ATTRIBUTE = "_torch_fsdp_offload_activation_offloader"
 
 
 def offloader_of(module: nn.Module) -> Any:
     """The live offloader whose hooks ``module`` carries (as a model or a block), or None."""
-    return _offloader_of_module.get(module)
+    ref = module.__dict__.get(_OWNER_ATTRIBUTE)
+    return ref() if ref is not None else None
 
 
 def check_can_hook(modules: Iterable[Any], offload: Any, caller: str) -> None:
@@ -69,7 +71,7 @@ def check_can_hook(modules: Iterable[Any], offload: Any, caller: str) -> None:
                 "and its blocks themselves (e.g. model.blocks)"
             )
     for module in modules:
-        other = _offloader_of_module.get(module)
+        other = offloader_of(module)
         if other is None or other is offload:
             continue
         raise ValueError(
@@ -80,11 +82,12 @@ def check_can_hook(modules: Iterable[Any], offload: Any, caller: str) -> None:
 
 
 def record_owner(module: nn.Module, offload: Any) -> None:
-    """Note that ``offload``'s hooks are on ``module`` (checked with :func:`check_can_hook`)."""
-    _offloader_of_module[module] = offload
+    """Note on ``module`` that ``offload``'s hooks are on it (checked with :func:`check_can_hook`)."""
+    module.__dict__[_OWNER_ATTRIBUTE] = weakref.ref(offload)
 
 
-def forget_owner(offload: Any) -> None:
-    """Release every module ``offload`` hooked (it removed its hooks)."""
-    for module in [module for module, owner in _offloader_of_module.items() if owner is offload]:
-        del _offloader_of_module[module]
+def forget_owner(modules: Iterable[nn.Module], offload: Any) -> None:
+    """Release ``modules``, those ``offload`` hooked (it removed its hooks)."""
+    for module in modules:
+        if offloader_of(module) is offload:
+            del module.__dict__[_OWNER_ATTRIBUTE]

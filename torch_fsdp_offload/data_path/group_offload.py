@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch_fsdp_offload._helpers.tensors import foreach_copy_, local_tensor
+from torch_fsdp_offload._helpers.tensors import foreach_copy_, local_tensor, unversioned_alias
 from torch_fsdp_offload.data_path.group_state import assert_in_states, GradCapture, GroupPlacement, SourceFreshness
-from torch_fsdp_offload.memory import pinned_empty
+from torch_fsdp_offload.memory import HostPromise, pinned_empty, promise_host_bytes
 from torch_fsdp_offload.resolved_plan import ResolvedPlan
-from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
+from torch_fsdp_offload.transfer import get_transfer_engine, HostFollowUp, Transfer
 
 __all__ = ["GroupOffload", "host_bytes", "is_host_grad"]
 
@@ -63,13 +63,18 @@ class GroupOffload:
         # Streams that read views of the staging buffer without marking it used (record_stream):
         # the H2D stream waits for them before the buffer is dropped (_drop_staging).
         self._staging_readers: list[torch.cuda.Stream] = []
-        self.grad_transfer: Transfer | None = None
+        # The last gradient copy down (a HostFollowUp when it accumulates), until waited for.
+        self.grad_transfer: Transfer | HostFollowUp | None = None
         self.captured_grads: dict[Any, torch.Tensor] = {}
+        # Where an accumulating backward's gradients land before they are added to ``grads``.
+        self._incoming_grads: torch.Tensor | None = None
         # The group's host optimizer step when it may still be running after step() returned
         # (OffloadOptimizer(overlap_next_forward=True)); copy-in waits for it.
         self.update_pending: Any = None
         # The OffloadOptimizer stepping the group, weakly (optimizer.groups.attach_optimizer).
         self.optimizer_ref: weakref.ref | None = None
+        # The host memory an offloaded group's buffers take, promised until it is homed.
+        self.host_promise: HostPromise | None = None
 
     @property
     def offloaded(self) -> bool:
@@ -87,6 +92,21 @@ class GroupOffload:
             self.offsets[fsdp_param] = (offset, numel)
             offset += numel
         self.numel = offset
+
+    def promise_host_memory(self, group: Any) -> None:
+        """Lay ``group`` (this offload's) out and promise the host memory its buffers take when it is
+        homed (at lazy init), so a later group's capacity check counts it; the promise ends with the
+        group."""
+        self.layout()
+        self.host_promise = promise_host_bytes(self.host_bytes())
+        weakref.finalize(group, self.host_promise.fulfil)
+
+    def mark_homed(self) -> None:
+        """The ``ON_HOST`` to ``HOMED`` transition: the shards are in the group's host buffer."""
+        assert_in_states(self.placement, GroupPlacement.ON_HOST)
+        self.placement = GroupPlacement.HOMED
+        if self.host_promise is not None:
+            self.host_promise.fulfil()
 
     def host_bytes(self) -> int:
         """Host bytes this group will pin (see :func:`host_bytes`)."""
@@ -267,6 +287,49 @@ class GroupOffload:
             p.grad_offload_event = self.grad_transfer
         return True
 
+    @torch.no_grad()
+    def offload_accumulating(self, post_reduce_event: Any, previous: dict[Any, torch.Tensor]) -> bool:
+        """:meth:`offload_grads` for a backward after which the group's gradients accumulate:
+        ``previous`` holds each parameter's gradient from before it (a DTensor, taken off the
+        parameter so that FSDP did not add to it). The new gradients land in a buffer of their own
+        and are added to the previous ones on the host, by the engine's host thread, while backward
+        goes on; :meth:`wait_grads` (and FSDP's wait at the end of backward) waits for the sum.
+        Each parameter ends with its summed gradient, also one that got none in this backward.
+
+        Returns whether any gradient was copied."""
+        for fsdp_param, grad in previous.items():
+            if not is_host_grad_tensor(self, grad):  # set by the user: the sum lives in the buffer
+                slot = self.host_grad_view(fsdp_param)
+                slot.copy_(local_tensor(grad))
+                previous[fsdp_param] = fsdp_param.to_sharded_dtensor(slot)
+        captured = list(self.captured_grads)
+        if self._incoming_grads is None:
+            self._incoming_grads = pinned_empty((self.numel,), self.master.dtype)
+        incoming = self._incoming_grads
+        copied = self.offload_grads(post_reduce_event, into=incoming)
+        for fsdp_param, grad in previous.items():
+            # The same gradient tensor as before this backward (FSDP's own accumulation keeps it),
+            # whose memory will hold the sum.
+            fsdp_param.sharded_param.grad = grad
+        if not copied:
+            return False
+        # Completing the sum is part of the landing, not a change of a gradient the user sees
+        # (the optimizer compares version counters from the landing on).
+        totals = unversioned_alias(self.grads)
+
+        def add() -> None:
+            for fsdp_param in captured:
+                total, new = self._padded_view(totals, fsdp_param), self._padded_view(incoming, fsdp_param)
+                if fsdp_param in previous:
+                    total.add_(new)
+                else:
+                    total.copy_(new)
+
+        self.grad_transfer = self.engine.then_on_host(self.grad_transfer, add, f"grads_accumulate:{self.label()}")
+        for fsdp_param in captured:
+            fsdp_param.grad_offload_event = self.grad_transfer
+        return True
+
     def _reduce_output_as_flat(self, captured: dict[Any, torch.Tensor]) -> torch.Tensor | None:
         """FSDP's reduce output itself, when it holds every parameter's reduced shard at the
         padded offset our host buffer uses (the usual case: FSDP lays both out the same way).
@@ -380,8 +443,13 @@ class GroupOffload:
 
 def is_host_grad(offload: GroupOffload, fsdp_param: Any) -> bool:
     """Whether the gradient FSDP holds for ``fsdp_param`` is a view of the group's host buffer."""
+    return is_host_grad_tensor(offload, fsdp_param.sharded_param.grad)
+
+
+def is_host_grad_tensor(offload: GroupOffload, grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a view of ``offload``'s host gradient buffer."""
     if offload.grads is None:
         return False
-    ptr = local_tensor(fsdp_param.sharded_param.grad).data_ptr()
+    ptr = local_tensor(grad).data_ptr()
     base = offload.grads.data_ptr()
     return base <= ptr < base + offload.grads.numel() * offload.grads.element_size()

@@ -3,9 +3,14 @@ and the copy-ins it issues ``prefetch_depth`` groups ahead of the computing one,
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch_fsdp_offload.data_path.group_offload import GroupOffload
 
 __all__ = ["RootSchedule"]
+
+# The attribute of a root's communication context that holds its schedule.
+_ATTRIBUTE = "coherent_schedule"
 
 
 class RootSchedule:
@@ -14,6 +19,22 @@ class RootSchedule:
     def __init__(self) -> None:
         self.order: list[GroupOffload] = []
         self.learning = True
+
+    @staticmethod
+    def find(comm_ctx: Any) -> "RootSchedule | None":
+        """The schedule of the root whose FSDP communication context is ``comm_ctx`` (one per root,
+        shared by its groups), None before :meth:`of_root` made it."""
+        return getattr(comm_ctx, _ATTRIBUTE, None)
+
+    @staticmethod
+    def of_root(comm_ctx: Any) -> "RootSchedule":
+        """The schedule of the root whose communication context is ``comm_ctx``, made on first use
+        and kept on that context (it lives as long as the root)."""
+        schedule = RootSchedule.find(comm_ctx)
+        if schedule is None:
+            schedule = RootSchedule()
+            setattr(comm_ctx, _ATTRIBUTE, schedule)
+        return schedule
 
     def on_compute(self, offload: GroupOffload, backward: bool, depth: int) -> None:
         """``offload``'s group is about to compute: start the copy-ins of the ``depth`` groups that

@@ -402,7 +402,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _on_grads_ready(self, owner: OffloadedGroup, is_last_backward: bool) -> None:
         """``owner``'s gradient copy to the host was issued (:func:`notify_grads_ready`)."""
-        self._overlap.on_landing(owner)
+        if is_last_backward or owner in self._host_steps.during_backward:
+            # A backward the user marked as not the last (set_requires_gradient_sync(False) or
+            # set_is_last_backward(False)) accumulates: the landing that counts is the last one's,
+            # unless the group already stepped.
+            self._overlap.on_landing(owner)
         if owner in self._host_steps.during_backward:
             # It stepped with its first gradient: step() refuses this one. Raising here, inside
             # FSDP's backward, would leave that backward half run and the model unusable.

@@ -25,17 +25,13 @@ from torch_fsdp_offload.optimizer.inner_optimizers import InnerOptimizers
 from torch_fsdp_offload.optimizer.step_worker import StepWorker
 from torch_fsdp_offload.transfer import Transfer
 
-__all__ = ["SCALED_ON_DEVICE", "STREAM_RUNS_IN_FLIGHT", "STREAM_RUN_BYTES", "StreamedSteps"]
+__all__ = ["STREAM_RUNS_IN_FLIGHT", "STREAM_RUN_BYTES", "StreamedSteps"]
 
 # Bytes of device memory one pipelined run of a streamed step may take (its uploads); a single
 # larger parameter makes a run of its own.
 STREAM_RUN_BYTES = 1 << 30
 # Runs holding device memory at once: one downloading, one stepping, one uploading.
 STREAM_RUNS_IN_FLIGHT = 3
-
-#: Parameters of streamed groups whose clip was applied on the device: their host gradients then
-#: scaled too (they may be read after ``step()``), or left (``zero_grad()`` had come).
-SCALED_ON_DEVICE = {"host_scaled": 0, "host_skipped": 0}
 
 # A run of consecutive parameters: ``(first, last, start, stop)``, parameters ``first:last``
 # occupying elements ``start:stop`` of every flat buffer.
@@ -76,6 +72,9 @@ class StreamedSteps:
         #: Seconds the last ``step()``'s streamed steps took, copies included (with
         #: ``overlap_next_forward``, set by the pipeline's thread when it ends).
         self.last_seconds = 0.0
+        #: Parameters whose clip was applied on the device: their host gradients then scaled too
+        #: (they may be read after ``step()``), or left (``zero_grad()`` had come).
+        self.scaled_on_device = {"host_scaled": 0, "host_skipped": 0}
         self._flat_state: dict[StreamedGroup, dict[str, torch.Tensor]] = {}
         self._device_inner: dict[StreamedGroup, tuple[torch.optim.Optimizer, list[nn.Parameter]]] = {}
         self._device_scalars: dict[StreamedGroup, list[dict[str, Any]]] = {}
@@ -376,7 +375,7 @@ class StreamedSteps:
         unread = self._finishing.zero_grad_came(owner)
         for param, factors in zip(owner.params, scales):
             if factors:
-                SCALED_ON_DEVICE["host_skipped" if unread else "host_scaled"] += 1
+                self.scaled_on_device["host_skipped" if unread else "host_scaled"] += 1
             for factor in () if unread else factors:
                 local_tensor(param.grad).mul_(factor)
 

@@ -19,7 +19,6 @@ from torch_fsdp_offload.planner.model_plan import plan_model
 from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, candidate_kwargs, candidate_spread_fraction
 from torch_fsdp_offload.planner.scenario import Scenario, load_scenario
-from torch_fsdp_offload.planner.scenario_cost import Candidate
 from torch_fsdp_offload.planner.search import ScenarioSearch, search_scenario
 from torch_fsdp_offload.planner.step_time import predict_step
 from torch_fsdp_offload.planner.training_config import TrainingConfig

@@ -23,7 +23,7 @@ from torch_fsdp_offload.planner.report import PlanResult, Recommendation
 from torch_fsdp_offload.planner.scenario import Checkpointing, Scenario
 from torch_fsdp_offload.planner.scenario_cost import TECHNIQUES, Candidate
 from torch_fsdp_offload.planner.search import (
-    OFFLOAD_MARGIN, ScenarioSearch, choose, micro_batches_at, offload_blocked_reason, samples_per_s, search_training,
+    OFFLOAD_MARGIN, ScenarioSearch, choose, offload_blocked_reason, samples_per_s, search_training,
 )
 from torch_fsdp_offload.planner.step_time import StepPrediction, predict_step
 from torch_fsdp_offload.planner.training_config import TrainingConfig
