@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -129,6 +130,17 @@ def set_gradient_sync(model: nn.Module, reference: nn.Module, sync: bool) -> Non
             module.set_requires_gradient_sync(sync or fsdp2_shards_on_host(modules[name]), recurse=False)
 
 
+# What every rank imports, imported once by the server the ranks fork from.
+_RANK_PRELOAD = (
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.testing._internal.common_distributed",
+    "torch_fsdp_offload",
+    "common_offload",
+)
+
+
 class GlooMultiProcessTestCase(MultiProcessTestCase):
     """A MultiProcessTestCase on the CPU with gloo; subclasses set ``WORLD_SIZE``."""
 
@@ -138,9 +150,19 @@ class GlooMultiProcessTestCase(MultiProcessTestCase):
     def world_size(self) -> int:
         return self.WORLD_SIZE
 
+    # Ranks fork from one server process that imported torch and the library once (a spawned rank
+    # imports them again, seconds each); the server runs none of the tests' threads, and its
+    # environment is the one the test modules set up at import.
+    START_METHOD = "forkserver"
+
     def setUp(self) -> None:
         super().setUp()
-        self._spawn_processes()
+        if self.START_METHOD == "spawn":
+            self._spawn_processes()
+            return
+        context = multiprocessing.get_context(self.START_METHOD)
+        context.set_forkserver_preload(list(_RANK_PRELOAD))
+        self._start_processes(context.Process)
 
     @classmethod
     def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe, **kwargs) -> None:
@@ -259,6 +281,8 @@ class NcclMultiProcessTestCase(GlooMultiProcessTestCase):
 
     MIN_WORLD_SIZE = 2
     MAX_WORLD_SIZE = 4
+    # Each rank starts from this process's environment as the test left it (multicast off).
+    START_METHOD = "spawn"
 
     @property
     def world_size(self) -> int:

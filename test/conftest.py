@@ -6,12 +6,12 @@ import sys
 import pytest
 
 # Tests import their shared scaffolding (common_offload) by module name, in pytest and in the
-# processes MultiProcessTestCase spawns.
+# processes MultiProcessTestCase starts.
 sys.path.insert(0, os.path.dirname(__file__))
 
 # The forced-copy CPU tests run their copies asynchronously: one worker thread per direction,
 # each copy up to 2 ms late, destinations poisoned until they land (see
-# torch_fsdp_offload/cpu_copy_stream.py). Set before anything is imported, so that spawned ranks
+# torch_fsdp_offload/cpu_copy_stream.py). Set before anything is imported, so that the ranks
 # inherit it. A value already in the environment wins ("off": synchronous copies).
 os.environ.setdefault("TORCH_FSDP_OFFLOAD_CPU_ASYNC_COPIES", "2:0")
 

@@ -301,7 +301,7 @@ class _EveryOptimizerClass(GlooMultiProcessTestCase):
     """Every ``torch.optim`` class with OffloadOptimizer's defaults (no argument at all): it
     constructs, steps and trains bit for bit as the class itself (parameters and state), or is
     refused at construction. Half the groups are streamed and half stepped on the host, so both
-    paths run; the tests run in spawned processes, where a crash in a kernel fails the test."""
+    paths run; the tests run in processes of their own, where a crash in a kernel fails the test."""
 
     def _train(self, model, optim, steps: int = 3) -> tuple[list[torch.Tensor], dict]:
         for step in range(steps):

@@ -153,6 +153,8 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         super().__init__(*args, **kwargs)
         self.offload_policy = policy if offloaded else fsdp_policy
         self.coherent_policy = policy
+        # set_requires_gradient_sync's values, kept while a backward runs with both forced on.
+        self._requested_sync: tuple[bool, bool] | None = None
         self._model_sharding = model
         sharding.record_group(policy, model, call["modules"])
         if not model.plan_logged:
@@ -227,6 +229,16 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
     def sharded_state_is_sharded(self) -> bool:
         return self.is_sharded and not self.is_sharded_post_forward
 
+    def pre_backward(self, *args: Any, **kwargs: Any):
+        # See Note: [Post-accumulate-grad hooks and accumulation]: the group reduces and offloads
+        # every backward's gradients, whatever set_requires_gradient_sync said; from its backward's
+        # start, as torch 2.15 then keeps the gradients in the compute dtype, as when it reduces.
+        offload = self._offload
+        if offload is not None and offload.active and self._requested_sync is None:
+            self._requested_sync = self.reduce_grads, self.all_reduce_grads
+            self.reduce_grads = self.all_reduce_grads = True
+        return super().pre_backward(*args, **kwargs)
+
     def post_backward(self, *unused: Any):
         offload = self._offload
         if offload is None or not offload.active:
@@ -246,9 +258,9 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             if param_hooks:
                 hooks[p] = param_hooks
                 p.sharded_param._post_accumulate_grad_hooks = None
-        # See Note: [Post-accumulate-grad hooks and accumulation]: the group reduces and offloads
-        # every backward's gradients, whatever set_requires_gradient_sync said.
-        requested_sync = self.reduce_grads, self.all_reduce_grads
+        # A group that ran no pre-backward (not used in forward) is told here.
+        requested_sync = self._requested_sync or (self.reduce_grads, self.all_reduce_grads)
+        self._requested_sync = None
         self.reduce_grads = self.all_reduce_grads = True
         offload.begin_grad_capture()
         try:
