@@ -357,15 +357,15 @@ _pinned_pool = _HostPool()
 class HostPromise:
     """Host bytes an owner will allocate later: an offloaded FSDP group or handle, built now, makes
     its buffers at its first forward. Checks of the host's capacity for later groups count every open
-    promise (:func:`promised_host_bytes`), so two groups are never promised the same memory. The owner
-    holds it; it ends at :meth:`fulfil` or when the owner is collected.
+    promise (:func:`promised_host_bytes`), so two groups are never promised the same memory. It ends
+    at :meth:`fulfil` or when its owner is collected.
 
     Args:
         nbytes (int): the bytes promised.
 
     Example::
 
-        >>> promise = promise_host_bytes(group_bytes)  # the group is built
+        >>> promise = promise_host_bytes(group_bytes, group)  # the group is built
         >>> promise.fulfil()  # its buffers were allocated
     """
 
@@ -377,12 +377,13 @@ class HostPromise:
         self.nbytes = 0
 
 
-def promise_host_bytes(nbytes: int) -> HostPromise:
-    """Promise ``nbytes`` of host memory to the caller, who holds the returned :class:`HostPromise`
-    until it allocates them."""
+def promise_host_bytes(nbytes: int, owner: Any) -> HostPromise:
+    """Promise ``nbytes`` of host memory to ``owner`` until it allocates them (the returned
+    :class:`HostPromise`'s :meth:`~HostPromise.fulfil`) or is collected."""
     promise = HostPromise(nbytes)
     with _pinned_pool._lock:
         _pinned_pool.promises.add(promise)
+    weakref.finalize(owner, promise.fulfil)  # holds the promise as long as the owner lives
     return promise
 
 

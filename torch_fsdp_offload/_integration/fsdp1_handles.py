@@ -34,7 +34,6 @@ offload policy run unchanged. See Note: [FSDP1 patch points] in docs/design.md:
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,8 +89,8 @@ def attach_handle_offload(
                 flat_param = handle.flat_param
                 param_dtype = handle._fwd_bwd_param_dtype if engine else None
                 cast_on = "device" if cast_on_device else "host"
-                offload.host_promise = promise_host_bytes(host_bytes(flat_param.numel(), flat_param.dtype, param_dtype, cast_on))
-                weakref.finalize(handle, offload.host_promise.fulfil)
+                nbytes = host_bytes(flat_param.numel(), flat_param.dtype, param_dtype, cast_on)
+                offload.host_promise = promise_host_bytes(nbytes, handle)
 
 
 def set_prefetch_limit(root: _FSDP1, depth: int) -> None:

@@ -98,8 +98,7 @@ class GroupOffload:
         homed (at lazy init), so a later group's capacity check counts it; the promise ends with the
         group."""
         self.layout()
-        self.host_promise = promise_host_bytes(self.host_bytes())
-        weakref.finalize(group, self.host_promise.fulfil)
+        self.host_promise = promise_host_bytes(self.host_bytes(), group)
 
     def mark_homed(self) -> None:
         """The ``ON_HOST`` to ``HOMED`` transition: the shards are in the group's host buffer."""
