@@ -235,8 +235,8 @@ class PlanAndShardRefusalTest(RefusalTestCase):
 
         self.assertRefusalLeavesModelTrainable(
             refuse, NothingFitsError,
-            r"plan_and_shard: no setting fits in the budget of 1e-07 GiB per GPU; the smallest predicted peak is "
-            r".* GiB \(modules=1.00 .* at 1x the micro-batch\). Nothing was sharded. What would fit: no smaller "
+            r"plan_and_shard: no setting fits in the budget of 1e-07 GiB per GPU; the smallest needs .* GiB: a "
+            r"predicted peak of .* GiB and the allocator's headroom \(modules=1.00 .* at 1x the micro-batch\). Nothing was sharded. What would fit: no smaller "
             r"micro-batch of whole sequences fits with more accumulation either: plan a shorter sequence \(seq_len=\), "
             r"shard over more GPUs \(world_size=\), or give it more GPU memory",
         )

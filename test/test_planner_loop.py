@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import re
+from unittest import mock
 
 import torch
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests, TestCase
@@ -129,6 +130,18 @@ class TestTheLoopIsPlanned(TestCase):
                 plan("anchor-1.6b", platform="h200-pcie", grad_accum_steps=bad)
         with self.assertRaisesRegex(ValueError, "grad_accum_steps only apply to a model"):
             plan(scenario=TALK, grad_accum_steps=4)
+
+    def test_under_a_cap_the_budget_is_the_whole_cap(self):
+        # set_per_process_memory_fraction bounds the caching allocator alone, and every prediction
+        # counts the allocator's headroom: a capped process budgets all of its cap, an uncapped one
+        # 90% of the GPU (the rest for the CUDA context and NCCL), a plan for another machine too.
+        model, example = PlainBlocks(), torch.randn(2, 16, DIM)
+        uncapped = plan(model, example_input=example, microbatch_factors=(1,)).training.capacity_bytes
+        with mock.patch("torch_fsdp_offload.planner.api.process_memory_fraction", return_value=0.5):
+            capped = plan(model, example_input=example, microbatch_factors=(1,)).training.capacity_bytes
+            other = plan(model, example_input=example, microbatch_factors=(1,), platform="h200-pcie").training
+        self.assertAlmostEqual(capped / uncapped, 1 / 0.9, places=3)  # host_only: the memory available now
+        self.assertAlmostEqual(other.capacity_bytes, get_profile("h200-pcie").gpu_memory_GB * 1e9 * 0.9, delta=1)
 
     def test_where_nothing_fits_the_error_says_what_would(self):
         model = PlainBlocks().to("meta")

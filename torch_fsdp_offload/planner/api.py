@@ -16,7 +16,7 @@ from torch_fsdp_offload.planner.arguments import (
 )
 from torch_fsdp_offload.planner.memory_breakdown import map_tensors, model_breakdown
 from torch_fsdp_offload.planner.model_plan import plan_model
-from torch_fsdp_offload.planner.profiles import PlatformProfile, get_profile, measured_profile
+from torch_fsdp_offload.planner.profiles import get_profile, measured_profile, PlatformProfile, process_memory_fraction
 from torch_fsdp_offload.planner.report import PlanResult, Recommendation, candidate_kwargs, candidate_spread_fraction
 from torch_fsdp_offload.planner.scenario import Scenario, load_scenario
 from torch_fsdp_offload.planner.search import ScenarioSearch, search_scenario
@@ -27,8 +27,15 @@ from torch_fsdp_offload.planner.training_profile import fsdp2_reduce_dtype, trai
 __all__ = ["NothingFitsError", "plan", "plan_and_shard", "predict_per_gpu"]
 
 # Of the GPU's memory, what a step's peak may allocate: the rest for the CUDA context, NCCL and
-# the allocator's fragmentation.
+# the allocator's fragmentation. A cap of torch.cuda.set_per_process_memory_fraction bounds the
+# caching allocator alone (the context and NCCL's buffers live outside it), and the largest block's
+# headroom is a part of every prediction: under a cap the whole cap is the budget.
 _MEMORY_HEADROOM = 0.9
+
+
+def _default_capacity_bytes(resolved: PlatformProfile, this_machine: bool, device: torch.device) -> float:
+    capped = this_machine and process_memory_fraction(device) < 1.0
+    return resolved.gpu_memory_GB * 1e9 * (1.0 if capped else _MEMORY_HEADROOM)
 
 
 def _resolve_platform(platform: str | PlatformProfile | None) -> PlatformProfile:
@@ -169,9 +176,10 @@ def plan(
             is per GPU (sharded state, all-gathers and reduce-scatters, a shared host).
         gpu_memory_GiB (float | None): the GPU memory the step's peak must fit in: a budget below
             the GPU's (room kept for something else, or a smaller GPU than the profile's).
-            Default: 90% of the platform's memory, or of this process's cap
-            (``torch.cuda.set_per_process_memory_fraction``) when planning this machine (the rest for
-            the CUDA context, NCCL and fragmentation).
+            Default: 90% of the platform's memory (the rest for the CUDA context, NCCL and
+            fragmentation), or, planning this machine under a cap
+            (``torch.cuda.set_per_process_memory_fraction``), the whole cap: it bounds the caching
+            allocator alone, and every prediction counts the allocator's headroom.
         example_input: what the model is called with, where it takes no ``(batch, seq)`` token ids:
             a tensor (hidden states ``(batch, seq, dim)``, say), a tuple of arguments or a mapping
             of keyword arguments; the first tensor's first two dimensions are the micro-batch and
@@ -261,7 +269,8 @@ def plan(
         measure=measure,
         not_measured=f"{why} (a plan for {resolved.name}, not this machine)" if why == "platform= given" else why,
         world_size=world_size,
-        capacity_bytes=resolved.gpu_memory_GB * 1e9 * _MEMORY_HEADROOM if capacity_bytes is None else capacity_bytes,
+        capacity_bytes=(_default_capacity_bytes(resolved, platform is None, device) if capacity_bytes is None
+                        else capacity_bytes),
         example_input=example_input,
         blocks=blocks,
         device=device,
@@ -376,7 +385,8 @@ class NothingFitsError(ValueError):
         factor, smallest = training.smallest()
         super().__init__(
             f"plan_and_shard: no setting fits in the budget of {training.capacity_bytes / 2**30:.3g} GiB per GPU; the "
-            f"smallest predicted peak is {smallest.peak_gpu_GiB:.3g} GiB ({smallest.config.label} at {factor:g}x the "
+            f"smallest needs {training.needed_GiB((factor, smallest)):.3g} GiB: a predicted peak of "
+            f"{smallest.peak_gpu_GiB:.3g} GiB and the allocator's headroom ({smallest.config.label} at {factor:g}x the "
             f"micro-batch). Nothing was sharded. What would fit: {training.what_would_fit}; this error's .result "
             "holds the plan (print(error.result.report()))"
         )
