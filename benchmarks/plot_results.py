@@ -112,6 +112,24 @@ def plot_peers(results: str, out: str) -> str:
     return _save(fig, out, "peers.png")
 
 
+def plot_user_loop(results: str, out: str) -> str:
+    """Tokens/s of each row of ``user_loop.json`` beside the uncapped resident row's, the cap and
+    the peak allocated GPU memory in each label."""
+    rows = _rows(os.path.join(results, "user_loop.json"))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for index, row in enumerate(rows):
+        ours = row["system"] in ("plan", "fsdp1")
+        ax.barh(index, row["tokens_per_s"] / 1e3, color="C1" if ours else "C0")
+        ax.annotate(f"{row['peak_allocated_GiB']:.1f} GiB", (row["tokens_per_s"] / 1e3, index), fontsize=7,
+                    xytext=(3, -3), textcoords="offset points")
+    ax.set_yticks(range(len(rows)), [row["name"] for row in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("thousand tokens/s (label: peak allocated GPU memory)")
+    ax.set_title("3.09B Qwen2-class Hugging Face model from the CPU, 2048-token sequences, one H200 (PCIe Gen5)",
+                 fontsize=9)
+    return _save(fig, out, "user_loop.png")
+
+
 def plot_activations(results: str, out: str) -> str:
     configs = []
     with open(os.path.join(results, "activations_default_rows.json")) as f:
@@ -134,7 +152,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/img")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for plot in (plot_fsdp_bs4, plot_contract, plot_peers, plot_activations):
+    for plot in (plot_fsdp_bs4, plot_contract, plot_peers, plot_user_loop, plot_activations):
         print(plot(args.results, args.out))
 
 

@@ -36,6 +36,7 @@ import planner_validate  # noqa: E402
 import row_grammar  # noqa: E402
 import stream_timeline  # noqa: E402
 import transfer  # noqa: E402
+import user_loop  # noqa: E402
 from memory_snapshot import peak_breakdown  # noqa: E402
 from common_offload import GlooMultiProcessTestCase  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
@@ -546,6 +547,35 @@ class TestFsdpOffloadBenchmark(TestCase):
         # Gparam, cast 0.1 s/Gparam) starts after the last backward, behind 3 micro-batches.
         accumulating = {**row("coherent(default;accum=4)", 1.0, 9.0), "micro_batches": 4, "host_stepped_params": 1.5e9, "params_M": 1500.0}
         self.assertAlmostEqual(fsdp_offload.lower_bound(accumulating, rows[1], bandwidth, host), 0.1 + 0.45 + 3 * 0.15)
+
+
+class TestUserLoopBenchmark(TestCase):
+    def test_row_names(self):
+        self.assertEqual(user_loop.parse_row("plan;cap=24;mb=2;accum=8;clip"),
+                         {"system": "plan", "cap": 24.0, "accum": 8, "clip": True, "micro_batch": 2})
+        for bad in ("planned", "plan;cap", "plan;clip=1", "plan;depth=2"):
+            with self.assertRaises(ValueError):
+                user_loop.parse_row(bad)
+
+    def test_tiny_run_on_the_cpu_writes_rows_with_their_bounds(self):
+        rows = "resident;mb=1;accum=2,plan;cap=24;mb=1;accum=2;clip,plan;depth=2"
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            with self.assertRaises(SystemExit):  # a bad row name, before anything runs
+                user_loop.main(["--tiny", "--rows", rows, "--out", os.path.join(tmp, "out.json")])
+            out = os.path.join(tmp, "out.json")
+            self.assertEqual(user_loop.main(["--tiny", "--rows", rows.rsplit(",", 1)[0], "--steps", "2", "--warmup", "1",
+                                             "--model-dir", os.path.join(tmp, "model"), "--out", out]), 0)
+            with open(out, encoding="utf-8") as handle:
+                result = json.load(handle)
+        resident, planned = result["rows"]
+        self.assertEqual((resident["name"], planned["name"]), ("resident;mb=1;accum=2", "plan;cap=24;mb=1;accum=2;clip"))
+        self.assertEqual(planned["plan_timing"], "estimated")  # no GPU here to time a block on
+        for row in (resident, planned):
+            self.assertNotIn("error", row)
+            self.assertEqual((row["batch_size"], row["accum"], len(row["step_s_each"]), len(row["losses"])), (1, 2, 2, 3))
+            self.assertEqual(row["of_resident"], round(row["tokens_per_s"] / resident["tokens_per_s"], 3))
+        self.assertEqual(resident["bound_s"], round(resident["step_s"], 3))  # its own compute is its bound
 
 
 class TestModelsBenchmark(TestCase):
