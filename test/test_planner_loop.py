@@ -103,9 +103,15 @@ class TestTheLoopIsPlanned(TestCase):
             self.assertEqual(four.peak_parts.get("grads", 0), resident * profile.grad_bytes + (
                 0 if four.peak_phase == "forward" else profile.block_params * profile.grad_bytes))
             self.assertGreater(four.peak_gpu_bytes, one.peak_gpu_bytes)
-            # Four forwards and backwards, their copies four times; one optimizer step.
-            self.assertAlmostEqual(four.step_s, 4 * (one.forward_s + one.backward_s) + one.optimizer_s)
+            # Four forwards and backwards, their copies four times; one optimizer step; and the
+            # host's additions of the offloaded gradients, three times, where they outlast backward.
+            adding = four.backward_s - 4 * one.backward_s
+            self.assertAlmostEqual(four.step_s, 4 * (one.forward_s + one.backward_s) + adding + one.optimizer_s)
             self.assertEqual((four.h2d_bytes, four.d2h_bytes), (4 * one.h2d_bytes, 4 * one.d2h_bytes))
+            # anchor's backward (0.10 s) is shorter than the additions of half its blocks (0.11 s).
+            self.assertEqual(adding > 0, fraction > 0)
+            eight = predict_step(profile, TrainingConfig(module_fraction=fraction, grad_accum_steps=8), platform)
+            self.assertAlmostEqual(eight.backward_s - 8 * one.backward_s, adding * 7 / 3)
 
     def test_a_plan_for_accumulation_and_clipping(self):
         result = plan("anchor-1.6b", platform="h200-pcie", batch_size=4, gpu_memory_GiB=14, grad_accum_steps=4,

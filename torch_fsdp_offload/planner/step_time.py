@@ -17,6 +17,7 @@ from torch_fsdp_offload.planner.library_facts import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.planner.peak_memory import phase_parts
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.traffic import (
+    accumulation_add_seconds_per_param,
     copy_in_bytes_per_param,
     host_cast_bytes_per_param,
     clip_scaling_seconds_per_param,
@@ -184,8 +185,10 @@ def predict_step(
     With ``config.grad_accum_steps`` = N the loop runs N forwards and backwards, each with its
     copies (offloaded groups' parameters in, their gradients down to be added up on the host),
     then one optimizer step: host steps start after the last backward and run into the next
-    forward as without accumulation; streamed groups step once. The host's additions of the
-    offloaded gradients are not priced.
+    forward as without accumulation; streamed groups step once. Every micro-batch but the first
+    adds the offloaded groups' landed gradients into their sums on the host, one thread group by
+    group as they land, at the host step's DRAM rate (:func:`accumulation_add_seconds_per_param`);
+    backward ends once the last sum is done, so what outlasts backward is added to it.
 
     Peak GPU memory is the largest of the phase peaks of
     :func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks` (forward end, each block's
@@ -335,11 +338,20 @@ def predict_step(
     # Every accumulated micro-batch runs forward and backward with its copies; the optimizer (and
     # the host steps it waits for) once, after the last.
     micro_batches = config.grad_accum_steps
+    adding = 0.0
+    if micro_batches > 1 and offloaded_blocks and copies:
+        adamw_alone, adamw_busy = host_step_seconds_per_param(profile, "device")
+        # The gradients land while the DMA runs: the busy rate where it was measured.
+        add_s = offloaded_blocks * shard * world_size * accumulation_add_seconds_per_param(
+            profile, adamw_busy if adamw_busy is not None else adamw_alone, profile.host_GBps)
+        first_landed = (backward * (n_blocks - max(offloaded)) / n_blocks
+                        + shard * profile.grad_bytes / (platform.d2h_GBps * 1e9))
+        adding = (micro_batches - 1) * max(0.0, first_landed + add_s - backward)
     return StepPrediction(
         config=config,
-        step_s=micro_batches * (forward + backward) + optimizer,
+        step_s=micro_batches * (forward + backward) + adding + optimizer,
         forward_s=micro_batches * forward,
-        backward_s=micro_batches * backward,
+        backward_s=micro_batches * backward + adding,
         optimizer_s=optimizer,
         peak_gpu_bytes=int(sum(peak_parts.values())),
         peak_phase=peak_phase,
