@@ -288,9 +288,9 @@ def predict_step(
     host_params = host_blocks * shard * world_size
     # With cast_on="device" the host work is AdamW alone (the cast runs on the GPU).
     host_alone, host_busy = host_step_seconds_per_param(profile, config.cast_on)
+    adamw_alone, adamw_busy = host_step_seconds_per_param(profile, "device")
     if config.clipping:
         # Clipping adds a scaling pass over every host gradient before its group steps.
-        adamw_alone, adamw_busy = host_step_seconds_per_param(profile, "device")
         if host_alone is not None:
             host_alone += clip_scaling_seconds_per_param(profile, adamw_alone)
         if host_busy is not None:
@@ -315,12 +315,17 @@ def predict_step(
                            + act_forward + act_in_flight + reloaded)
         host_bytes = host_blocks * shard * host_step_bytes_per_param(profile, config.cast_on, config.clipping) + link_dram_bytes
         host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
+    grad_copy = shard * profile.grad_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
+
+    def landed_at(index: int) -> float:
+        # From the start of backward: block i's gradients land after the backward of the blocks
+        # behind it, and their copy down.
+        return backward * (n_blocks - index) / n_blocks + grad_copy
+
     host_tail = 0.0
     if host_blocks:
-        # From the start of backward: block i's gradients land after the backward of the blocks
-        # behind it; one worker steps the host groups (see the docstring for the order).
-        grad_copy = shard * profile.grad_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
-        landed = {index: backward * (n_blocks - index) / n_blocks + grad_copy for index in host_indices}
+        # One worker steps the host groups (see the docstring for the order).
+        landed = {index: landed_at(index) for index in host_indices}
         done = _host_step_ends(landed, host_time / host_blocks, from_step=None if config.steps_early else backward)
         # The next forward copies each host group in, in forward order, once its step has ended.
         start = backward + gpu_path_optimizer
@@ -340,13 +345,11 @@ def predict_step(
     micro_batches = config.grad_accum_steps
     adding = 0.0
     if micro_batches > 1 and offloaded_blocks and copies:
-        adamw_alone, adamw_busy = host_step_seconds_per_param(profile, "device")
         # The gradients land while the DMA runs: the busy rate where it was measured.
         add_s = offloaded_blocks * shard * world_size * accumulation_add_seconds_per_param(
             profile, adamw_busy if adamw_busy is not None else adamw_alone, profile.host_GBps)
-        first_landed = (backward * (n_blocks - max(offloaded)) / n_blocks
-                        + shard * profile.grad_bytes / (platform.d2h_GBps * 1e9))
-        adding = (micro_batches - 1) * max(0.0, first_landed + add_s - backward)
+        # The last offloaded block's gradients land first; the last sum ends backward.
+        adding = (micro_batches - 1) * max(0.0, landed_at(max(offloaded)) + add_s - backward)
     return StepPrediction(
         config=config,
         step_s=micro_batches * (forward + backward) + adding + optimizer,
