@@ -66,7 +66,8 @@ SYSTEMS = ("resident", "stock", "zero3", "fsdp1", "plan")
 
 
 def parse_row(name: str) -> dict:
-    """``"plan;cap=24;accum=4;clip"`` -> ``{"system": "plan", "cap": 24.0, "accum": 4, "clip": True}``."""
+    """``"plan;cap=24;mb=2;accum=4;clip"`` -> ``{"system": "plan", "cap": 24.0, "accum": 4, "clip": True,
+    "micro_batch": 2}`` (``micro_batch`` None: ``--batch-size``)."""
     system, *items = name.split(";")
     if system not in SYSTEMS:
         raise ValueError(f"row {name!r}: unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
@@ -84,6 +85,11 @@ def parse_row(name: str) -> dict:
         else:
             raise ValueError(f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip)")
     return row
+
+
+def failed_row(name: str, error: str) -> dict:
+    """The record of a row that did not run, and why."""
+    return {"name": name, **parse_row(name), "error": error}
 
 
 def save_model(model_dir: str, tiny: bool) -> dict:
@@ -228,7 +234,8 @@ def run_one_row(name: str, model_dir: str, batch: int, seq_len: int, steps: int,
             torch.cuda.set_per_process_memory_fraction(min(1.0, row["cap"] * GiB / total), 0)
     started = time.perf_counter()
     generator = torch.Generator(device=device).manual_seed(0)
-    config_vocab = json.load(open(os.path.join(model_dir, "config.json"), encoding="utf-8"))["vocab_size"]
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as config:
+        config_vocab = json.load(config)["vocab_size"]
     tokens = torch.randint(0, config_vocab, (batch, seq_len), device=device, generator=generator)
     model, step, extra = _build(row, model_dir, tokens, device)
     optimizer = extra.pop("optimizer", None)
@@ -282,7 +289,7 @@ def add_bounds(rows: list[dict], machine: dict) -> None:
         terms = {"gpu": base["step_s"]}
         host_params = row.get("host_stepped_params")
         if host_params is None and row.get("offloaded_params"):
-            # A row recorded before host_stepped_params: the plan's optimizer=F streams F of them.
+            # Where only the offloaded count is known: the plan's optimizer=F streams F of them.
             streamed = re.search(r"optimizer=([0-9.]+)", row.get("plan") or "")
             host_params = row["offloaded_params"] * (1 - float(streamed.group(1)) if streamed else 1)
         if rate and host_params:
@@ -331,7 +338,7 @@ def _row_child(args) -> int:
         row = run_one_row(args.one_row, args.model_dir, args.batch_size, args.seq_len, args.steps, args.warmup)
     except Exception as error:  # noqa: BLE001 (the row records what failed; the parent goes on)
         traceback.print_exc()
-        row = {"name": args.one_row, **parse_row(args.one_row), "error": error_line(error)}
+        row = failed_row(args.one_row, error_line(error))
     with open(args.row_out, "w", encoding="utf-8") as handle:
         json.dump(row, handle)
     return 0
@@ -339,7 +346,7 @@ def _row_child(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (system;cap=G;accum=N;clip)")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (system;cap=G;mb=B;accum=N;clip)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch (default 4, 2 with --tiny)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048, 64 with --tiny")
     parser.add_argument("--steps", type=int, default=3)
@@ -385,11 +392,11 @@ def main(argv=None) -> int:
         if name in done:
             continue
         if runner.remaining() < args.min_row_seconds:
-            done[name] = {"name": name, **parse_row(name), "error": "not run: --max-seconds reached"}
+            done[name] = failed_row(name, "not run: --max-seconds reached")
             continue
         t0 = time.monotonic()
         row, error = runner.child(["--one-row", name, *common], timeout=min(args.row_timeout, runner.remaining()))
-        row = row or {"name": name, **parse_row(name), "error": error}
+        row = row or failed_row(name, error)
         row["wall_s"] = round(time.monotonic() - t0, 1)
         done[name] = row
         print(f"{name}: {row.get('step_s', row.get('error'))} ({row['wall_s']} s)", flush=True)
