@@ -251,23 +251,23 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         # The norms started while backward ran; no group stepped before step().
         self.assertEqual(started_in_backward, [(True, False)])
 
-    def test_accumulated_gradients_are_added_off_the_training_thread(self):
-        # A micro-batch whose gradients add to earlier ones lands in a host buffer of its own, and
-        # the copy engine's host thread adds it in: backward goes on meanwhile.
+    def test_accumulated_gradients_are_summed_where_they_were_reduced(self):
+        # A micro-batch whose gradients add to earlier ones brings each offloaded group's running
+        # sums up, adds its reduced shards to them on the device and sends the sums down: the host
+        # adds nothing (Note: [Post-accumulate-grad hooks and accumulation]).
         self.init_gloo()
         model, optim = self._build(CoherentOffload(platform="discrete", optimizer="host"))
-        adds = []
-        then_on_host = TransferEngine.then_on_host
+        labels = []
+        h2d = TransferEngine.h2d
 
-        def recording_then_on_host(engine, transfer, work, label):
-            def recorded_work():
-                adds.append((label.split(":")[0], threading.current_thread() is threading.main_thread()))
-                work()
-
-            return then_on_host(engine, transfer, recorded_work, label)
+        def recording_h2d(engine, src, *args, **kwargs):
+            labels.append(kwargs.get("label", "").split(":")[0])
+            return h2d(engine, src, *args, **kwargs)
 
         generator = torch.Generator().manual_seed(self.rank)
-        with mock.patch.object(TransferEngine, "then_on_host", recording_then_on_host):
+        with mock.patch.object(TransferEngine, "h2d", recording_h2d), mock.patch.object(
+            torch.Tensor, "add_", side_effect=AssertionError("a host add")
+        ):
             for micro in range(3):
                 model.set_requires_gradient_sync(micro == 2)
                 model(torch.randn(3, DIM, generator=generator)).backward()
@@ -275,8 +275,8 @@ class AsyncPathTest(GlooMultiProcessTestCase):
         optim.synchronize()
         groups = len(optim._inner.offloaded_groups())
         self.assertGreater(groups, 0)
-        # Every offloaded group, in each of the two micro-batches after the first, on a host thread.
-        self.assertEqual(adds, [("grads_accumulate", False)] * (2 * groups))
+        # Every offloaded group, in each of the two micro-batches after the first.
+        self.assertEqual(labels.count("grads_sum_h2d"), 2 * groups)
 
     def test_host_step_starts_before_backward_ends(self):
         self.init_gloo()

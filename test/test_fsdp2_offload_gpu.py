@@ -50,6 +50,10 @@ def _shard(
     )
 
 
+def _full_or_none(grad):
+    return None if grad is None else grad.full_tensor().cuda()
+
+
 @unittest.skipIf(not torch.cuda.is_available(), "needs a GPU")
 class CoherentOffloadGPUTest(TestCase):
     @classmethod
@@ -138,6 +142,20 @@ class CoherentOffloadGPUTest(TestCase):
             self._assert_params_close(model, reference)
             self.assertIs(optim._overlap.state, OverlapState.ON)
 
+    def _train_both_by_step(self, reference, reference_optim, model, optim, backward, steps=10):
+        """Each step ``backward(net, step)`` (its last loss) for the reference, then the model, each
+        followed by its optimizer's step and zero_grad: losses within 1e-6 every step, parameters
+        close at the end."""
+        for step in range(steps):
+            losses = []
+            for net, net_optim in ((reference, reference_optim), (model, optim)):
+                losses.append(backward(net, step))
+                net_optim.step()
+                net_optim.zero_grad()
+            self.assertEqual(losses[1], losses[0], atol=0, rtol=1e-6)
+        optim.synchronize()
+        self._assert_params_close(model, reference)
+
     def test_clipping_both_ways_matches_stock_offload(self):
         # A clip tight enough to scale every step, by max_grad_norm= and by the user's own
         # clip_grad_norm_ between backward and step(): stock offload's clipped training within
@@ -145,23 +163,42 @@ class CoherentOffloadGPUTest(TestCase):
         for user_clip in (True, False):
             reference, reference_optim, model, optim = self._pair(2, overlap_next_forward=True, max_grad_norm=None if user_clip else 0.05)
             before = optim.norm_reads
-            for step in range(10):
+
+            def backward(net, step):
                 tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-                losses = []
-                for net, net_optim in ((reference, reference_optim), (model, optim)):
-                    loss = causal_lm_loss(net(tokens), tokens)
-                    loss.backward()
-                    if net is reference or user_clip:
-                        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
-                    net_optim.step()
-                    net_optim.zero_grad()
-                    losses.append(loss.detach())
-                self.assertEqual(losses[1], losses[0], atol=0, rtol=1e-6)
-            optim.synchronize()
-            self._assert_params_close(model, reference)
+                loss = causal_lm_loss(net(tokens), tokens)
+                loss.backward()
+                if net is reference or user_clip:
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+                return loss.detach()
+
+            self._train_both_by_step(reference, reference_optim, model, optim, backward)
             reads = {key: count - before[key] for key, count in optim.norm_reads.items()}
             self.assertGreater(reads["served"], 0, msg=f"user_clip={user_clip}")
             self.assertEqual(reads["computed"], 0, msg=f"user_clip={user_clip}")
+
+    def test_accumulation_matches_stock_offload(self):
+        # Three micro-batches per step, each reduced: the running sums come up, are added to on the
+        # GPU and go down (stock offload adds on the host); an fp32 add rounds alike on both, so
+        # the summed gradients are stock offload's, bit for bit.
+        reference, reference_optim, model, optim = self._pair(2, overlap_next_forward=True)
+        reference_grads = []
+
+        def backward(net, step):
+            for micro in range(3):
+                tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(10 * step + micro))
+                loss = causal_lm_loss(net(tokens), tokens)
+                loss.backward()
+            # The reference steps (and zeroes its gradients) before the model's backward runs.
+            grads = [_full_or_none(param.grad) for param in net.parameters()]
+            if net is reference:
+                reference_grads[:] = grads
+            else:
+                for grad, reference_grad in zip(grads, reference_grads, strict=True):
+                    self.assertEqual(grad, reference_grad, atol=0, rtol=0)
+            return loss.detach()
+
+        self._train_both_by_step(reference, reference_optim, model, optim, backward, steps=5)
 
     def test_parity_with_activation_checkpointing(self):
         # Checkpointed blocks recompute their forward inside backward, after our copy-in for

@@ -14,6 +14,7 @@ import concurrent.futures
 import copy
 import io
 import math
+import threading
 import time
 from unittest import mock
 
@@ -26,6 +27,7 @@ from torch.testing._internal.common_utils import run_tests
 import test_fsdp2_offload as parity
 from common_offload import GlooMultiProcessTestCase, HostStepGate, set_gradient_sync, SingleRankGlooTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
+from torch_fsdp_offload.data_path import group_offload
 from torch_fsdp_offload.optimizer import dtensor_grads
 from torch_fsdp_offload.optimizer import streamed_steps
 
@@ -183,13 +185,50 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
         self.assertTrue(served and all(served), msg=served)
         optim.step()
 
-    def _train_to_last_backward(self):
+    def test_accumulated_micro_batches_cast_no_parameter_again(self):
+        # Between the micro-batches of one optimizer step no parameter changes: their forwards
+        # copy in the compute-dtype mirror the last step refreshed, and the training thread casts
+        # nothing. Only the first step, before the optimizer knows its groups, casts there.
+        self.init_gloo()
+        training_thread = threading.get_ident()
+        casts_here = []
+        real_refresh = group_offload.GroupOffload.refresh_mirror
+
+        def counted_refresh(offload):
+            if threading.get_ident() == training_thread:
+                casts_here.append(offload)
+            return real_refresh(offload)
+
+        with mock.patch.object(group_offload.GroupOffload, "refresh_mirror", counted_refresh):
+            optim = self._train(grad_accum=4, optimizer="host")
+        groups = len(optim._inner.offloaded_groups())
+        self.assertGreater(groups, 0)
+        # The first forward and the three accumulating ones of the first step, once per group.
+        self.assertLessEqual(len(casts_here), 4 * groups)
+
+    def test_clip_within_its_bound_writes_no_gradient(self):
+        # Where the norm is within max_norm, clip_grad_norm_ multiplies by exactly 1: the host
+        # skips that pass over the gradients (the same bits either way), for both clipping paths.
+        self.init_gloo()
+        self._train(user_clip=1e6, optimizer="host")
+        self._train(max_grad_norm=1e6, optimizer=0.5, optimizer_class=torch.optim.AdamW)
+        for clip in ("user", "max_grad_norm"):
+            model, optim = self._train_to_last_backward(max_grad_norm=1e6 if clip == "max_grad_norm" else None)
+            if clip == "user":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+            grads = [param.grad.to_local() for param in model.parameters() if param.grad is not None]
+            versions = [grad._version for grad in grads]
+            optim.step()
+            optim.synchronize()
+            self.assertEqual([grad._version for grad in grads], versions, msg=clip)
+
+    def _train_to_last_backward(self, **optimizer_kwargs):
         """An offloaded model and its optimizer, trained two steps, and the third step's backward run."""
         torch.manual_seed(0)
         model = parity.TiedBlocksModel()
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         parity._shard(model, CoherentOffload(platform="discrete", optimizer="host"), init_device_mesh("cpu", (self.world_size,)), mp_policy)
-        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, **optimizer_kwargs)
         for step in range(3):
             parity._loss(model, parity._batch(step, self.rank)).backward()
             if step < 2:

@@ -29,7 +29,6 @@ remembers of the copies it issued lives in :mod:`torch_fsdp_offload.transfer_boo
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -43,7 +42,6 @@ from torch_fsdp_offload.transfer_streams import CopyRequest, CopyStream, CopyStr
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
-    "HostFollowUp",
     "Transfer",
     "TransferEngine",
     "TransferStats",
@@ -230,28 +228,6 @@ class Transfer:
         return self.tensor
 
 
-class HostFollowUp:
-    """Host work that runs once a copy has landed (:meth:`TransferEngine.then_on_host`), with the
-    copy's own ``done`` / ``synchronize``: waiting for it waits for the copy and the work.
-
-    Example::
-
-        >>> follow_up = engine.then_on_host(engine.d2h(grad, incoming), lambda: total.add_(incoming))
-        >>> follow_up.synchronize()  # total holds the sum
-    """
-
-    def __init__(self, future: concurrent.futures.Future) -> None:
-        self._future = future
-
-    def done(self) -> bool:
-        """Whether the copy and the work have finished, without blocking."""
-        return self._future.done()
-
-    def synchronize(self) -> None:
-        """Block until the copy and the work have finished; re-raise an error either raised."""
-        self._future.result()
-
-
 class TransferEngine:
     """Copies between host memory and one device, on dedicated streams, in chunks.
 
@@ -288,8 +264,6 @@ class TransferEngine:
         self.stats = TransferStats()
         self._pending = PendingCopies()
         self._lock = threading.RLock()
-        # Runs then_on_host's work; started on first use.
-        self._host_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: CopyStreams
         if self.device.type == "cuda":
             self._streams = CudaCopyStreams(self.device, priority=_COPY_STREAM_PRIORITY)
@@ -300,34 +274,6 @@ class TransferEngine:
             self.h2d_stream = self.d2h_stream = None
 
     # ---------------------------------------------------------------------------------------- API
-
-    def then_on_host(self, transfer: Transfer, work: Callable[[], None], label: str) -> HostFollowUp:
-        """Run ``work`` on a host thread of this engine once ``transfer`` has landed (one after
-        another, in the order asked), so that the caller goes on meanwhile.
-
-        Args:
-            transfer (Transfer): a copy this engine issued, usually device-to-host.
-            work (Callable): what reads its destination on the host.
-            label (str): the profiler label ``work`` runs under.
-
-        Returns:
-            HostFollowUp: waits for both.
-
-        Example::
-
-            >>> incoming = engine.d2h(grad, pinned_incoming)
-            >>> added = engine.then_on_host(incoming, lambda: total.add_(pinned_incoming), "grad_add")
-        """
-
-        def run() -> None:
-            transfer.synchronize()
-            with torch.profiler.record_function(f"torch_fsdp_offload::{label}"):
-                work()
-
-        with self._lock:
-            if self._host_thread is None:
-                self._host_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch_fsdp_offload-host")
-        return HostFollowUp(self._host_thread.submit(run))
 
     def h2d(
         self,

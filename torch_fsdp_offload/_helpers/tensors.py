@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "current_graph_task_id",
     "disable_torch_function_subclass",
+    "foreach_add_",
     "foreach_copy_",
     "host_empty_cache",
     "in_backward",
@@ -83,6 +84,11 @@ def make_subclass(cls: type, data: torch.Tensor, requires_grad: bool = False) ->
 def tensor_str(tensor: torch.Tensor, tensor_contents: Any = None) -> str:
     """``repr(tensor)`` as torch formats it, for a subclass's ``__repr__``."""
     return torch._tensor_str._str(tensor, tensor_contents=tensor_contents)
+
+
+def foreach_add_(totals: list[torch.Tensor], addends: list[torch.Tensor]) -> None:
+    """``total.add_(addend)`` for each pair, in one multi-tensor kernel where the device has one."""
+    torch._foreach_add_(totals, addends)
 
 
 def foreach_copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -178,7 +178,6 @@ def copy_out_grads(policy: Any, fsdp_params: list[Any], grads: list[torch.Tensor
     into = pinned_empty((offload.numel,), offload.master.dtype) if accumulating else offload.grads
     offload.captured_grads = dict(zip(fsdp_params, grads))
     offload.offload_grads(None, into=into)
-    offload.mark_stale()
     return [offload._padded_view(into, p) for p in fsdp_params], offload.grad_transfer
 
 
@@ -195,4 +194,5 @@ def on_grads_ready(policy: Any, group: Any, is_last_backward: bool) -> None:
             slot = offload.host_grad_view(fsdp_param)
             slot.copy_(local_tensor(grad))
             fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(slot)
+    offload.after_landing(is_last_backward)
     optim.notify_grads_ready(offload, is_last_backward=is_last_backward)

@@ -278,15 +278,15 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
             landed = offload.offload_grads(self._post_reduce_event)
         if not landed:
             return
-        offload.mark_stale()
+        state = _get_module_fsdp_state(self.modules[0])
+        is_last_backward = (state is None or state._state_ctx.is_last_backward) and requested_sync[0]
+        offload.after_landing(is_last_backward)
         if hooks:
             # Post-accumulate-grad hooks need the gradient on the host now.
             offload.wait_grads()
             for p, param_hooks in hooks.items():
                 for hook in param_hooks.values():
                     hook(p.sharded_param)
-        state = _get_module_fsdp_state(self.modules[0])
-        is_last_backward = (state is None or state._state_ctx.is_last_backward) and requested_sync[0]
         optim.notify_grads_ready(offload, is_last_backward=is_last_backward)
 
 

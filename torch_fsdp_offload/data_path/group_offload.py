@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch_fsdp_offload._helpers.tensors import foreach_copy_, local_tensor, unversioned_alias
+from torch_fsdp_offload._helpers.tensors import foreach_add_, foreach_copy_, local_tensor, unversioned_alias
 from torch_fsdp_offload.data_path.group_state import assert_in_states, GradCapture, GroupPlacement, SourceFreshness
 from torch_fsdp_offload.memory import HostPromise, pinned_empty, promise_host_bytes
 from torch_fsdp_offload.resolved_plan import ResolvedPlan
-from torch_fsdp_offload.transfer import get_transfer_engine, HostFollowUp, Transfer
+from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
 
 __all__ = ["GroupOffload", "host_bytes", "is_host_grad"]
 
@@ -63,11 +63,9 @@ class GroupOffload:
         # Streams that read views of the staging buffer without marking it used (record_stream):
         # the H2D stream waits for them before the buffer is dropped (_drop_staging).
         self._staging_readers: list[torch.cuda.Stream] = []
-        # The last gradient copy down (a HostFollowUp when it accumulates), until waited for.
-        self.grad_transfer: Transfer | HostFollowUp | None = None
+        # The last gradient copy down, until waited for.
+        self.grad_transfer: Transfer | None = None
         self.captured_grads: dict[Any, torch.Tensor] = {}
-        # Where an accumulating backward's gradients land before they are added to ``grads``.
-        self._incoming_grads: torch.Tensor | None = None
         # The group's host optimizer step when it may still be running after step() returned
         # (OffloadOptimizer(overlap_next_forward=True)); copy-in waits for it.
         self.update_pending: Any = None
@@ -137,6 +135,16 @@ class GroupOffload:
             assert_in_states(self.freshness, SourceFreshness.STALE, SourceFreshness.CURRENT)
             self.freshness = SourceFreshness.STALE
             self._drop_staging()
+
+    def after_landing(self, is_last_backward: bool) -> None:
+        """Gradients landed: an optimizer step may change the parameters before the next copy-in,
+        so the source is ``STALE``. Not after an earlier micro-batch of accumulation
+        (``is_last_backward=False``) of a group an ``OffloadOptimizer`` steps: that optimizer
+        refreshes what it steps, and the micro-batches between change no parameter, so their
+        forwards copy in the source as it is instead of casting it again on the training thread."""
+        optimizer = self.optimizer_ref() if self.optimizer_ref is not None else None
+        if is_last_backward or optimizer is None:
+            self.mark_stale()
 
     def mark_current(self) -> None:
         """The copy-in source was just made from the parameters (the caller holds ``lock``): the
@@ -245,9 +253,15 @@ class GroupOffload:
         return self._padded_view(self.grads, fsdp_param)
 
     @torch.no_grad()
-    def offload_grads(self, post_reduce_event: Any, into: torch.Tensor | None = None) -> bool:
+    def offload_grads(
+        self, post_reduce_event: Any, into: torch.Tensor | None = None, onto: tuple[Transfer, set[Any]] | None = None
+    ) -> bool:
         """Copy the captured reduced gradient shards into the persistent host buffer (or ``into``,
         laid out alike), as one coalesced D2H on the D2H stream once the reduction finished.
+
+        With ``onto`` (the running sums brought up to the device, and the parameters that have
+        one) the shards are first added to their sums (copied, for a parameter without one), on
+        that stream, and the sums go down.
 
         Returns whether any gradient was copied."""
         captured, self.captured_grads = self.captured_grads, {}
@@ -273,6 +287,8 @@ class GroupOffload:
                 if flat is None:
                     flat = torch.empty(self.numel, dtype=self.master.dtype, device=self.device)
                     foreach_copy_([self._padded_view(flat, p) for p in captured], list(captured.values()))
+                if onto is not None:
+                    flat = self._add_to_sums(flat, captured, *onto, copy_stream)
                 self.grad_transfer = self.engine.d2h(
                     flat,
                     self.grads if into is None else into,
@@ -290,10 +306,13 @@ class GroupOffload:
     def offload_accumulating(self, post_reduce_event: Any, previous: dict[Any, torch.Tensor]) -> bool:
         """:meth:`offload_grads` for a backward after which the group's gradients accumulate:
         ``previous`` holds each parameter's gradient from before it (a DTensor, taken off the
-        parameter so that FSDP did not add to it). The new gradients land in a buffer of their own
-        and are added to the previous ones on the host, by the engine's host thread, while backward
-        goes on; :meth:`wait_grads` (and FSDP's wait at the end of backward) waits for the sum.
-        Each parameter ends with its summed gradient, also one that got none in this backward.
+        parameter so that FSDP did not add to it).
+
+        See Note: [Post-accumulate-grad hooks and accumulation] in docs/design.md: the running sums
+        (the persistent host buffer) come up on the H2D stream, the new shards are added to them
+        where they were reduced, and the sums go down into the same buffer; :meth:`wait_grads` (and
+        FSDP's wait at the end of backward) waits for them. Each parameter ends with its summed gradient, also one
+        that got none in this backward (its sum goes up and down unchanged).
 
         Returns whether any gradient was copied."""
         for fsdp_param, grad in previous.items():
@@ -301,33 +320,33 @@ class GroupOffload:
                 slot = self.host_grad_view(fsdp_param)
                 slot.copy_(local_tensor(grad))
                 previous[fsdp_param] = fsdp_param.to_sharded_dtensor(slot)
-        captured = list(self.captured_grads)
-        if self._incoming_grads is None:
-            self._incoming_grads = pinned_empty((self.numel,), self.master.dtype)
-        incoming = self._incoming_grads
-        copied = self.offload_grads(post_reduce_event, into=incoming)
+        copied = False
+        if self.captured_grads:
+            # Completing the sum is part of the landing, not a change of a gradient the user sees
+            # (the optimizer compares version counters from the landing on).
+            sums = self.engine.h2d(self.grads, label=f"grads_sum_h2d:{self.label()}")
+            copied = self.offload_grads(post_reduce_event, into=unversioned_alias(self.grads), onto=(sums, set(previous)))
         for fsdp_param, grad in previous.items():
             # The same gradient tensor as before this backward (FSDP's own accumulation keeps it),
-            # whose memory will hold the sum.
+            # whose memory holds the sum.
             fsdp_param.sharded_param.grad = grad
-        if not copied:
-            return False
-        # Completing the sum is part of the landing, not a change of a gradient the user sees
-        # (the optimizer compares version counters from the landing on).
-        totals = unversioned_alias(self.grads)
+        return copied
 
-        def add() -> None:
-            for fsdp_param in captured:
-                total, new = self._padded_view(totals, fsdp_param), self._padded_view(incoming, fsdp_param)
-                if fsdp_param in previous:
-                    total.add_(new)
-                else:
-                    total.copy_(new)
-
-        self.grad_transfer = self.engine.then_on_host(self.grad_transfer, add, f"grads_accumulate:{self.label()}")
-        for fsdp_param in captured:
-            fsdp_param.grad_offload_event = self.grad_transfer
-        return True
+    def _add_to_sums(
+        self, flat: torch.Tensor, captured: dict[Any, torch.Tensor], sums: Transfer, summed: set[Any], stream: Any
+    ) -> torch.Tensor:
+        """Add the reduced shards in ``flat`` to the running sums ``sums`` brings up (a parameter
+        without one, not in ``summed``, takes its shard), on ``stream``; return the sums. An fp32
+        add rounds alike on the host and the GPU: the sums are plain FSDP2's, bit for bit."""
+        totals = sums.wait(stream)
+        added = [p for p in captured if p in summed]
+        with torch.profiler.record_function(f"torch_fsdp_offload::grads_accumulate:{self.label()}"):
+            if added:
+                foreach_add_([self._padded_view(totals, p) for p in added], [self._padded_view(flat, p) for p in added])
+            fresh = [p for p in captured if p not in summed]
+            if fresh:
+                foreach_copy_([self._padded_view(totals, p) for p in fresh], [self._padded_view(flat, p) for p in fresh])
+        return totals
 
     def _reduce_output_as_flat(self, captured: dict[Any, torch.Tensor]) -> torch.Tensor | None:
         """FSDP's reduce output itself, when it holds every parameter's reduced shard at the

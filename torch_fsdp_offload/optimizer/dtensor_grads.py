@@ -248,13 +248,22 @@ def compute_norms(grads: Iterable[torch.Tensor | None], pool: concurrent.futures
 
 def take_scales(grad: torch.Tensor | None) -> list[torch.Tensor]:
     """The scalars a deferred ``_foreach_mul_`` recorded for ``grad``, in order, each on the
-    gradient's device, now taken: the caller multiplies by them (or a copy it steps with)."""
+    gradient's device, now taken: the caller multiplies by them (or a copy it steps with).
+
+    A host scalar of exactly 1 is left out: ``clip_grad_norm_`` multiplies by a coefficient clamped
+    to 1 whenever the norm is within its bound, and a multiply by 1 returns every value bit for bit,
+    so skipping it spares the host a read and a write of the whole gradient."""
     if grad is None:
         return []
     with _lock:
         scales = grad.__dict__.pop(_SCALES, None)
     device = grad._local_tensor.device
-    return [scale.to(device) for scale in scales or ()]
+    return [scale.to(device) for scale in scales or () if not _is_host_one(scale)]
+
+
+def _is_host_one(scale: torch.Tensor) -> bool:
+    # Read only on the host: reading a device scalar would wait for the device.
+    return scale.device.type == "cpu" and bool(scale == 1)
 
 
 def apply_scales(grad: torch.Tensor | None) -> None:
