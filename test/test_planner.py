@@ -44,6 +44,7 @@ from torch_fsdp_offload.planner.scenario_cost import TECHNIQUES
 from torch_fsdp_offload.planner.search import choose, default_training_configs, search_training
 from torch_fsdp_offload.planner.training_config import label_kind, LABEL_LEGEND
 from torch_fsdp_offload.planner.traffic import (
+    HOST_NORM_GBPS,
     copy_in_bytes_per_param,
     host_step_bytes_per_param,
     host_step_seconds_per_param,
@@ -547,14 +548,27 @@ class TestStepModel(TestCase):
     def test_link_traffic(self):
         full = self.predict(module_fraction=1.0, optimizer="host")
         params = self.profile.n_blocks * self.profile.block_params
-        # bf16 weights up twice (forward, backward re-gather); fp32 grads down once.
-        self.assertEqual(full.h2d_bytes, 2 * params * 2)
-        self.assertEqual(full.d2h_bytes, params * 4)
+        root = self.profile.other_params  # offloaded too where every block is
+        # bf16 weights up twice (forward, backward re-gather), the root's once (FSDP2 keeps the
+        # root unsharded from forward to backward); fp32 grads down once.
+        self.assertEqual(full.h2d_bytes, 2 * params * 2 + root * 2)
+        self.assertEqual(full.d2h_bytes, (params + root) * 4)
         # Streamed: the gradient goes down in backward, then fp32 param, grad and moments up and
         # param, moments and the bf16 mirror down (the measured 20 and 18 bytes per parameter).
         streamed = self.predict(module_fraction=1.0, optimizer="stream")
-        self.assertEqual(streamed.h2d_bytes, params * 20)
-        self.assertEqual(streamed.d2h_bytes, params * 18)
+        self.assertEqual(streamed.h2d_bytes, params * 20 + root * 18)
+        self.assertEqual(streamed.d2h_bytes, (params + root) * 18)
+
+    def test_streamed_pipeline_takes_both_directions_added(self):
+        # Measured on the H200: the pipeline's uploads and downloads overlap little, so it takes
+        # the up bytes' time plus the down bytes' time.
+        streamed = self.predict(module_fraction=1.0, optimizer="stream")
+        params = self.profile.total_params
+        up, down = params * 16, params * 14
+        both = up / (self.platform.h2d_GBps * 1e9) + down / (self.platform.d2h_GBps * 1e9)
+        self.assertGreater(both, self.profile.gpu_optimizer_s)
+        self.assertGreaterEqual(streamed.optimizer_s, both)
+        self.assertAlmostEqual(streamed.optimizer_s, both, delta=0.01 * both)
 
     def test_blocks_kept_unsharded_copy_in_once_and_hold_their_parameters(self):
         # keep_unsharded (fully_shard_with_policy(keep_unsharded_last=...)): the offloaded blocks
@@ -597,8 +611,10 @@ class TestStepModel(TestCase):
         self.assertEqual(host_step_bytes_per_param(self.profile), 38)
         full = self.predict(module_fraction=1.0, optimizer="host")
         params = self.profile.n_blocks * self.profile.block_params
-        # Host DRAM also serves the link's DMA: the bf16 parameters read for forward and backward.
-        self.assertAlmostEqual(full.host_optimizer_s, params * (38 + 2 * 2) / (self.platform.host_GBps * 1e9))
+        # Host DRAM also serves the link's DMA: the bf16 parameters read for forward and backward
+        # (the root's for forward only: it stays unsharded for backward), and the root steps too.
+        root = self.profile.other_params
+        self.assertAlmostEqual(full.host_optimizer_s, (params * (38 + 2 * 2) + root * (38 + 2)) / (self.platform.host_GBps * 1e9))
         self.assertTrue(full.host_bound)
         # The host step overlaps backward: the step is shorter than forward + backward + host step.
         self.assertLess(full.step_s, full.forward_s + full.backward_s + full.host_optimizer_s)
@@ -612,14 +628,18 @@ class TestStepModel(TestCase):
         self.assertEqual((copy_in_bytes_per_param(self.profile), copy_in_bytes_per_param(self.profile, "device")), (2, 4))
         self.assertEqual(host_step_bytes_per_param(self.profile, cast_on="device"), 38 - 6)
         host, device = self.predict(module_fraction=1.0), self.predict(module_fraction=1.0, cast_on="device")
-        self.assertEqual((host.h2d_bytes, device.h2d_bytes), (2 * params * 2, 2 * params * 4))
+        copied_in = 2 * params + self.profile.other_params  # the root's once
+        self.assertEqual((host.h2d_bytes, device.h2d_bytes), (copied_in * 2, copied_in * 4))
         self.assertEqual(device.d2h_bytes, host.d2h_bytes)
         # The host DRAM bandwidth model: the cast's 6 bytes leave the host step, the copy-ins' DMA
-        # reads 2 more bytes per parameter, twice: 38 + 2 * 2 against 32 + 2 * 4 bytes.
-        self.assertAlmostEqual(device.host_optimizer_s, params * (32 + 2 * 4) / (self.platform.host_GBps * 1e9))
+        # reads 2 more bytes per parameter, twice: 38 + 2 * 2 against 32 + 2 * 4 bytes (the root's
+        # once).
+        root = self.profile.other_params
+        self.assertAlmostEqual(device.host_optimizer_s, (params * (32 + 2 * 4) + root * (32 + 4)) / (self.platform.host_GBps * 1e9))
         self.assertLess(device.host_optimizer_s, host.host_optimizer_s)
         streamed = self.predict(module_fraction=1.0, optimizer="stream", cast_on="device")
-        self.assertEqual((streamed.h2d_bytes, streamed.d2h_bytes), (params * (2 * 4 + 16), params * (4 + 12)))
+        self.assertEqual((streamed.h2d_bytes, streamed.d2h_bytes),
+                         (params * (2 * 4 + 16) + root * (4 + 16), (params + root) * (4 + 12)))
         # The staging buffers hold the compute dtype either way (the master lands chunk by chunk).
         self.assertEqual(device.peak_gpu_bytes, host.peak_gpu_bytes)
         self.assertEqual(device.config.label, "modules=1.00 opt=host cast=device")
@@ -702,15 +722,19 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
     def test_clipping_starts_host_steps_after_backward(self):
         # Every block stepped on the host: with clipping step() waits for the last gradients (block
         # 0's, at the end of backward) and steps the groups in forward order; each group's step
-        # outlasts its block's forward, so the step is the backward, the last gradients' copy, every
-        # host step, and the last block's forward after its group's step.
+        # outlasts its block's forward, so the step is the backward, the last gradients' copy, the
+        # norm of the (offloaded) root's gradients, landing last, every host step, and the last
+        # block's forward after its group's step.
         knobs = dict(module_fraction=1.0, optimizer="host")
         clipped, plain = self.predict(clipping=True, **knobs), self.predict(**knobs)
         n_blocks = self.profile.n_blocks
         grad_copy = self.profile.block_params * self.profile.reduce_bytes / (self.platform.d2h_GBps * 1e9)
+        root_norm = self.profile.other_params * self.profile.grad_bytes / (HOST_NORM_GBPS * 1e9)
         self.assertGreater(clipped.host_optimizer_s / n_blocks, clipped.forward_s / n_blocks)
         self.assertAlmostEqual(
-            clipped.step_s, clipped.backward_s + grad_copy + clipped.host_optimizer_s + clipped.forward_s / n_blocks, places=9
+            clipped.step_s,
+            clipped.backward_s + grad_copy + root_norm + clipped.host_optimizer_s + clipped.forward_s / n_blocks,
+            places=9,
         )
         self.assertGreater(clipped.step_s, plain.step_s)
         self.assertEqual((clipped.forward_s, clipped.backward_s), (plain.forward_s, plain.backward_s))
@@ -721,8 +745,9 @@ policy = CoherentOffload(optimizer='host', cast_on='device') on the last 4 of th
         knobs = dict(module_fraction=1.0, optimizer="host")
         params = self.profile.n_blocks * self.profile.block_params
         self.assertEqual(host_step_bytes_per_param(self.profile, clipping=True), 38 + 8)
+        root = self.profile.other_params  # stepped on the host too, copied in once
         self.assertAlmostEqual(self.predict(clipping=True, **knobs).host_optimizer_s,
-                               params * (46 + 2 * 2) / (self.platform.host_GBps * 1e9))
+                               (params * (46 + 2 * 2) + root * (46 + 2)) / (self.platform.host_GBps * 1e9))
         alone = 0.28e-9
         measured = dataclasses.replace(self.profile, host_alone_s_per_param=alone, host_step_s_per_param=alone,
                                        host_alone_cast_s_per_param=0.0, host_link_busy_cast_s_per_param=0.0)
@@ -829,7 +854,9 @@ CoherentOffload(optimizer='host'); OffloadOptimizer(model, torch.optim.AdamW, st
         # Streamed groups' copies cross host DRAM too: the host half of a split takes longer than
         # the same host work with the link idle would.
         split = self.predict(module_fraction=1.0, optimizer=0.5)
-        host_params = self.profile.n_blocks * self.profile.block_params / 2
+        # Of the 9 offloaded groups round(4.5) = 4 stream, the first in forward order: the root
+        # and blocks 0-2. Blocks 3-7 step on the host.
+        host_params = 5 * self.profile.block_params
         alone = host_params * host_step_bytes_per_param(self.profile) / (self.platform.host_GBps * 1e9)
         self.assertGreater(split.host_optimizer_s, alone)
         self.assertAlmostEqual(split.host_optimizer_s - alone,
@@ -882,9 +909,8 @@ CoherentOffload(optimizer='host'); OffloadOptimizer(model, torch.optim.AdamW, st
         # gradients went down in backward (FSDP's reduce output) and come up with their run.
         peaks = phase_peaks(self.profile, TrainingConfig(module_fraction=1.0, optimizer="stream"),
                             offloaded_blocks=8, streamed_blocks=8, activation_blocks=0)
-        resident_state = self.profile.other_params * (self.profile.param_bytes + self.profile.optimizer_state_bytes
-                                                      + self.profile.reduce_bytes)
-        self.assertAlmostEqual(peaks["optimizer"], resident_state + (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES, delta=1)
+        # Every block offloaded: the root is too, so nothing stays resident.
+        self.assertAlmostEqual(peaks["optimizer"], (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES, delta=1)
 
     def test_streamed_groups_are_whole_groups_and_their_gradients_go_down(self):
         # OffloadOptimizer streams round(split * offloaded) whole groups: split=0.25 of 5 offloaded
@@ -921,7 +947,7 @@ CoherentOffload(optimizer='host'); OffloadOptimizer(model, torch.optim.AdamW, st
         rate = 0.5e-9
         profile = dataclasses.replace(self.profile, host_step_s_per_param=rate)
         full = predict_step(profile, TrainingConfig(module_fraction=1.0), self.platform)
-        self.assertAlmostEqual(full.host_optimizer_s, 8 * self.profile.block_params * rate)
+        self.assertAlmostEqual(full.host_optimizer_s, (8 * self.profile.block_params + self.profile.other_params) * rate)
         slow_host = dataclasses.replace(profile, host_GBps=1.0)
         self.assertEqual(predict_step(slow_host, TrainingConfig(module_fraction=1.0), self.platform).host_optimizer_s,
                          full.host_optimizer_s)

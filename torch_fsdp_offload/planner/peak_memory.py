@@ -81,7 +81,8 @@ def phase_parts(
 
     With ``config.grad_accum_steps > 1`` the resident groups' sharded gradients (the root's too)
     are live from the first micro-batch on: through every later forward and backward, beside a
-    freshly reduced shard being added to them. An offloaded group's are added up on the host.
+    freshly reduced shard being added to them. An offloaded group's running sums come up beside
+    its reduced shard, are added to, and go down.
 
     Args:
         profile (TrainingProfile): the model at one micro-batch (per GPU).
@@ -105,13 +106,17 @@ def phase_parts(
     shard = profile.block_params / world_size
     grad_shard = shard * profile.grad_bytes
     resident_blocks = n_blocks - offloaded_blocks
-    resident_params = (profile.total_params - offloaded_blocks * profile.block_params) / world_size
+    root_offloaded = offloaded_blocks == n_blocks and n_blocks > 0  # TrainingConfig.offloads_root
+    offloaded_params = offloaded_blocks * profile.block_params + (profile.other_params if root_offloaded else 0)
+    resident_params = (profile.total_params - offloaded_params) / world_size
     weights = resident_params * profile.param_bytes
     optimizer_state = resident_params * profile.optimizer_state_bytes
     resident_grads = resident_params * profile.grad_bytes
     accumulating = config.grad_accum_steps > 1
     live_groups = 1 + max(config.prefetch_depth, 1)
-    unsharded = live_groups * profile.block_params * profile.compute_bytes
+    # The root group is gathered first and resharded only after backward (FSDP2 keeps the root
+    # unsharded after forward), offloaded or not: its compute-dtype parameters live all step.
+    unsharded = (live_groups * profile.block_params + profile.other_params) * profile.compute_bytes
     staging = min(config.prefetch_depth, offloaded_blocks) * shard * profile.compute_bytes if copies else 0.0
     saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
     offloaded_acts = activation_blocks if copies else 0
@@ -143,7 +148,9 @@ def phase_parts(
         # Accumulating, every resident group's gradient is live, and a fresh shard is added to one.
         grads = resident_grads + grad_shard if accumulating else grad_shard * len(on_device)
         if block + 1 < n_blocks and block + 1 not in on_device:
-            grads += grad_shard  # the offloaded group just finished: its gradient on its way down
+            # The offloaded group just finished: its gradient on its way down, and accumulating,
+            # its running sum brought up to be added to.
+            grads += grad_shard * (2 if accumulating else 1)
         recompute = profile.block_activation_bytes if config.checkpointing else 0.0
         # Kept blocks before this one, beyond the prefetched groups counted in `unsharded`.
         kept_params = max(0, sum(1 for j in kept if j < block) - (live_groups - 1)) * block_unsharded
@@ -156,12 +163,19 @@ def phase_parts(
     }
 
     optimizer = {"weights": weights, "optimizer_state": optimizer_state, "grads": resident_grads}
-    if streamed_blocks and copies:
+    # The root, where it is offloaded, is the first group streamed (OffloadOptimizer streams the
+    # first groups in forward order).
+    root_streamed = root_offloaded and round(config.optimizer_gpu_fraction * (offloaded_blocks + 1)) > 0
+    per_param_up = profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes
+    if (streamed_blocks or root_streamed) and copies:
         # Streamed gradients went down in backward like the host groups'; each run uploads its
-        # parameters, gradients and optimizer state.
-        run_bytes = shard * (profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes)
-        optimizer["streamed"] = min(streamed_blocks * run_bytes, (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES)
-    elif streamed_blocks:
-        optimizer["grads"] += streamed_blocks * grad_shard
+        # parameters, gradients and optimizer state. A run holds whole parameters, so one of the
+        # root's (an embedding) can make a run larger than the usual.
+        in_transit = min(streamed_blocks * shard * per_param_up, (STREAM_RUNS_IN_FLIGHT - 1) * STREAM_RUN_BYTES)
+        root_run = profile.other_params / world_size * per_param_up if root_streamed else 0.0
+        optimizer["streamed"] = max(in_transit, root_run)
+    elif streamed_blocks or root_streamed:
+        root_grads = profile.other_params / world_size * profile.grad_bytes if root_streamed else 0.0
+        optimizer["grads"] += streamed_blocks * grad_shard + root_grads
     return {phase: {part: amount for part, amount in parts.items() if amount}
             for phase, parts in (("forward", forward), ("backward", backward), ("optimizer", optimizer))}

@@ -17,7 +17,7 @@ from torch_fsdp_offload.planner.library_facts import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.planner.peak_memory import phase_parts
 from torch_fsdp_offload.planner.profiles import PlatformProfile
 from torch_fsdp_offload.planner.traffic import (
-    accumulation_add_seconds_per_param,
+    HOST_NORM_GBPS,
     copy_in_bytes_per_param,
     host_cast_bytes_per_param,
     clip_scaling_seconds_per_param,
@@ -111,9 +111,9 @@ def _activation_traffic(profile: TrainingProfile, activation_blocks: int, per_bl
     return down - in_flight, in_flight, (activation_blocks - kept_on_device) * per_block
 
 
-def _host_step_ends(landed: dict[int, float], per_group: float, *, from_step: float | None) -> dict[int, float]:
+def _host_step_ends(landed: dict[int, float], per_group: dict[int, float], *, from_step: float | None) -> dict[int, float]:
     """When each host group's step ends, from when its gradients landed (``landed``, by forward
-    index), one worker taking ``per_group`` seconds per group.
+    index; the root is -1), one worker taking ``per_group[index]`` seconds on each group.
 
     With ``from_step`` (when the training loop reaches ``step()``) no group steps before then, nor
     before every host group's gradients landed; ``step()`` submits them together and the worker
@@ -125,12 +125,12 @@ def _host_step_ends(landed: dict[int, float], per_group: float, *, from_step: fl
         done = max(from_step, *landed.values())
         ends = {}
         for index in sorted(landed):
-            done += per_group
+            done += per_group[index]
             ends[index] = done
         return ends
     done, ends = 0.0, {}
     for index in sorted(landed, key=landed.__getitem__):
-        done = max(done, landed[index]) + per_group
+        done = max(done, landed[index]) + per_group[index]
         ends[index] = done
     return ends
 
@@ -146,9 +146,11 @@ def predict_step(
     gradients of offloaded groups cross device-to-host in the parameter's dtype (FSDP casts the
     reduce output to it; the reduce-scatter moves ``reduce_bytes``); streamed parameters
     then move their fp32 parameter, gradient and moments up and parameter, moments and (with
-    ``cast_on="host"``) mirror down as one pipeline over runs of parameters, both directions at
-    once, after one run's upload fills it. Offloaded activations go down in forward
-    with at most ``DEFAULT_MAX_INFLIGHT_BYTES`` in flight (the forward waits for the link beyond
+    ``cast_on="host"``) mirror down as one pipeline over runs of parameters, which takes the
+    two directions' times added (as measured). Where every block is offloaded the root group is
+    too (:meth:`TrainingConfig.offloads_root`): first in forward order, so streamed first, copied in
+    once per step (FSDP2 keeps the root gathered from forward to backward), its gradients last
+    down. Offloaded activations go down in forward with at most ``DEFAULT_MAX_INFLIGHT_BYTES`` in flight (the forward waits for the link beyond
     that) and are reloaded in backward. Each phase takes the longest of its compute and its copy
     streams (their sum with ``prefetch_depth=0``); at ``world_size > 1`` FSDP's all-gathers and
     reduce-scatters over ``platform.gpu_interconnect_GBps`` are one more overlapped stream.
@@ -183,12 +185,10 @@ def predict_step(
     ``profile.host_GBps``.
 
     With ``config.grad_accum_steps`` = N the loop runs N forwards and backwards, each with its
-    copies (offloaded groups' parameters in, their gradients down to be added up on the host),
-    then one optimizer step: host steps start after the last backward and run into the next
-    forward as without accumulation; streamed groups step once. Every micro-batch but the first
-    adds the offloaded groups' landed gradients into their sums on the host, one thread group by
-    group as they land, at the host step's DRAM rate (:func:`accumulation_add_seconds_per_param`);
-    backward ends once the last sum is done, so what outlasts backward is added to it.
+    copies (offloaded groups' parameters in, their gradients down), then one optimizer step: host
+    steps start after the last backward and run into the next forward as without accumulation;
+    streamed groups step once. In every backward but the first the offloaded groups' running sums
+    also come up, to be added to on the device and sent down (their gradients' bytes up).
 
     Peak GPU memory is the largest of the phase peaks of
     :func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks` (forward end, each block's
@@ -219,23 +219,32 @@ def predict_step(
     kept = config.kept_blocks(n_blocks)
     regathered_offloaded = sum(1 for index in offloaded if index not in kept)
     activation_blocks = round(config.activations * n_blocks)
-    # OffloadOptimizer streams whole groups, the first round(fraction * offloaded) in forward order.
-    streamed_blocks = round(config.optimizer_gpu_fraction * offloaded_blocks)
+    # Where every block is offloaded the root is too: the first group in forward order, gathered
+    # once per step (FSDP2 keeps the root unsharded after forward), its gradients landing last.
+    root = config.offloads_root(n_blocks) and profile.other_params > 0
+    # OffloadOptimizer streams whole groups, the first round(fraction * offloaded groups) in forward
+    # order: the root first.
+    streamed_groups = round(config.optimizer_gpu_fraction * (offloaded_blocks + root))
+    root_streamed = root and streamed_groups > 0
+    root_on_host = root and not root_streamed
+    streamed_blocks = streamed_groups - root_streamed
     host_indices = offloaded[streamed_blocks:]
     host_blocks = len(host_indices)
     shard = profile.block_params / world_size
+    root_shard = profile.other_params / world_size if root else 0.0
     per_block_saved = profile.block_checkpoint_bytes if config.checkpointing else profile.block_activation_bytes
     # On one physical memory the offloaded state is read in place: nothing crosses a link.
     copies = 0.0 if platform.kind in ("unified", "host_only") else 1.0
 
     copy_in = copy_in_bytes_per_param(profile, config.cast_on)
-    weight_bytes = offloaded_blocks * shard * copy_in * copies
+    weight_bytes = (offloaded_blocks * shard + root_shard) * copy_in * copies
     backward_weight_bytes = regathered_offloaded * shard * copy_in * copies
-    grad_down = offloaded_blocks * shard * profile.grad_bytes * copies
-    stream_up = streamed_blocks * shard * (profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes) * copies
+    grad_down = (offloaded_blocks * shard + root_shard) * profile.grad_bytes * copies
+    streamed_params = streamed_blocks * shard + (root_shard if root_streamed else 0.0)
+    stream_up = streamed_params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes) * copies
     # The streamed step brings back the master and moments, and with cast_on="host" the mirror.
     mirror_down = profile.compute_bytes if host_cast_bytes_per_param(profile, config.cast_on) else 0
-    stream_down = streamed_blocks * shard * (profile.param_bytes + profile.optimizer_state_bytes + mirror_down) * copies
+    stream_down = streamed_params * (profile.param_bytes + profile.optimizer_state_bytes + mirror_down) * copies
     act_forward, act_in_flight, reloaded = (
         _activation_traffic(profile, activation_blocks, per_block_saved) if activation_blocks and copies else (0, 0, 0)
     )
@@ -255,8 +264,8 @@ def predict_step(
     backward_compute = profile.backward_s + (profile.forward_s * profile.recompute_fraction if config.checkpointing else 0.0)
     forward, forward_bound = phase(profile.forward_s, weight_bytes, act_forward, gather_s)
     if offloaded_blocks == n_blocks and copies and config.prefetch_depth > 0:
-        # The first group's copy has nothing to hide behind.
-        forward += shard * copy_in / (platform.h2d_GBps * 1e9)
+        # The first group's copy (the root's, where it is offloaded) has nothing to hide behind.
+        forward += (root_shard or shard) * copy_in / (platform.h2d_GBps * 1e9)
     backward, backward_bound = phase(
         backward_compute, backward_weight_bytes + reloaded, grad_down + act_in_flight, backward_gather_s + reduce_s
     )
@@ -268,16 +277,22 @@ def predict_step(
                       + profile.forward_s * (n_blocks - activation_blocks) / n_blocks)
         backward = max(backward, backward_compute / n_blocks + (backward_weight_bytes + reloaded) / (platform.h2d_GBps * 1e9))
 
-    params_offloaded = offloaded_blocks * profile.block_params
+    # Accumulating, each later backward brings the offloaded groups' running sums up too.
+    sums_up = grad_down if config.grad_accum_steps > 1 else 0.0
+    accumulating_backward = max(backward, phase(
+        backward_compute, backward_weight_bytes + reloaded + sums_up, grad_down + act_in_flight, backward_gather_s + reduce_s
+    )[0])
+
+    params_offloaded = offloaded_blocks * profile.block_params + root_shard * world_size
     gpu_optimizer = profile.gpu_optimizer_s * (profile.total_params - params_offloaded) / profile.total_params / world_size
     stream_time = 0.0
-    if streamed_blocks:
-        # One pipeline over parameter runs, both link directions at once; the first run's copy up
-        # fills it.
-        run_up = stream_up / max(1.0, streamed_blocks)
+    if streamed_groups:
+        # One pipeline over parameter runs. Its uploads and downloads overlap little in practice:
+        # on the H200 (3B model, 1.62B parameters streamed, 25.9 GB up and 19.4 down) it took
+        # 0.85 s, the two directions' times added (0.83 s), not the longer of them (0.47 s).
         stream_time = max(
-            profile.gpu_optimizer_s * streamed_blocks * profile.block_params / profile.total_params / world_size,
-            run_up / (platform.h2d_GBps * 1e9) + _copy_time(stream_up, stream_down, platform),
+            profile.gpu_optimizer_s * streamed_params / profile.total_params,
+            stream_up / (platform.h2d_GBps * 1e9) + stream_down / (platform.d2h_GBps * 1e9),
         )
     gpu_path_optimizer = max(gpu_optimizer, stream_time)
 
@@ -285,7 +300,7 @@ def predict_step(
     # and by the link's DMA; each must end before the next forward copies its group in.
     h2d_bytes = weight_bytes + backward_weight_bytes + reloaded + stream_up
     d2h_bytes = grad_down + act_forward + act_in_flight + stream_down
-    host_params = host_blocks * shard * world_size
+    host_params = (host_blocks * shard + (root_shard if root_on_host else 0.0)) * world_size
     # With cast_on="device" the host work is AdamW alone (the cast runs on the GPU).
     host_alone, host_busy = host_step_seconds_per_param(profile, config.cast_on)
     adamw_alone, adamw_busy = host_step_seconds_per_param(profile, "device")
@@ -310,10 +325,10 @@ def predict_step(
         # One bandwidth for the host step's bytes and the DMA's: the parameters' copies in, the
         # streamed state and the activations both ways (the host groups' gradients landing are
         # already in host_step_bytes_per_param).
-        streamed_grads_down = streamed_blocks * shard * profile.grad_bytes * copies
+        streamed_grads_down = streamed_params * profile.grad_bytes * copies
         link_dram_bytes = (weight_bytes + backward_weight_bytes + streamed_grads_down + stream_up + stream_down
                            + act_forward + act_in_flight + reloaded)
-        host_bytes = host_blocks * shard * host_step_bytes_per_param(profile, config.cast_on, config.clipping) + link_dram_bytes
+        host_bytes = (host_params / world_size) * host_step_bytes_per_param(profile, config.cast_on, config.clipping) + link_dram_bytes
         host_time = host_bytes * world_size / (profile.host_GBps * 1e9)
     grad_copy = shard * profile.grad_bytes / (platform.d2h_GBps * 1e9) if copies else 0.0
 
@@ -323,18 +338,30 @@ def predict_step(
         return backward * (n_blocks - index) / n_blocks + grad_copy
 
     host_tail = 0.0
-    if host_blocks:
-        # One worker steps the host groups (see the docstring for the order).
+    if host_blocks or root_on_host:
+        # One worker steps the host groups (see the docstring for the order); the root's
+        # gradients land last (after the whole backward), and its step takes its share of the
+        # host's work.
         landed = {index: landed_at(index) for index in host_indices}
-        done = _host_step_ends(landed, host_time / host_blocks, from_step=None if config.steps_early else backward)
-        # The next forward copies each host group in, in forward order, once its step has ended.
+        per_param = host_time / host_params * world_size
+        per_group = {index: shard * per_param for index in host_indices}
+        if root_on_host:
+            landed[-1] = backward + root_shard * profile.grad_bytes / (platform.d2h_GBps * 1e9) * copies
+            per_group[-1] = root_shard * per_param
+        done = _host_step_ends(landed, per_group, from_step=None if config.steps_early else backward)
+        # The next forward copies each host group in, in forward order, once its step has ended:
+        # the root's first.
         start = backward + gpu_path_optimizer
-        reach, previous = start, 0
+        reach, previous = max(start, done.get(-1, start)), 0
         for index in host_indices:
             reach = max(reach + forward * (index - previous) / n_blocks, done[index])
             previous = index
-        host_tail = reach - (start + forward * host_indices[-1] / n_blocks)
-    optimizer = gpu_path_optimizer + host_tail
+        host_tail = reach - (start + forward * (host_indices[-1] if host_indices else 0) / n_blocks)
+    # Clipping: step() comes once clip_grad_norm_ has every gradient's norm. The root's gradients
+    # land last and their norm runs on one core after backward (0.12-0.16 s measured for the 3B
+    # model's 1.24 GB tied embedding); every step after it starts that much later.
+    clip_wait = root_shard * profile.grad_bytes / (HOST_NORM_GBPS * 1e9) if config.clipping and copies else 0.0
+    optimizer = clip_wait + gpu_path_optimizer + host_tail
 
     parts = phase_parts(profile, config, offloaded_blocks=offloaded_blocks, streamed_blocks=streamed_blocks,
                         activation_blocks=activation_blocks, world_size=world_size, copies=bool(copies))
@@ -343,22 +370,16 @@ def predict_step(
     # Every accumulated micro-batch runs forward and backward with its copies; the optimizer (and
     # the host steps it waits for) once, after the last.
     micro_batches = config.grad_accum_steps
-    adding = 0.0
-    if micro_batches > 1 and offloaded_blocks and copies:
-        # The gradients land while the DMA runs: the busy rate where it was measured.
-        add_s = offloaded_blocks * shard * world_size * accumulation_add_seconds_per_param(
-            profile, adamw_busy if adamw_busy is not None else adamw_alone, profile.host_GBps)
-        # The last offloaded block's gradients land first; the last sum ends backward.
-        adding = (micro_batches - 1) * max(0.0, landed_at(max(offloaded)) + add_s - backward)
+    later_backwards = (micro_batches - 1) * accumulating_backward
     return StepPrediction(
         config=config,
-        step_s=micro_batches * (forward + backward) + adding + optimizer,
+        step_s=micro_batches * forward + backward + later_backwards + optimizer,
         forward_s=micro_batches * forward,
-        backward_s=micro_batches * backward + adding,
+        backward_s=backward + later_backwards,
         optimizer_s=optimizer,
         peak_gpu_bytes=int(sum(peak_parts.values())),
         peak_phase=peak_phase,
-        h2d_bytes=int(micro_batches * (h2d_bytes - stream_up) + stream_up),
+        h2d_bytes=int(micro_batches * (h2d_bytes - stream_up) + stream_up + (micro_batches - 1) * sums_up),
         d2h_bytes=int(micro_batches * (d2h_bytes - stream_down) + stream_down),
         host_optimizer_s=host_time,
         link_bound=forward_bound or backward_bound,

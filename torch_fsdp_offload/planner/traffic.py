@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
 __all__ = [
-    "accumulation_add_seconds_per_param",
+    "HOST_NORM_GBPS",
     "clip_scaling_seconds_per_param",
     "copy_in_bytes_per_param",
     "host_cast_bytes_per_param",
@@ -14,6 +14,11 @@ __all__ = [
     "host_step_seconds_per_param",
     "shared_dram_host_seconds",
 ]
+
+
+#: A CPU 2-norm of one gradient runs on one core: about 10 GB/s (the H200's host, and the design
+#: note on clipping). ``clip_grad_norm_`` waits for the norm of the gradient that lands last.
+HOST_NORM_GBPS = 10.0
 
 
 def _adamw_bytes(profile: TrainingProfile) -> int:
@@ -62,24 +67,6 @@ def clip_scaling_seconds_per_param(profile: TrainingProfile, host_seconds_per_pa
         0.08
     """
     return host_seconds_per_param * 2 * profile.grad_bytes / _adamw_bytes(profile)
-
-
-def accumulation_add_seconds_per_param(profile: TrainingProfile, host_seconds_per_param: float | None,
-                                        host_GBps: float) -> float:
-    """Adding one micro-batch's landed gradient of an offloaded parameter into its running sum on
-    the host: it reads both and writes the sum (12 bytes for fp32 gradients), at the rate the host
-    step ``host_seconds_per_param`` moves AdamW's bytes (both are bound by host DRAM), or at
-    ``host_GBps`` where no rate was measured.
-
-    Example::
-
-        >>> round(accumulation_add_seconds_per_param(profile, 0.28e-9, 100.0) * 1e9, 3)  # 12 of AdamW's 28 bytes
-        0.12
-    """
-    add_bytes = 3 * profile.grad_bytes
-    if host_seconds_per_param is None:
-        return add_bytes / (host_GBps * 1e9)
-    return host_seconds_per_param * add_bytes / _adamw_bytes(profile)
 
 
 def copy_in_bytes_per_param(profile: TrainingProfile, cast_on: str = "host") -> int:

@@ -140,6 +140,13 @@ class TrainingConfig:
             return list(range(n_blocks - round(self.module_fraction * n_blocks), n_blocks))
         return [i for i in range(n_blocks) if spread_block(i, self.module_fraction)]
 
+    def offloads_root(self, n_blocks: int) -> bool:
+        """Whether the root group (the parameters outside the blocks: embeddings, head, final norm)
+        is offloaded too: where every block is, the policy goes on the root as well
+        (``fully_shard_with_policy`` without ``last_blocks``, as a recommendation applies it). It is
+        first in forward order, and its gradients land last."""
+        return n_blocks > 0 and len(self.offloaded_blocks(n_blocks)) == n_blocks
+
     @property
     def steps_early(self) -> bool:
         """Whether host steps may start during backward, before ``step()``: ``step_during_backward``

@@ -40,8 +40,9 @@ class TrainingProfile:
         name (str): model label.
         n_blocks (int): FSDP parameter groups (transformer blocks).
         block_params (int): parameters per block.
-        other_params (int): parameters outside the blocks (embeddings, head, final norm); they stay
-            on the GPU, as the root does when only some blocks are given the policy.
+        other_params (int): parameters outside the blocks (embeddings, head, final norm): the root
+            group, on the GPU when only some blocks are given the policy, offloaded with them when
+            every block is (:meth:`TrainingConfig.offloads_root`).
         tokens (int): tokens per micro-batch.
         block_activation_bytes (int): bytes one block saves for backward.
         block_checkpoint_bytes (int): bytes one block keeps with checkpointing (its input).
