@@ -118,7 +118,7 @@ def plot_user_loop(results: str, out: str) -> str:
     rows = _rows(os.path.join(results, "user_loop.json"))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for index, row in enumerate(rows):
-        ours = row["system"] in ("plan", "fsdp1")
+        ours = row["system"] in ("plan", "fsdp1", "every")
         ax.barh(index, row["tokens_per_s"] / 1e3, color="C1" if ours else "C0")
         ax.annotate(f"{row['peak_allocated_GiB']:.1f} GiB", (row["tokens_per_s"] / 1e3, index), fontsize=7,
                     xytext=(3, -3), textcoords="offset points")

@@ -12,7 +12,9 @@ compute, AdamW (lr 1e-5), each in a process of its own, under a GPU cap
 Rows are named ``system;cap=G;mb=B;accum=N;clip`` (``cap`` in GiB, none: the whole GPU; ``mb``:
 sequences per micro-batch, default ``--batch-size``; ``accum``: N
 micro-batches per optimizer step, FSDP2 rows calling ``set_requires_gradient_sync`` on the last;
-``clip``: ``clip_grad_norm_(1.0)`` before ``step()``, DeepSpeed's ``gradient_clipping``). Systems:
+``clip``: ``clip_grad_norm_(1.0)`` before ``step()``, DeepSpeed's ``gradient_clipping``;
+``plan_unclipped``: a clipping ``plan`` row runs the plan made for the loop without clipping, so
+the clip's own cost shows beside the unclipped row). Systems:
 
 - ``resident``: FSDP2 on every decoder layer and the root, fused AdamW on the GPU, the layers
   checkpointed (``gradient_checkpointing_enable``);
@@ -20,6 +22,8 @@ micro-batches per optimizer step, FSDP2 rows calling ``set_requires_gradient_syn
 - ``zero3``: DeepSpeed ZeRO-3, parameters and optimizer on the CPU (DeepSpeedCPUAdam), checkpointed;
 - ``fsdp1``: the FSDP1 front door, ``FullyShardedDataParallel(model, auto_wrap_policy=<the decoder
   layer>, offload_policy=CoherentOffload())``, fused AdamW, checkpointed;
+- ``every``: the FSDP2 path at the front door's placement: ``CoherentOffload(optimizer="host")`` on
+  every decoder layer and the root, ``OffloadOptimizer`` with fused AdamW, checkpointed;
 - ``plan``: README's one call, ``plan_and_shard(model, example_input=tokens, fully_shard_kwargs=
   {"mp_policy": mp}, microbatch_factors=[1], grad_accum_steps=N, clipping=clip)`` (held to the
   micro-batch of 4, the loop given), then ``result.recommended.optimizer(model, lr, fused=True)``.
@@ -28,6 +32,10 @@ The bound of a row: ``max(T_gpu, T_host, H2D / BW_h2d, D2H / BW_d2h)`` where ``T
 uncapped resident row's step over as many sequences (compute with checkpointing), ``T_host`` the
 row's host-stepped parameters at the fused CPU AdamW rate measured here (``measure_host_step``), and the link terms count
 the bytes this library's engine moved (its rows only). ``of_bound`` is the bound over the row's step.
+
+Each row records its phases per step (``forward``, ``backward``, ``clip``, ``step``: seconds on
+the GPU's clock and the host's), the gradient norms of clipping rows, and with ``--profile DIR``
+and ``--memory-snapshot`` one more step's copy-compute overlap and allocation peak by site.
 
 Usage (GPU machine, from the repository root; DeepSpeed builds its CPU Adam on first use):
     python benchmarks/user_loop.py --out benchmarks/results/user_loop.json
@@ -62,7 +70,7 @@ ROWS = (
     "resident", "resident;accum=4", "plan;cap=24", "plan;cap=24;clip", "plan;cap=24;mb=2;accum=8",
     "stock;cap=24", "fsdp1;cap=24", "zero3;cap=24", "plan;cap=40", "plan;cap=40;accum=4", "plan;cap=24;accum=4",
 )
-SYSTEMS = ("resident", "stock", "zero3", "fsdp1", "plan")
+SYSTEMS = ("resident", "stock", "zero3", "fsdp1", "every", "plan")
 
 
 def parse_row(name: str) -> dict:
@@ -82,8 +90,10 @@ def parse_row(name: str) -> dict:
             row["micro_batch"] = int(value)
         elif key == "clip" and not value:
             row["clip"] = True
+        elif key == "plan_unclipped" and not value:
+            row["plan_unclipped"] = True
         else:
-            raise ValueError(f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip)")
+            raise ValueError(f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped)")
     return row
 
 
@@ -159,8 +169,9 @@ def _build(row: dict, model_dir: str, tokens, device):
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if system == "plan":
+        planned_clip = clip and not row.get("plan_unclipped", False)
         result = plan_and_shard(model, example_input=tokens, fully_shard_kwargs={"mp_policy": mp},
-                                microbatch_factors=[1], grad_accum_steps=accum, clipping=clip)
+                                microbatch_factors=[1], grad_accum_steps=accum, clipping=planned_clip)
         chosen = result.recommended
         extra = {"plan": chosen.code(), "plan_timing": result.timing, "predicted_step_s": chosen.predicted_step_s,
                  "predicted_peak_GiB": chosen.predicted_peak_gpu_GiB, "plan_micro_batch": chosen.micro_batch_size,
@@ -178,6 +189,16 @@ def _build(row: dict, model_dir: str, tokens, device):
             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
             offload_policy=CoherentOffload())
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    elif system == "every":
+        from torch_fsdp_offload import OffloadOptimizer
+
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = CoherentOffload(optimizer="host" if device.type == "cuda" else "auto")
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp, offload_policy=policy)
+        fully_shard(model, mp_policy=mp, offload_policy=policy)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=LR, fused=True)
+        extra["optimizer"] = optimizer
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy = CPUOffloadPolicy(pin_memory=True) if system == "stock" else None
@@ -187,23 +208,43 @@ def _build(row: dict, model_dir: str, tokens, device):
         fully_shard(model, **kwargs)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     fsdp2 = system != "fsdp1"
+    norms = extra["grad_norms"] = []  # read after the timed steps: no sync inside them
 
-    def step():
+    def step(mark=lambda name: None):
         for micro in range(accum):
             if fsdp2:
                 model.set_requires_gradient_sync(micro == accum - 1)
             loss = model(input_ids=tokens, labels=tokens).loss / accum
+            mark("forward")
             loss.backward()
+            mark("backward")
         if clip:
             if fsdp2:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             else:
-                model.clip_grad_norm_(1.0)
+                norm = model.clip_grad_norm_(1.0)
+            norms.append(norm.detach())
+            mark("clip")
         optimizer.step()
+        mark("step")
         optimizer.zero_grad()
         return loss
 
     return model, step, extra
+
+
+def step_phases(marks: list) -> dict:
+    """Seconds between consecutive marks of one step (forward, backward, clip, step), on the GPU's
+    clock (CUDA events on the current stream) and on the host's (when the call returned), summed
+    per phase name over the micro-batches."""
+    phases = {}
+    for (_, event0, host0), (name, event1, host1) in zip(marks, marks[1:]):
+        gpu = event0.elapsed_time(event1) / 1e3 if event0 is not None else None
+        entry = phases.setdefault(name, {"gpu_s": 0.0, "host_s": 0.0})
+        entry["host_s"] = round(entry["host_s"] + host1 - host0, 4)
+        if gpu is not None:
+            entry["gpu_s"] = round(entry["gpu_s"] + gpu, 4)
+    return phases
 
 
 def offloaded_params(model) -> int:
@@ -218,7 +259,28 @@ def offloaded_params(model) -> int:
     return total
 
 
-def run_one_row(name: str, model_dir: str, batch: int, seq_len: int, steps: int, warmup: int) -> dict:
+def profile_step(step, name: str, profile_dir: str) -> dict:
+    """Run ``step`` once more under ``torch.profiler``; write its chrome trace to ``profile_dir``
+    and return how long the copies and kernels ran and how much of the copies ran under kernels."""
+    import torch
+    from fsdp_offload import copy_compute_overlap
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    os.makedirs(profile_dir, exist_ok=True)
+    trace = os.path.join(profile_dir, re.sub(r"[^A-Za-z0-9]+", "_", name) + ".trace.json")
+    prof.export_chrome_trace(trace)
+    host = {}
+    for event in prof.events():
+        if event.name.startswith("torch_fsdp_offload::"):
+            kind = event.name.split(":")[2]
+            host[kind] = round(host.get(kind, 0.0) + event.cpu_time_total / 1e6, 4)
+    return {"trace": os.path.basename(trace), **copy_compute_overlap(prof, 1), "labelled_cpu_s": host}
+
+
+def run_one_row(name: str, model_dir: str, batch: int, seq_len: int, steps: int, warmup: int,
+                profile_dir: str | None = None, memory_snapshot: bool = False) -> dict:
     """One row in this process (the ``--one-row`` child)."""
     import torch
     from torch_fsdp_offload.transfer import get_transfer_engine
@@ -242,21 +304,45 @@ def run_one_row(name: str, model_dir: str, batch: int, seq_len: int, steps: int,
     row.update(extra, setup_s=round(time.perf_counter() - started, 1),
                params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))
     engine = get_transfer_engine(device) if gpu else None
-    times, losses = [], []
+    times, losses, phases = [], [], []
     for index in range(warmup + steps):
         if index == warmup:
             if engine is not None:
                 engine.stats.reset()
             if gpu:
                 torch.cuda.reset_peak_memory_stats()
+        marks = []
+
+        def mark(name):
+            event = torch.cuda.Event(enable_timing=True) if gpu else None
+            if event is not None:
+                event.record()
+            marks.append((name, event, time.perf_counter()))
+
         t0 = time.perf_counter()
-        loss = step()
+        mark("start")
+        loss = step(mark) if row["system"] != "zero3" else step()
         losses.append(loss.item())
         if gpu:
             torch.cuda.synchronize()
         if index >= warmup:
             times.append(time.perf_counter() - t0)
+            phases.append(step_phases(marks))
     step_s = statistics.median(times)
+    row["phases"] = phases
+    # Counted over the timed steps only (a profiled or recorded step below copies too).
+    if engine is not None and row["system"] in ("plan", "fsdp1", "every"):
+        row.update(h2d_GB=round(engine.stats.h2d_bytes / steps / 1e9, 2), d2h_GB=round(engine.stats.d2h_bytes / steps / 1e9, 2))
+    if row.get("grad_norms"):
+        row["grad_norms"] = [round(float(norm), 4) for norm in row["grad_norms"]]
+    row.update(host_step_s=getattr(optimizer, "last_host_step_seconds", None),
+               stream_step_s=getattr(optimizer, "last_stream_step_seconds", None))
+    if gpu and profile_dir:
+        row["profile"] = profile_step(step, row["name"], profile_dir)
+    if gpu and memory_snapshot:
+        from memory_snapshot import record_step
+
+        row["memory_at_peak"] = record_step(step)
     row.update(
         step_s=round(step_s, 4), step_s_each=[round(t, 4) for t in times],
         tokens_per_s=round(batch * seq_len * row["accum"] / step_s),
@@ -268,8 +354,6 @@ def run_one_row(name: str, model_dir: str, batch: int, seq_len: int, steps: int,
     if gpu:
         row.update(peak_reserved_GiB=round(torch.cuda.max_memory_reserved() / GiB, 2),
                    peak_allocated_GiB=round(torch.cuda.max_memory_allocated() / GiB, 2))
-    if engine is not None and row["system"] in ("plan", "fsdp1"):
-        row.update(h2d_GB=round(engine.stats.h2d_bytes / steps / 1e9, 2), d2h_GB=round(engine.stats.d2h_bytes / steps / 1e9, 2))
     return row
 
 
@@ -335,7 +419,8 @@ def _prepare_child(args) -> int:
 
 def _row_child(args) -> int:
     try:
-        row = run_one_row(args.one_row, args.model_dir, args.batch_size, args.seq_len, args.steps, args.warmup)
+        row = run_one_row(args.one_row, args.model_dir, args.batch_size, args.seq_len, args.steps, args.warmup,
+                          profile_dir=args.profile, memory_snapshot=args.memory_snapshot)
     except Exception as error:  # noqa: BLE001 (the row records what failed; the parent goes on)
         traceback.print_exc()
         row = failed_row(args.one_row, error_line(error))
@@ -358,6 +443,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-row-seconds", type=float, default=90.0, help="start no row with less time left")
     parser.add_argument("--resume-from", default=None, help="keep the rows this file already holds")
     parser.add_argument("--out", default="benchmarks/results/user_loop.json")
+    parser.add_argument("--profile", default=None, help="profile one more step of each row into this folder")
+    parser.add_argument("--memory-snapshot", action="store_true", help="record the allocator over one more step")
     parser.add_argument("--one-row", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--row-out", help=argparse.SUPPRESS)
@@ -378,6 +465,7 @@ def main(argv=None) -> int:
     runner = Runner(args, deadline, script=os.path.abspath(__file__))
     common = ["--model-dir", args.model_dir, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])
+    common += (["--profile", args.profile] if args.profile else []) + (["--memory-snapshot"] if args.memory_snapshot else [])
     result = {"rows": []}
     if args.resume_from and os.path.exists(args.resume_from):
         with open(args.resume_from, encoding="utf-8") as handle:
