@@ -72,7 +72,7 @@ class TrainingConfig:
             step, with FSDP's default of reducing each (no ``set_requires_gradient_sync(False)``,
             which would hold every block's unsharded gradients on the GPU): the resident groups'
             sharded gradients stay on the GPU from the first micro-batch to ``step()``; the
-            offloaded groups' are added up on the host.
+            offloaded groups' running sums live on the host and are added to on the GPU.
 
     Raises:
         ValueError: a knob outside its range, naming the knob and what it accepts.
