@@ -24,13 +24,15 @@ PATCHES = {
 }
 PATCHED_PACKAGE = ("torch", "distributed", "fsdp", "_fully_shard")
 # What runs against the patched torch: the hooks-path checks, the parity tests at world sizes 1
-# and 2 (checkpoint load included: the shards go back home through the hooks); ~1.5 min on 2 cores.
+# and 2 (checkpoint load included: the shards go back home through the hooks), and accumulation
+# summing on the device (the policy's in-place sums, FSDP adding nothing); ~1.5 min on 2 cores.
 SUITE = (
     "test/fsdp2_hooks_checks.py",
     "test/test_fsdp2_offload.py::FSDP2OffloadParityWorldSize1Test",
     "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_parity_mixed_precision_uneven_tied_frozen",
     "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_parity_grad_accumulation_clipping_partial",
     "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_checkpoint_round_trip_and_resume",
+    "test/test_async_path.py::AsyncPathTest::test_accumulated_gradients_are_summed_where_they_were_reduced",
 )
 
 

@@ -172,13 +172,16 @@ def copy_out_grads(policy: Any, fsdp_params: list[Any], grads: list[torch.Tensor
     if not _active(offload):
         return None
     offload.host_grad_view(fsdp_params[0])  # the persistent buffer, allocated on first use
-    # FSDP adds what lands to gradients already there (accumulation), which live in the persistent
-    # buffer: land in a fresh one then.
-    accumulating = any(p.sharded_param.grad is not None for p in fsdp_params)
-    into = pinned_empty((offload.numel,), offload.master.dtype) if accumulating else offload.grads
     offload.captured_grads = dict(zip(fsdp_params, grads))
-    offload.offload_grads(None, into=into)
-    return [offload._padded_view(into, p) for p in fsdp_params], offload.grad_transfer
+    previous = {p: p.sharded_param.grad for p in fsdp_params if p.sharded_param.grad is not None}
+    landed = [offload._padded_view(offload.grads, p) for p in fsdp_params]
+    if previous:
+        # Accumulating: the running sums are added to on the device and land in the gradients'
+        # own memory (Note: [Post-accumulate-grad hooks and accumulation]); FSDP adds nothing.
+        offload.offload_accumulating(None, previous)
+        return landed, offload.grad_transfer, True
+    offload.offload_grads(None)
+    return landed, offload.grad_transfer
 
 
 @torch.no_grad()
