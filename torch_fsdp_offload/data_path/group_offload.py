@@ -311,8 +311,8 @@ class GroupOffload:
         See Note: [Post-accumulate-grad hooks and accumulation] in docs/design.md: the running sums
         (the persistent host buffer) come up on the H2D stream, the new shards are added to them
         where they were reduced, and the sums go down into the same buffer; :meth:`wait_grads` (and
-        FSDP's wait at the end of backward) waits for them. Each parameter ends with its summed gradient, also one
-        that got none in this backward (its sum goes up and down unchanged).
+        FSDP's wait at the end of backward) waits for them. Each parameter ends with its summed
+        gradient, also one that got none in this backward (its sum goes up and down unchanged).
 
         Returns whether any gradient was copied."""
         for fsdp_param, grad in previous.items():

@@ -106,7 +106,8 @@ def phase_parts(
     shard = profile.block_params / world_size
     grad_shard = shard * profile.grad_bytes
     resident_blocks = n_blocks - offloaded_blocks
-    root_offloaded = offloaded_blocks == n_blocks and n_blocks > 0  # TrainingConfig.offloads_root
+    root = config.root_placement(n_blocks, profile.other_params)
+    root_offloaded, root_streamed = root != "resident", root == "streamed"
     offloaded_params = offloaded_blocks * profile.block_params + (profile.other_params if root_offloaded else 0)
     resident_params = (profile.total_params - offloaded_params) / world_size
     weights = resident_params * profile.param_bytes
@@ -163,9 +164,6 @@ def phase_parts(
     }
 
     optimizer = {"weights": weights, "optimizer_state": optimizer_state, "grads": resident_grads}
-    # The root, where it is offloaded, is the first group streamed (OffloadOptimizer streams the
-    # first groups in forward order).
-    root_streamed = root_offloaded and round(config.optimizer_gpu_fraction * (offloaded_blocks + 1)) > 0
     per_param_up = profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes
     if (streamed_blocks or root_streamed) and copies:
         # Streamed gradients went down in backward like the host groups'; each run uploads its

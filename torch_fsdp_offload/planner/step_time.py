@@ -148,9 +148,10 @@ def predict_step(
     then move their fp32 parameter, gradient and moments up and parameter, moments and (with
     ``cast_on="host"``) mirror down as one pipeline over runs of parameters, which takes the
     two directions' times added (as measured). Where every block is offloaded the root group is
-    too (:meth:`TrainingConfig.offloads_root`): first in forward order, so streamed first, copied in
-    once per step (FSDP2 keeps the root gathered from forward to backward), its gradients last
-    down. Offloaded activations go down in forward with at most ``DEFAULT_MAX_INFLIGHT_BYTES`` in flight (the forward waits for the link beyond
+    too (:meth:`TrainingConfig.root_placement`): first in forward order, so streamed first, copied
+    in once per step (FSDP2 keeps the root gathered from forward to backward), its gradients last
+    down. Offloaded activations go down in forward with at most ``DEFAULT_MAX_INFLIGHT_BYTES`` in
+    flight (the forward waits for the link beyond
     that) and are reloaded in backward. Each phase takes the longest of its compute and its copy
     streams (their sum with ``prefetch_depth=0``); at ``world_size > 1`` FSDP's all-gathers and
     reduce-scatters over ``platform.gpu_interconnect_GBps`` are one more overlapped stream.
@@ -221,12 +222,11 @@ def predict_step(
     activation_blocks = round(config.activations * n_blocks)
     # Where every block is offloaded the root is too: the first group in forward order, gathered
     # once per step (FSDP2 keeps the root unsharded after forward), its gradients landing last.
-    root = config.offloads_root(n_blocks) and profile.other_params > 0
+    placement = config.root_placement(n_blocks, profile.other_params)
+    root, root_streamed, root_on_host = placement != "resident", placement == "streamed", placement == "host"
     # OffloadOptimizer streams whole groups, the first round(fraction * offloaded groups) in forward
     # order: the root first.
     streamed_groups = round(config.optimizer_gpu_fraction * (offloaded_blocks + root))
-    root_streamed = root and streamed_groups > 0
-    root_on_host = root and not root_streamed
     streamed_blocks = streamed_groups - root_streamed
     host_indices = offloaded[streamed_blocks:]
     host_blocks = len(host_indices)

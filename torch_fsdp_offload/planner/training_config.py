@@ -140,12 +140,16 @@ class TrainingConfig:
             return list(range(n_blocks - round(self.module_fraction * n_blocks), n_blocks))
         return [i for i in range(n_blocks) if spread_block(i, self.module_fraction)]
 
-    def offloads_root(self, n_blocks: int) -> bool:
-        """Whether the root group (the parameters outside the blocks: embeddings, head, final norm)
-        is offloaded too: where every block is, the policy goes on the root as well
-        (``fully_shard_with_policy`` without ``last_blocks``, as a recommendation applies it). It is
-        first in forward order, and its gradients land last."""
-        return n_blocks > 0 and len(self.offloaded_blocks(n_blocks)) == n_blocks
+    def root_placement(self, n_blocks: int, root_params: int) -> str:
+        """Where the root group's state lives (its ``root_params`` parameters are those outside the
+        blocks: embeddings, head, final norm). ``"resident"`` unless every block is offloaded: then
+        the policy goes on the root as well (``fully_shard_with_policy`` without ``last_blocks``, as
+        a recommendation applies it), and the root, first in forward order, is the first group
+        ``OffloadOptimizer`` streams: ``"streamed"`` where it streams any of the ``n_blocks + 1``
+        groups, else ``"host"``. A root without parameters is no FSDP group: ``"resident"``."""
+        if root_params == 0 or n_blocks == 0 or len(self.offloaded_blocks(n_blocks)) != n_blocks:
+            return "resident"
+        return "streamed" if round(self.optimizer_gpu_fraction * (n_blocks + 1)) > 0 else "host"
 
     @property
     def steps_early(self) -> bool:

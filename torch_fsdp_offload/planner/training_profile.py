@@ -42,7 +42,7 @@ class TrainingProfile:
         block_params (int): parameters per block.
         other_params (int): parameters outside the blocks (embeddings, head, final norm): the root
             group, on the GPU when only some blocks are given the policy, offloaded with them when
-            every block is (:meth:`TrainingConfig.offloads_root`).
+            every block is (:meth:`TrainingConfig.root_placement`).
         tokens (int): tokens per micro-batch.
         block_activation_bytes (int): bytes one block saves for backward.
         block_checkpoint_bytes (int): bytes one block keeps with checkpointing (its input).
