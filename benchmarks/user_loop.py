@@ -14,7 +14,9 @@ sequences per micro-batch, default ``--batch-size``; ``accum``: N
 micro-batches per optimizer step, FSDP2 rows calling ``set_requires_gradient_sync`` on the last;
 ``clip``: ``clip_grad_norm_(1.0)`` before ``step()``, DeepSpeed's ``gradient_clipping``;
 ``plan_unclipped``: a clipping ``plan`` row runs the plan made for the loop without clipping, so
-the clip's own cost shows beside the unclipped row). Systems:
+the clip's own cost shows beside the unclipped row; ``early``: a ``plan`` row's optimizer also
+steps during backward, ``step_during_backward=True``, which changes parameters before ``step()``:
+what host steps under backward would gain, the bound of an exact speculative step). Systems:
 
 - ``resident``: FSDP2 on every decoder layer and the root, fused AdamW on the GPU, the layers
   checkpointed (``gradient_checkpointing_enable``);
@@ -90,10 +92,10 @@ def parse_row(name: str) -> dict:
             row["micro_batch"] = int(value)
         elif key == "clip" and not value:
             row["clip"] = True
-        elif key == "plan_unclipped" and not value:
-            row["plan_unclipped"] = True
+        elif key in ("plan_unclipped", "early") and not value:
+            row[key] = True
         else:
-            raise ValueError(f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped)")
+            raise ValueError(f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped, early)")
     return row
 
 
@@ -176,7 +178,7 @@ def _build(row: dict, model_dir: str, tokens, device):
         extra = {"plan": chosen.code(), "plan_timing": result.timing, "predicted_step_s": chosen.predicted_step_s,
                  "predicted_peak_GiB": chosen.predicted_peak_gpu_GiB, "plan_micro_batch": chosen.micro_batch_size,
                  "plan_accum": chosen.grad_accum_steps, "report": result.report()}
-        optimizer = chosen.optimizer(model, lr=LR, fused=True)
+        optimizer = chosen.optimizer(model, lr=LR, fused=True, **({"step_during_backward": True} if row.get("early") else {}))
         extra["optimizer"] = optimizer
     elif system == "fsdp1":
         from torch.distributed.fsdp import MixedPrecision

@@ -82,6 +82,43 @@ class HooksPathTest(GlooMultiProcessTestCase):
         self.assertEqual(calls["on_grads_ready"], 2 * len(groups))
 
 
+    def test_user_tensors_stay_plain_dtensors(self):
+        # Nothing the user holds changes class on the hooks path: parameters, gradients and
+        # optimizer state are DTensor itself after backward, the user's clip, step() and zero_grad(),
+        # through accumulated micro-batches; step() returns with every host step ended.
+        self.init_gloo()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = _shard(TiedBlocksModel(), CoherentOffload(platform="discrete", optimizer=0.5), mesh, mp)
+        for refused in ({"step_during_backward": True}, {"overlap_next_forward": True}):
+            with self.assertRaisesRegex(ValueError, "offload-policy hooks"):
+                OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, **refused)
+        optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        self.assertFalse(optim.overlap_next_forward)
+
+        def assert_plain(when):
+            tensors = [("param", param) for param in model.parameters()]
+            tensors += [("grad", param.grad) for param in model.parameters() if param.grad is not None]
+            tensors += [(key, value) for values in optim.state.values() for key, value in values.items() if isinstance(value, DTensor)]
+            for what, tensor in tensors:
+                self.assertIs(type(tensor), DTensor, f"{when}: a {what} is {type(tensor).__name__}")
+
+        for step in range(3):
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                _loss(model, _batch(2 * step + micro, self.rank)).backward()
+                assert_plain(f"step {step}, after backward {micro}")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            assert_plain(f"step {step}, after clip_grad_norm_")
+            optim.step()
+            self.assertEqual(optim.steps_in_flight(), 0)
+            assert_plain(f"step {step}, after step()")
+            optim.zero_grad(set_to_none=False)
+            assert_plain(f"step {step}, after zero_grad()")
+        self.assertGreater(optim.stepped_numel["host"], 0)
+        self.assertGreater(optim.stepped_numel["streamed"], 0)
+
+
 class HooksPathWorldSize1Test(HooksPathTest):
     WORLD_SIZE = 1
 

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import activations  # noqa: E402
 import fsdp_offload  # noqa: E402
+import host_step  # noqa: E402
 import models as models_benchmark  # noqa: E402
 import multi_gpu  # noqa: E402
 import peers  # noqa: E402
@@ -549,10 +550,26 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertAlmostEqual(fsdp_offload.lower_bound(accumulating, rows[1], bandwidth, host), 0.1 + 0.45 + 3 * 0.15)
 
 
+class TestHostStepBenchmark(TestCase):
+    def test_counts_the_step_and_the_shadow_copy(self):
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()) as printed:
+            out = os.path.join(tmp, "host_step.json")
+            host_step.main(["--params", "8192", "--tensors", "2", "--threads", "1", "--repeats", "1", "--out", out])
+            with open(out) as f:
+                result = json.load(f)
+        self.assertIn("the shadow copy costs", printed.getvalue())
+        self.assertEqual(result["threads"], 1)
+        rows = result["rows"]
+        for name in ("step", "copy", "step_and_copy"):
+            self.assertGreater(rows[name]["G_params_per_s"], 0)
+        self.assertGreater(rows["step_and_copy"]["seconds"], 0)
+
+
 class TestUserLoopBenchmark(TestCase):
     def test_row_names(self):
         self.assertEqual(user_loop.parse_row("plan;cap=24;mb=2;accum=8;clip"),
                          {"system": "plan", "cap": 24.0, "accum": 8, "clip": True, "micro_batch": 2})
+        self.assertTrue(user_loop.parse_row("plan;cap=24;early")["early"])
         for bad in ("planned", "plan;cap", "plan;clip=1", "plan;depth=2"):
             with self.assertRaises(ValueError):
                 user_loop.parse_row(bad)

@@ -24,10 +24,23 @@ PATCHES = {
 }
 PATCHED_PACKAGE = ("torch", "distributed", "fsdp", "_fully_shard")
 # What runs against the patched torch: the hooks-path checks, the parity tests at world sizes 1
-# and 2 (checkpoint load included: the shards go back home through the hooks), and accumulation
-# summing on the device (the policy's in-place sums, FSDP adding nothing); ~1.5 min on 2 cores.
+# and 2 (checkpoint load included: the shards go back home through the hooks), the optimizer's
+# contract with plain DTensors, and accumulation summing on the device (the policy's in-place sums,
+# FSDP adding nothing).
+CONTRACT = "test/test_optimizer_contract.py::OffloadOptimizerContractTest::"
 SUITE = (
     "test/fsdp2_hooks_checks.py",
+    *(
+        CONTRACT + name
+        for name in (
+            "test_before_and_after_step_as_plain_fsdp2",
+            "test_zero_grad_keeping_the_tensors_while_steps_run",
+            "test_clip_grad_norm_by_the_user_is_exact",
+            "test_max_grad_norm_is_exact",
+            "test_nonfinite_norm_skips_the_step",
+            "test_gradient_accumulation",
+        )
+    ),
     "test/test_fsdp2_offload.py::FSDP2OffloadParityWorldSize1Test",
     "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_parity_mixed_precision_uneven_tied_frozen",
     "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_parity_grad_accumulation_clipping_partial",

@@ -185,7 +185,7 @@ class CoherentOffload(CPUOffloadPolicy):
         >>> # Partial offload with host steps: the policy on the last half of the blocks only.
         >>> policy = CoherentOffload(optimizer="host")
         >>> fully_shard_with_policy(model, model.blocks, policy, last_blocks=len(model.blocks) // 2, mp_policy=mp)
-        >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
+        >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
     """
 
     pin_memory: bool = True
@@ -492,7 +492,7 @@ def fully_shard_with_policy(
         ...     model, model.blocks, policy, last_blocks=4, keep_unsharded_last=2, activation_checkpointing=True,
         ...     mp_policy=mp,
         ... )
-        >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, overlap_next_forward=True)
+        >>> optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
     """
     from torch.distributed.fsdp import fully_shard
 

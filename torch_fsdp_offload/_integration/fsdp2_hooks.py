@@ -44,7 +44,10 @@ def available() -> bool:
 
 class HookedGroupOffload(GroupOffload):
     """A :class:`GroupOffload` whose group is FSDP's own: what ``CoherentFSDPParamGroup`` would
-    tell, it answers from public group state and the hooks it saw."""
+    tell, it answers from public group state and the hooks it saw. The tensors the user holds stay
+    plain DTensors (docs/upstream.md)."""
+
+    reclasses_user_tensors = False
 
     def __init__(self, group: Any, plan: Any, offloaded: bool) -> None:
         super().__init__(group, plan, offloaded)

@@ -41,6 +41,11 @@ def host_bytes(numel: int, master_dtype: torch.dtype, param_dtype: torch.dtype |
 class GroupOffload:
     """Host buffers, copies and gradient offload of one FSDP parameter group."""
 
+    #: Whether the optimizer may re-class the group's parameters and gradients (DTensor subclasses
+    #: that guard reads while a step runs and see in-place changes of a gradient). True on the
+    #: fallback for a torch without FSDP2's offload hooks; the hooks path keeps them plain DTensors.
+    reclasses_user_tensors = True
+
     def __init__(
         self, group: Any, plan: ResolvedPlan, offloaded: bool
     ):

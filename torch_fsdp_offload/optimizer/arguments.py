@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torch_fsdp_offload.optimizer.groups import offloaded_group
+from torch_fsdp_offload.optimizer.groups import managed_group, offloaded_group
 
 
 def check_arguments(
@@ -43,11 +43,12 @@ def check_arguments(
         )
     for name, value in (
         ("step_during_backward", step_during_backward),
-        ("overlap_next_forward", overlap_next_forward),
         ("skip_nonfinite", skip_nonfinite),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"OffloadOptimizer({name}={value!r}) must be True or False.")
+    if overlap_next_forward is not None and not isinstance(overlap_next_forward, bool):
+        raise TypeError(f"OffloadOptimizer(overlap_next_forward={overlap_next_forward!r}) must be True, False or None.")
     if skip_nonfinite and step_during_backward:
         raise ValueError(
             "OffloadOptimizer(skip_nonfinite=True, step_during_backward=True): a step skipped for a non-finite "
@@ -92,6 +93,35 @@ def parameters_of(params: Any) -> tuple[Any, list[torch.Tensor]]:
             if isinstance(tensor, torch.Tensor):
                 tensors.append(tensor)
     return items, tensors
+
+
+def reclasses_user_tensors(tensors: list[torch.Tensor]) -> bool:
+    """Whether the optimizer may re-class these parameters and their gradients: False where a group
+    holding one runs through FSDP2's offload hooks (a patched torch), which keeps them plain."""
+    return all(owner is None or owner.reclasses_user_tensors for owner in map(managed_group, tensors))
+
+
+def check_plain_tensor_arguments(step_during_backward: bool, overlap_next_forward: bool | None) -> None:
+    """Refuse, on FSDP2's offload hooks, what needs re-classed tensors: a step during backward must
+    see every in-place change of a gradient, and ``step()`` returning before its host steps end
+    needs every read of a parameter to wait for its step."""
+    hooks = "on this torch FSDP2 runs CoherentOffload through its offload-policy hooks, which keep the "
+    if step_during_backward:
+        raise ValueError(
+            "OffloadOptimizer(step_during_backward=True): "
+            + hooks
+            + "gradients plain DTensors, and a clip_grad_norm_ between backward and step() (an in-place "
+            "foreach op, which bumps no version counter of a DTensor) could not be seen. Keep "
+            "step_during_backward=False (the default): host steps then start at step(), exact whatever "
+            "changed the gradients."
+        )
+    if overlap_next_forward:
+        raise ValueError(
+            "OffloadOptimizer(overlap_next_forward=True): "
+            + hooks
+            + "parameters plain DTensors, so a read of one before its host step ended could not wait for it. "
+            "Leave overlap_next_forward unset (None): step() then returns once every host step ended."
+        )
 
 
 def check_lr(lr: Any, name: str) -> None:

@@ -46,6 +46,9 @@ class OffloadedGroup(Protocol):
     optimizer_ref: weakref.ref | None
     #: The group's ``ResolvedPlan``: its ``optimizer_gpu_fraction`` picks the streamed groups.
     plan: Any
+    #: Whether the optimizer may re-class the group's parameters and gradients to DTensor
+    #: subclasses (read guards, watched gradients): only on a torch without FSDP2's offload hooks.
+    reclasses_user_tensors: bool
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -33,9 +33,11 @@ from torch_fsdp_offload.optimizer.arguments import (
     check_lr,
     check_optimizer_class,
     check_optimizer_kwargs,
+    check_plain_tensor_arguments,
     class_defaults,
     implementation_kwargs,
     parameters_of,
+    reclasses_user_tensors,
 )
 from torch_fsdp_offload.optimizer.finishing_steps import changed_by_step, FinishingSteps, zero_grads
 from torch_fsdp_offload.optimizer.groups import attach_optimizer, managed_group, OffloadedGroup
@@ -92,7 +94,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             loop's rounding), and runs on DTensors too. SGD's and Adagrad's fused kernels do not:
             they run their default, as over plain FSDP2, unless ``fused=True`` is given.
         step_during_backward (bool): step groups during backward once it is known to be safe;
-            breaks the contract above (parameters change before ``step()``). Default False.
+            breaks the contract above (parameters change before ``step()``). Needs the watched
+            (re-classed) gradients of a torch without FSDP2's offload hooks. Default False.
         max_grad_norm (float or None): clip the global gradient norm to this value before
             stepping, exactly as ``clip_grad_norm_`` does. Default None.
         skip_nonfinite (bool): skip the whole step, and count it in :attr:`skipped_steps`, when
@@ -100,13 +103,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
             are left as they are for ``zero_grad()``. Default False.
         host_threads (int or None): CPU threads for host steps. Default: torch's intra-op
             thread count minus one, leaving a core to the thread that launches GPU work.
-        overlap_next_forward (bool): let ``step()`` return while host steps, and the streamed
-            groups' pipeline (in a thread and on a CUDA stream of its own), still run, each
-            group's step finishing before the next forward copies that group in (groups whose
+        overlap_next_forward (bool or None): let ``step()`` return while host steps, and the
+            streamed groups' pipeline (in a thread and on a CUDA stream of its own), still run,
+            each group's step finishing before the next forward copies that group in (groups whose
             gradients have landed are stepped newest first, which after backward is forward
             order). Reads of a parameter or of its optimizer state wait for its step, and so do
-            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()``. False: ``step()``
-            returns once every step has finished. Default True.
+            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()``: the parameters are
+            re-classed to a DTensor subclass until then. False: ``step()`` returns once every
+            step has finished. Default None: True, except where FSDP2 runs the policy through
+            its offload hooks (a torch with the RFC's patch), which keeps parameters and
+            gradients plain DTensors, so no read could wait.
         **optimizer_kwargs: passed to ``optimizer_class``.
 
     Raises:
@@ -114,10 +120,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             instance, or ``OffloadOptimizer``), or one it cannot run (above); ``lr`` (also a
             parameter group's) is not a real number or a one-element tensor; ``max_grad_norm`` is
             not a real number or None; ``host_threads`` is not an int or None;
-            ``step_during_backward``, ``overlap_next_forward`` or ``skip_nonfinite`` is not a
-            bool; a tuple argument of the class is no tuple (``betas=0.9``); ``optimizer_class``
-            rejects the type of an ``optimizer_kwargs`` value (the error names the argument).
-        ValueError: ``lr`` is negative or not finite; ``max_grad_norm`` is not finite and
+            ``step_during_backward`` or ``skip_nonfinite`` is not a bool, or
+            ``overlap_next_forward`` not a bool or None; a tuple argument of the class is no tuple
+            (``betas=0.9``); ``optimizer_class`` rejects the type of an ``optimizer_kwargs`` value (the error names the argument).
+        ValueError: ``step_during_backward=True`` or ``overlap_next_forward=True`` where FSDP2
+            runs the policy through its offload hooks (both need re-classed tensors);
+            ``lr`` is negative or not finite; ``max_grad_norm`` is not finite and
             positive; ``host_threads`` is below 1; ``skip_nonfinite`` with
             ``step_during_backward``; a tuple argument of another length than the class's default
             (``betas=(0.9,)``); ``fused=True`` for a class whose fused kernel does not run on the
@@ -157,7 +165,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
         host_threads: int | None = None,
-        overlap_next_forward: bool = True,
+        overlap_next_forward: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         check_arguments(
@@ -173,6 +181,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             check_lr(optimizer_kwargs["lr"], "lr")
         model = params if isinstance(params, nn.Module) else None
         params, tensors = parameters_of(model.parameters() if model is not None else params)
+        # On FSDP2's offload hooks the parameters and gradients stay plain DTensors: nothing that
+        # needs them re-classed (read guards, watched gradients) runs there.
+        reclasses = reclasses_user_tensors(tensors)
+        if not reclasses:
+            check_plain_tensor_arguments(step_during_backward, overlap_next_forward)
+        if overlap_next_forward is None:
+            overlap_next_forward = reclasses
         check_optimizer_class(optimizer_class, tensors)
         check_optimizer_kwargs(optimizer_class, optimizer_kwargs)
         # A throwaway instance validates the kwargs as given (an error names only the caller's), and
@@ -190,7 +205,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._finishing_steps = FinishingSteps()
         self._host_steps = HostSteps(self._inner, self._finishing_steps, self.host_threads)
         self._streamed_steps = StreamedSteps(self._inner, self._host_steps, self._finishing_steps)
-        self._overlap = LearnedOverlap()
+        self._overlap = LearnedOverlap(watch_grads=reclasses)
+        self._reclasses_user_tensors = reclasses
         super().__init__(params, defaults)
         # The state a class creates at construction (Adagrad's), as over plain FSDP2.
         self.state.update(self._inner.initial_state(self.param_groups))
@@ -411,9 +427,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # It stepped with its first gradient: step() refuses this one. Raising here, inside
             # FSDP's backward, would leave that backward half run and the model unusable.
             return
-        if not self.step_during_backward and is_last_backward:
+        if not self.step_during_backward and is_last_backward and self._reclasses_user_tensors:
             # The host is idle until step(): compute the group's gradient norms as they land, for
-            # clip_grad_norm_ (the user's, or max_grad_norm's) to read.
+            # clip_grad_norm_ (the user's, or max_grad_norm's) to read from the watched gradients.
             self._host_steps.compute_norms_on_landing(owner)
         overlapping = self.step_during_backward and self._overlap.state is OverlapState.ON and is_last_backward
         if not overlapping or owner in self._streamed_steps.groups:

@@ -70,11 +70,14 @@ class LearnedOverlap:
     """The overlap state and what one step's gradient landings looked like.
 
     Between two ``step()`` calls it counts each group's landings and keeps its gradients as they
-    landed, watched for in-place changes (:func:`watch_grad`); :meth:`end_cycle` forgets them.
+    landed, with ``watch_grads`` watched for in-place changes (:func:`watch_grad`); :meth:`end_cycle`
+    forgets them. Unwatched (FSDP2's offload hooks keep gradients plain), only a new ``.grad`` tensor
+    or an in-place change that bumps a version counter is seen, so overlap is never turned on.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, watch_grads: bool = True) -> None:
         self.state = OverlapState.LEARNING
+        self.watch_grads = watch_grads
         self._landings: defaultdict[OffloadedGroup, int] = defaultdict(int)
         self._landed_grads: dict[OffloadedGroup, _Landed] = {}
 
@@ -84,7 +87,8 @@ class LearnedOverlap:
         landed = []
         for param in owner.params:
             grad = param.grad
-            watch_grad(grad)
+            if self.watch_grads:
+                watch_grad(grad)
             landed.append((grad, *_grad_versions(grad)))
         self._landed_grads[owner] = landed
 
@@ -106,7 +110,7 @@ class LearnedOverlap:
     def end_cycle(self, learned_safe: bool = False) -> None:
         """A step ended (or was refused): forget its landings; with ``learned_safe``, overlap turns
         on."""
-        if learned_safe and self.state is OverlapState.LEARNING:
+        if learned_safe and self.watch_grads and self.state is OverlapState.LEARNING:
             self._transition(OverlapState.ON)
         self._landings.clear()
         for landed in self._landed_grads.values():
