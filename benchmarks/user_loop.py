@@ -30,10 +30,15 @@ what host steps under backward would gain, the bound of an exact speculative ste
   {"mp_policy": mp}, microbatch_factors=[1], grad_accum_steps=N, clipping=clip)`` (held to the
   micro-batch of 4, the loop given), then ``result.recommended.optimizer(model, lr, fused=True)``.
 
-The bound of a row: ``max(T_gpu, T_host, H2D / BW_h2d, D2H / BW_d2h)`` where ``T_gpu`` is the
-uncapped resident row's step over as many sequences (compute with checkpointing), ``T_host`` the
-row's host-stepped parameters at the fused CPU AdamW rate measured here (``measure_host_step``), and the link terms count
-the bytes this library's engine moved (its rows only). ``of_bound`` is the bound over the row's step.
+The bound of a row: ``max(T_gpu, T_host, T_gpu - T_fwd + T_host, H2D / BW_h2d, D2H / BW_d2h)`` where
+``T_gpu`` is the uncapped resident row's step over as many sequences (compute with checkpointing),
+``T_host`` the row's host-stepped parameters at the fused CPU AdamW rate measured here
+(``measure_host_step``), and the link terms count the bytes this library's engine moved (its rows
+only). The third term is torch.optim's contract: nothing steps before ``step()``, which comes after
+the last backward, and every host step must end before the next forward is through (its last group
+needs its step), so at most one forward (``T_fwd``, resident's, of one micro-batch) runs beside
+them; rows that step during backward (``early``) do not have it. ``of_bound`` is the bound over the
+row's step.
 
 Each row records its phases per step (``forward``, ``backward``, ``clip``, ``step``: seconds on
 the GPU's clock and the host's), the gradient norms of clipping rows, and with ``--profile DIR``
@@ -380,6 +385,10 @@ def add_bounds(rows: list[dict], machine: dict) -> None:
             host_params = row["offloaded_params"] * (1 - float(streamed.group(1)) if streamed else 1)
         if rate and host_params:
             terms["host"] = host_params / rate
+            if not row.get("early"):
+                forwards = sorted(phases["forward"]["gpu_s"] for phases in base.get("phases", ()) if "forward" in phases)
+                if forwards:  # the median step's forward, over its micro-batches
+                    terms["after_step"] = base["step_s"] - forwards[len(forwards) // 2] / base["accum"] + terms["host"]
         if link and "h2d_GB" in row:
             terms["h2d"] = row["h2d_GB"] / link["h2d"]
             terms["d2h"] = row["d2h_GB"] / link["d2h"]

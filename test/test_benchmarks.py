@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import activations  # noqa: E402
 import fsdp_offload  # noqa: E402
-import host_step  # noqa: E402
+import shadow_copy  # noqa: E402
 import models as models_benchmark  # noqa: E402
 import multi_gpu  # noqa: E402
 import peers  # noqa: E402
@@ -550,11 +550,11 @@ class TestFsdpOffloadBenchmark(TestCase):
         self.assertAlmostEqual(fsdp_offload.lower_bound(accumulating, rows[1], bandwidth, host), 0.1 + 0.45 + 3 * 0.15)
 
 
-class TestHostStepBenchmark(TestCase):
+class TestShadowCopyBenchmark(TestCase):
     def test_counts_the_step_and_the_shadow_copy(self):
         with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()) as printed:
-            out = os.path.join(tmp, "host_step.json")
-            host_step.main(["--params", "8192", "--tensors", "2", "--threads", "1", "--repeats", "1", "--out", out])
+            out = os.path.join(tmp, "shadow_copy.json")
+            shadow_copy.main(["--params", "8192", "--tensors", "2", "--threads", "1", "--repeats", "1", "--out", out])
             with open(out) as f:
                 result = json.load(f)
         self.assertIn("the shadow copy costs", printed.getvalue())
@@ -573,6 +573,21 @@ class TestUserLoopBenchmark(TestCase):
         for bad in ("planned", "plan;cap", "plan;clip=1", "plan;depth=2"):
             with self.assertRaises(ValueError):
                 user_loop.parse_row(bad)
+
+    def test_contract_bound_leaves_one_forward_beside_the_host_steps(self):
+        # Resident: 1.0 s a step, forwards of 0.3, 0.2 and 0.4 s (median 0.3). 2e9 host-stepped
+        # parameters at 4e9 a second: 0.5 s of host steps, which only the next forward can hide.
+        phases = [{"forward": {"gpu_s": f}, "backward": {"gpu_s": 0.6}} for f in (0.3, 0.2, 0.4)]
+        resident = {"name": "resident", "system": "resident", "batch_size": 4, "accum": 1, "step_s": 1.0,
+                    "tokens_per_s": 8000, "phases": phases}
+        offload = {"name": "plan;cap=24", "system": "plan", "batch_size": 4, "accum": 1, "step_s": 1.5,
+                   "tokens_per_s": 5000, "host_stepped_params": 2e9, "h2d_GB": 27.0, "d2h_GB": 13.5}
+        early = {**offload, "name": "plan;cap=24;early", "early": True}
+        user_loop.add_bounds([resident, offload, early], {"host_adamw_params_per_s": 4e9, "link_GBps": {"h2d": 54.0, "d2h": 54.0}})
+        self.assertEqual(offload["bound_terms_s"], {"gpu": 1.0, "host": 0.5, "after_step": 1.2, "h2d": 0.5, "d2h": 0.25})
+        self.assertEqual((offload["bound_s"], offload["of_bound"]), (1.2, 0.8))
+        self.assertNotIn("after_step", early["bound_terms_s"])
+        self.assertEqual(early["bound_s"], 1.0)
 
     def test_tiny_run_on_the_cpu_writes_rows_with_their_bounds(self):
         rows = "resident;mb=1;accum=2,plan;cap=24;mb=1;accum=2;clip,plan;depth=2"

@@ -13,8 +13,8 @@ host and with ``--threads`` threads (OffloadOptimizer's default: intra-op thread
 
 Each figure is the median of ``--repeats`` passes after a warm-up. Usage::
 
-    python benchmarks/host_step.py [--params 268435456] [--tensors 16] [--threads N] [--repeats 5]
-        [--out benchmarks/results/host_step.json]
+    python benchmarks/shadow_copy.py [--params 268435456] [--tensors 16] [--threads N] [--repeats 5]
+        [--out benchmarks/results/shadow_copy.json]
 """
 
 from __future__ import annotations
