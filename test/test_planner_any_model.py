@@ -156,10 +156,16 @@ class TestMeasureAnyBlock(TestCase):
         breakdown = model_breakdown(model, batch_size=2, seq_len=16, example_input=torch.randn(2, 16, DIM))
         platform = get_profile("h200-pcie")
         timed = dataclasses.replace(timing, forward_s=0.01, recompute_s=0.015)
-        self.assertAlmostEqual(training_profile(breakdown, platform, timing=timed).recompute_fraction, 1.5)
+        profile = training_profile(breakdown, platform, timing=timed)
+        # The profile's forward is the whole model's (the blocks over their FLOP share); the rerun
+        # is the blocks' alone: 1.5 times each block's forward, every block.
+        share = breakdown.block_forward_share
+        self.assertLess(share, 1.0)
+        self.assertAlmostEqual(profile.forward_s, 0.01 * breakdown.n_blocks / share)
+        self.assertAlmostEqual(profile.forward_s * profile.recompute_fraction, 0.015 * breakdown.n_blocks)
         untimed = dataclasses.replace(timed, recompute_s=None)
         self.assertAlmostEqual(training_profile(breakdown, platform, timing=untimed).recompute_fraction,
-                               breakdown.block_recompute_fraction)
+                               breakdown.block_recompute_fraction * share)
 
     def test_estimated_without_a_device_and_where_the_block_cannot_be_timed(self):
         analytic = plan(PlainBlocks(), example_input=torch.randn(2, 16, DIM), platform="h200-pcie")

@@ -169,10 +169,11 @@ def training_profile(
 ) -> TrainingProfile:
     """Build the training-level model input from a breakdown and, if available, a block timing.
 
-    Without a timing, forward and backward come from the FLOP count at a fixed share of
-    ``platform.gpu_bf16_TFLOPS`` (forward one third). Checkpointing's recompute is the timed
-    block's (``recompute_s``), else the breakdown's FLOP count (``block_recompute_fraction``, times
-    the blocks' share of the forward when the forward includes the head). The GPU optimizer is bandwidth bound (28 bytes per
+    With a timing, forward and backward are the timed block's times the blocks, over the blocks'
+    share of the forward FLOPs (the embedding, head and loss at the block's measured rate); without
+    one, from the FLOP count at a fixed share of ``platform.gpu_bf16_TFLOPS`` (forward one third).
+    Checkpointing's recompute is the timed block's (``recompute_s``), else the breakdown's FLOP
+    count (``block_recompute_fraction``), times the blocks' share of the forward. The GPU optimizer is bandwidth bound (28 bytes per
     parameter at a fixed share of ``platform.gpu_dram_GBps``). ``host_GBps`` (default: the
     platform's) sets the host optimizer's speed; ``host_rates`` measured with the link busy
     (:func:`~torch_fsdp_offload.host_step.measure_host_step`) replace it with the
@@ -186,17 +187,19 @@ def training_profile(
     # A checkpointed backward reruns each block's forward up to its last saved tensor: timed where
     # the block was (a checkpointed step pays the rerun's memory-bound ops and checkpointing's own
     # bookkeeping, which a FLOP count leaves out), else counted in FLOPs.
+    # Checkpointing reruns the blocks alone: a fraction of the blocks' share of the forward.
     recompute = breakdown.block_recompute_fraction
     if timing is not None:
         if timing.recompute_s is not None and timing.forward_s > 0:
             recompute = timing.recompute_s / timing.forward_s
-        # The timed forward is the blocks' alone.
-        forward = timing.forward_s * breakdown.n_blocks
-        backward = timing.backward_s * breakdown.n_blocks
+        # The timed block runs the blocks' share of the FLOPs; the rest (embedding, head, loss: a
+        # tenth of a 3B model's forward at a 150k vocabulary) at the same measured rate.
+        forward = timing.forward_s * breakdown.n_blocks / breakdown.block_forward_share
+        backward = timing.backward_s * breakdown.n_blocks / breakdown.block_forward_share
         block_activation = timing.activation_bytes
         source = "measured block"
-    else:
-        recompute *= breakdown.block_forward_share
+    recompute *= breakdown.block_forward_share
+    if timing is None:
         total = breakdown.training_flops() / (platform.gpu_bf16_TFLOPS * 1e12 * _ACHIEVED_FLOPS_FRACTION)
         forward, backward = total / 3, 2 * total / 3
         block_activation = breakdown.block_activation_bytes
