@@ -16,7 +16,9 @@ micro-batches per optimizer step, FSDP2 rows calling ``set_requires_gradient_syn
 ``plan_unclipped``: a clipping ``plan`` row runs the plan made for the loop without clipping, so
 the clip's own cost shows beside the unclipped row; ``early``: a ``plan`` row's optimizer also
 steps during backward, ``step_during_backward=True``, which changes parameters before ``step()``:
-what host steps under backward would gain, the bound of an exact speculative step). Systems:
+what host steps under backward would gain, the bound of an exact speculative step;
+``offload_optimizer``: an ``fsdp1`` row's optimizer is ``OffloadOptimizer`` over the front door).
+Systems:
 
 - ``resident``: FSDP2 on every decoder layer and the root, fused AdamW on the GPU, the layers
   checkpointed (``gradient_checkpointing_enable``);
@@ -97,10 +99,12 @@ def parse_row(name: str) -> dict:
             row["micro_batch"] = int(value)
         elif key == "clip" and not value:
             row["clip"] = True
-        elif key in ("plan_unclipped", "early") and not value:
+        elif key in ("plan_unclipped", "early", "offload_optimizer") and not value:
             row[key] = True
         else:
-            raise ValueError(f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped, early)")
+            raise ValueError(
+                f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped, early, offload_optimizer)"
+            )
     return row
 
 
@@ -195,7 +199,12 @@ def _build(row: dict, model_dir: str, tokens, device):
             model, auto_wrap_policy=ModuleWrapPolicy({_layer_class(model)}), device_id=device,
             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
             offload_policy=CoherentOffload())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        if row.get("offload_optimizer"):
+            from torch_fsdp_offload import OffloadOptimizer
+
+            optimizer = extra["optimizer"] = OffloadOptimizer(model, torch.optim.AdamW, lr=LR, fused=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     elif system == "every":
         from torch_fsdp_offload import OffloadOptimizer
 

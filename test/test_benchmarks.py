@@ -570,6 +570,7 @@ class TestUserLoopBenchmark(TestCase):
         self.assertEqual(user_loop.parse_row("plan;cap=24;mb=2;accum=8;clip"),
                          {"system": "plan", "cap": 24.0, "accum": 8, "clip": True, "micro_batch": 2})
         self.assertTrue(user_loop.parse_row("plan;cap=24;early")["early"])
+        self.assertTrue(user_loop.parse_row("fsdp1;cap=24;offload_optimizer")["offload_optimizer"])
         for bad in ("planned", "plan;cap", "plan;clip=1", "plan;depth=2"):
             with self.assertRaises(ValueError):
                 user_loop.parse_row(bad)

@@ -163,7 +163,8 @@ class TestCodebase(TestCase):
             "torch_fsdp_offload.transfer": {"_engines", "_engines_lock"},  # one copy engine per device, like CUDA's streams
             "torch_fsdp_offload.platform": {"_DETECTIONS"},  # facts about this machine, read once
             "torch_fsdp_offload.platform.bandwidth": {"_BANDWIDTHS"},
-            "torch_fsdp_offload.optimizer.pending_updates": {"_stepping"},  # per thread
+            # per thread; and one guarding subclass per tensor class, as classes are per process
+            "torch_fsdp_offload.optimizer.pending_updates": {"_stepping", "_guarded_classes"},
             "torch_fsdp_offload.optimizer.dtensor_grads": {"_lock", "NORM_READS"},  # process-wide counts
             "torch_fsdp_offload.cpu_copy_stream": {"misuses_detected", "_overrides"},  # the test engine's
         }

@@ -9,13 +9,14 @@ through the transfer engine and is counted; the "device" is the CPU). ``TestFSDP
 from __future__ import annotations
 
 import os
+import threading
 import unittest
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_offload import fsdp1_host_bytes, GlooMultiProcessTestCase, NcclMultiProcessTestCase, NVLINK_MULTICAST_OFF
+from common_offload import fsdp1_host_bytes, GlooMultiProcessTestCase, HostStepGate, NcclMultiProcessTestCase, NVLINK_MULTICAST_OFF
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
@@ -35,6 +36,7 @@ from torch_fsdp_offload._integration.fsdp1_handle_plan import planned_shards
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
 from torch_fsdp_offload.memory import ENV_HOST_MEMORY, HostMemoryError
 from torch_fsdp_offload.models import TransformerBlock, build_model, causal_lm_loss
+from torch_fsdp_offload.optim import OffloadOptimizer
 from torch_fsdp_offload.policy import CoherentOffload
 from torch_fsdp_offload.transfer import get_transfer_engine
 
@@ -310,6 +312,56 @@ def _no_root_params_model(fsdp_class, **kwargs):
     )
 
 
+class TestFSDP1OffloadOptimizer(GlooMultiProcessTestCase):
+    def test_host_steps_finish_under_the_next_forward_exactly(self) -> None:
+        # OffloadOptimizer over the front door: step() returns while the handles' host steps are
+        # held at a gate, which opens a moment later. Every other step the parameters are read
+        # at once (each read waits for its step); the others, the next forward comes first (each
+        # handle's unshard waits for its step). Clipped, mixed precision, bit for bit against
+        # stock FSDP1 with fused AdamW.
+        self.init_gloo()
+        device = torch.device("cpu")
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for use_orig_params in (False, True):
+            reference = _wrap(StockFSDP, device, mixed_precision=mixed, use_orig_params=use_orig_params)
+            model = _wrap(FullyShardedDataParallel, device, mixed_precision=mixed, use_orig_params=use_orig_params,
+                          offload_policy=CoherentOffload(platform="discrete"))
+            gate = HostStepGate()
+            reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+            optim = OffloadOptimizer(model, gate.optimizer_class(torch.optim.AdamW), lr=1e-2)
+            self.assertTrue(optim.overlap_next_forward)
+            generator = torch.Generator().manual_seed(100 + self.rank)
+            opener = None
+            for step in range(STEPS):
+                tokens = torch.randint(0, 256, (2, 16), generator=generator)
+                losses = []
+                for m in (reference, model):
+                    loss = causal_lm_loss(m(tokens), tokens)
+                    loss.backward()
+                    losses.append(loss.item())
+                    m.clip_grad_norm_(0.5)
+                self.assertEqual(losses[1], losses[0], atol=0, rtol=0, msg=f"step {step}")
+                if opener is not None:
+                    opener.join()
+                reference_optim.step()
+                gate.close()
+                optim.step()
+                self.assertTrue(gate.holds_a_step(), f"step {step}: step() returned after every host step")
+                opener = threading.Timer(0.1, gate.open)
+                opener.start()
+                if step % 2 == 0:
+                    for (name, ref), actual in zip(reference.named_parameters(), model.parameters()):
+                        self.assertEqual(actual, ref, atol=0, rtol=0, msg=f"step {step}: {name}")
+                for o in (reference_optim, optim):
+                    o.zero_grad()
+            opener.join()
+            optim.synchronize()
+            self.assertGreater(optim.stepped_numel["host"], 0)
+            self.assertEqual(optim.stepped_numel["device"], 0)
+            for (name, expected), (_, actual) in zip(_full_state(reference).items(), _full_state(model).items()):
+                self.assertEqual(actual, expected, atol=0, rtol=0, msg=name)
+
+
 class TestFSDP1NoAccelerator(GlooMultiProcessTestCase):
     def test_host_only_trains_like_fsdp1_without_offload(self) -> None:
         # Without an accelerator the compute device is the host: nothing is offloaded, and the
@@ -497,6 +549,26 @@ class TestFSDP1GPU(TestCase):
             model(torch.zeros(1, 8, dtype=torch.long, device=self.device))
         torch.cuda.synchronize()
         self.assertEqual(engine.stats.h2d_bytes, 4 * numel)
+
+    def test_gpu_offload_optimizer_matches_stock(self) -> None:
+        # The handles stepped by OffloadOptimizer on the host, each step finishing under the next
+        # forward (its unshard waits for it), against stock FSDP1 CPU offload with the same fused
+        # CPU AdamW, clipped: bit for bit.
+        mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        runs = {}
+        for name, fsdp_class, kwargs in (
+            ("stock", StockFSDP, dict(cpu_offload=CPUOffload(offload_params=True))),
+            ("coherent", FullyShardedDataParallel, dict(offload_policy=CoherentOffload(platform="discrete"))),
+        ):
+            torch.manual_seed(0)
+            model = _wrap(fsdp_class, self.device, mixed_precision=mixed_precision, **kwargs)
+            if fsdp_class is StockFSDP:
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+            else:
+                optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+            runs[name] = _train(model, STEPS, 0, clip=0.5, device=self.device, optimizer=optimizer)[:2]
+        self.assertGreater(optimizer.stepped_numel["host"], 0)
+        self.assertEqual(runs["coherent"], runs["stock"], atol=0, rtol=0)
 
     def test_gpu_use_orig_params_matches_stock(self) -> None:
         # The front door against stock FSDP1 in the same use_orig_params mode; both step with

@@ -34,6 +34,8 @@ offload policy run unchanged. See Note: [FSDP1 patch points] in docs/design.md:
 
 from __future__ import annotations
 
+import types
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as _FSDP
 from torch.distributed.fsdp import _flat_param, _runtime_utils
 from torch.overrides import TorchFunctionMode
 
+from torch_fsdp_offload import optim
 from torch_fsdp_offload._integration import installation
 from torch_fsdp_offload.data_path.group_offload import host_bytes
 from torch_fsdp_offload.memory import HostPromise, pinned_empty, promise_host_bytes
@@ -52,9 +55,17 @@ _SITE_PREFIX = {
     _flat_param.FlatParamHandle: "torch.distributed.fsdp._flat_param.FlatParamHandle",
     _runtime_utils: "torch.distributed.fsdp._runtime_utils",
 }
-@dataclass
+# An FSDP1 handle's optimizer steps on the host: OffloadOptimizer streams none of them.
+_HOST_STEPPED = types.SimpleNamespace(optimizer_gpu_fraction=0.0)
+
+
+@dataclass(eq=False)
 class HandleOffload:
-    """What one ``FlatParamHandle`` does differently under an offload policy."""
+    """What one ``FlatParamHandle`` does differently under an offload policy, and, for a handle
+    whose shard the policy offloads through the engine, the handle as ``OffloadOptimizer`` steps
+    it (:class:`~torch_fsdp_offload.optimizer.groups.OffloadedGroup`): its gradients land on the
+    host through the engine, the step runs in the optimizer's worker, and the handle's next
+    unshard waits for that step (Note: [FSDP1 host steps] in docs/design.md)."""
 
     # Host shard in exact-size pinned memory (True), plain host memory (False), or FSDP1's own
     # pin_memory() (None).
@@ -69,22 +80,74 @@ class HandleOffload:
     # The exact-size pinned shard, gradient buffer and mirror, promised until FSDP1's lazy init
     # allocates them.
     host_promise: HostPromise | None = None
+    # The optimizer group: the handle (weakly), its place in the tree (pre-order: forward order
+    # for a chain of blocks), the last gradient copy down, and what OffloadOptimizer sets.
+    handle_ref: weakref.ref | None = None
+    position: int = 0
+    grad_transfer: Transfer | None = None
+    offloaded: bool = True
+    update_pending: Any = None
+    optimizer_ref: weakref.ref | None = None
+    plan = _HOST_STEPPED
+    # The optimizer may guard reads of the handle's parameters and state by re-classing them.
+    reclasses_user_tensors = True
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """What an optimizer over the model holds of this handle: its ``FlatParameter``, or with
+        ``use_orig_params=True`` the original parameters (views into it)."""
+        handle = self.handle_ref()
+        return list(handle.flat_param._params) if handle._use_orig_params else [handle.flat_param]
+
+    def grads_landed(self) -> bool:
+        return self.grad_transfer is None or self.grad_transfer.done()
+
+    def wait_grads(self) -> None:
+        if self.grad_transfer is not None:
+            self.grad_transfer.synchronize()
+            self.grad_transfer = None
+
+    def wait_update(self) -> None:
+        """Wait for the handle's optimizer step, if one still runs (re-raising its error)."""
+        pending = self.update_pending
+        if pending is not None:
+            pending.result()
+            self.update_pending = None
+
+    def refresh_mirror(self) -> None:
+        """Nothing: each unshard casts the shard it copies in."""
+
+    def forward_index(self) -> int:
+        return self.position
+
+    def label(self) -> str:
+        return f"fsdp1_handle{self.position}"
+
+    def prefetch_next_forward(self) -> None:
+        """Nothing: FSDP1 prefetches by its own order."""
+
+    def as_param_dtensor(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        return local  # FSDP1's parameters are plain tensors, and so is their state
 
 
 def attach_handle_offload(
     root: _FSDP1, pinned: bool | None, engine: bool, cast_on_device: bool
 ) -> None:
     """Give every handle of the FSDP1 tree under ``root`` a :class:`HandleOffload`."""
-    for state in _FSDP1.fsdp_modules(root):
+    for position, state in enumerate(_FSDP1.fsdp_modules(root)):
         handle = state._handle
         if handle is not None:
             offload = HandleOffload(
                 pinned=pinned,
                 engine=get_transfer_engine(handle.device) if engine else None,
                 cast_on_device=cast_on_device,
+                handle_ref=weakref.ref(handle),
+                position=position,
             )
             setattr(handle, _HANDLE_ATTRIBUTE, offload)
             installation.hold("fsdp1", handle)
+            if engine and handle._offload_params:
+                optim.register_offloaded_group(offload)
             if pinned and handle._offload_params:
                 flat_param = handle.flat_param
                 param_dtype = handle._fwd_bwd_param_dtype if engine else None
@@ -164,6 +227,7 @@ def _use_low_precision_shard(self) -> None:
     if offload is None or offload.engine is None or not self._offload_params:
         return _original("_use_low_precision_shard")(self)
     self._check_low_precision_shard()
+    offload.wait_update()  # the shard is read below, outside any guarded op
     flat_param = self.flat_param
     local_shard = flat_param._local_shard
     if offload.cast_on_device:
@@ -204,6 +268,7 @@ def _flat_param_to(self, *args, **kwargs) -> None:
     )
     if not to_compute_device:
         return _original("flat_param_to")(self, *args, **kwargs)
+    offload.wait_update()
     transfer = offload.engine.h2d(self.flat_param.data, label="fsdp1_param_h2d")
     self.flat_param.data = transfer.wait()
     # As FSDP1's flat_param_to: the original parameters are views that must follow the new storage.
@@ -250,6 +315,10 @@ def _offload_grad(state, handle, grad_to_offload: torch.Tensor) -> None:
     # of the current stream covers this copy; on a CPU device the host is that stream and waits.
     on_cuda = grad_to_offload.device.type == "cuda"
     transfer.wait(torch.cuda.current_stream(grad_to_offload.device) if on_cuda else None)
+    # An OffloadOptimizer may step the handle once the copy has landed. FSDP1 reduces (and so
+    # offloads) in every backward outside no_sync(): each such landing counts as the last.
+    offload.grad_transfer = transfer
+    optim.notify_grads_ready(offload, is_last_backward=True)
 
 
 def _post_backward_final_callback(state, module) -> None:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.utils._pytree import tree_leaves
 
+from torch_fsdp_offload._helpers.tensors import local_tensor
 from torch_fsdp_offload.optimizer.pending_updates import in_step
 
 __all__ = [
@@ -257,7 +258,7 @@ def take_scales(grad: torch.Tensor | None) -> list[torch.Tensor]:
         return []
     with _lock:
         scales = grad.__dict__.pop(_SCALES, None)
-    device = grad._local_tensor.device
+    device = local_tensor(grad).device
     return [scale.to(device) for scale in scales or () if not _is_host_one(scale)]
 
 
@@ -270,7 +271,7 @@ def apply_scales(grad: torch.Tensor | None) -> None:
     """Multiply ``grad`` by the scalars a deferred ``_foreach_mul_`` recorded, in order (in the
     caller's thread, on the local shard)."""
     for scale in take_scales(grad):
-        torch._foreach_mul_([grad._local_tensor], scale)
+        torch._foreach_mul_([local_tensor(grad)], scale)
 
 
 def watch_grad(grad: torch.Tensor | None) -> None:
