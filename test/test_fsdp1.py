@@ -8,6 +8,7 @@ through the transfer engine and is counted; the "device" is the CPU). ``TestFSDP
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import unittest
@@ -358,6 +359,16 @@ class TestFSDP1OffloadOptimizer(GlooMultiProcessTestCase):
             optim.synchronize()
             self.assertGreater(optim.stepped_numel["host"], 0)
             self.assertEqual(optim.stepped_numel["device"], 0)
+            # Accumulating: the first micro-batch under no_sync(), the second outside it.
+            for step in range(2):
+                for micro in range(2):
+                    tokens = torch.randint(0, 256, (2, 16), generator=generator)
+                    for m in (reference, model):
+                        with m.no_sync() if micro == 0 else contextlib.nullcontext():
+                            causal_lm_loss(m(tokens), tokens).backward()
+                for o in (reference_optim, optim):
+                    o.step()
+                    o.zero_grad()
             for (name, expected), (_, actual) in zip(_full_state(reference).items(), _full_state(model).items()):
                 self.assertEqual(actual, expected, atol=0, rtol=0, msg=name)
 
