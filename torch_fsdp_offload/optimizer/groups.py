@@ -46,8 +46,8 @@ class OffloadedGroup(Protocol):
     optimizer_ref: weakref.ref | None
     #: The group's ``ResolvedPlan``: its ``optimizer_gpu_fraction`` picks the streamed groups.
     plan: Any
-    #: Whether the optimizer may re-class the group's parameters and gradients to DTensor
-    #: subclasses (read guards, watched gradients): only on a torch without FSDP2's offload hooks.
+    #: Whether the optimizer may re-class the group's parameters, gradients and state to
+    #: subclasses (read guards, watched gradients): False where FSDP2's offload hooks keep them plain.
     reclasses_user_tensors: bool
 
     @property

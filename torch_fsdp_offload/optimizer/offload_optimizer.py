@@ -56,8 +56,9 @@ __all__ = ["OffloadOptimizer"]
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
-    """Runs any ``torch.optim`` optimizer over a model sharded with ``CoherentOffload``, stepping
-    each offloaded parameter group on the host off the training loop's critical path.
+    """Runs any ``torch.optim`` optimizer over a model sharded with ``CoherentOffload`` (FSDP2's
+    ``fully_shard``, or the FSDP1 front door, whose handles it steps alike), stepping each
+    offloaded parameter group on the host off the training loop's critical path.
 
     It is a ``torch.optim.Optimizer``: learning-rate schedulers, ``zero_grad``, ``state_dict`` /
     ``load_state_dict`` and ``torch.distributed.checkpoint.state_dict.get_state_dict`` work as
@@ -108,8 +109,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             each group's step finishing before the next forward copies that group in (groups whose
             gradients have landed are stepped newest first, which after backward is forward
             order). Reads of a parameter or of its optimizer state wait for its step, and so do
-            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()``: the parameters are
-            re-classed to a DTensor subclass until then. False: ``step()`` returns once every
+            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()``: the parameters and
+            their state are re-classed to a subclass until then. False: ``step()`` returns once every
             step has finished. Default None: True, except where FSDP2 runs the policy through
             its offload hooks (a torch with the RFC's patch), which keeps parameters and
             gradients plain DTensors, so no read could wait.
@@ -122,7 +123,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             not a real number or None; ``host_threads`` is not an int or None;
             ``step_during_backward`` or ``skip_nonfinite`` is not a bool, or
             ``overlap_next_forward`` not a bool or None; a tuple argument of the class is no tuple
-            (``betas=0.9``); ``optimizer_class`` rejects the type of an ``optimizer_kwargs`` value (the error names the argument).
+            (``betas=0.9``); ``optimizer_class`` rejects the type of an ``optimizer_kwargs``
+            value (the error names the argument).
         ValueError: ``step_during_backward=True`` or ``overlap_next_forward=True`` where FSDP2
             runs the policy through its offload hooks (both need re-classed tensors);
             ``lr`` is negative or not finite; ``max_grad_norm`` is not finite and
