@@ -61,6 +61,31 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
+class ResidualMLPBlocks(nn.Module):
+    """Three residual MLP blocks (``up``, ``down``: the pair tensor parallelism splits column- and
+    row-wise), and with ``head`` a linear head in the root group."""
+
+    def __init__(self, width: int = 16, head: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ResidualMLP(width) for _ in range(3))
+        self.head = nn.Linear(width, 4) if head else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _ResidualMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
 def fsdp1_host_bytes(model: nn.Module) -> int:
     """Bytes of the host shard, gradient buffer and compute-dtype mirror of every handle of an FSDP1
     front-door model, as allocated at its first forward."""

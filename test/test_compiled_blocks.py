@@ -14,13 +14,12 @@ import copy
 
 import torch
 import torch._dynamo
-import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from torch.testing._internal.common_utils import run_tests
 
-from common_offload import SingleRankGlooTestCase
+from common_offload import ResidualMLPBlocks, SingleRankGlooTestCase
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload.transfer import get_transfer_engine
 
@@ -28,30 +27,8 @@ STEPS = 4
 WIDTH = 16
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class _Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
-        self.head = nn.Linear(WIDTH, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 class CompiledBlocksTest(SingleRankGlooTestCase):
-    def _run(self, model: _Blocks, offloaded: bool) -> tuple[list[float], list[int], dict]:
+    def _run(self, model: ResidualMLPBlocks, offloaded: bool) -> tuple[list[float], list[int], dict]:
         """Compile each block, shard, train; return the losses, the frames dynamo compiled in each
         step, and the graph breaks it counted."""
         torch._dynamo.reset()
@@ -85,7 +62,7 @@ class CompiledBlocksTest(SingleRankGlooTestCase):
 
     def test_exact_without_graph_breaks_or_recompiles(self):
         torch.manual_seed(0)
-        initial = _Blocks()
+        initial = ResidualMLPBlocks(WIDTH, head=True)
         engine = get_transfer_engine("cpu")
         plain = copy.deepcopy(initial)
         plain_losses, _, _ = self._run(plain, offloaded=False)

@@ -16,14 +16,13 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module, RowwiseParallel
 from torch.testing._internal.common_utils import run_tests
 
-from common_offload import GlooMultiProcessTestCase
+from common_offload import GlooMultiProcessTestCase, ResidualMLPBlocks
 from torch_fsdp_offload import CoherentOffload, OffloadOptimizer
 from torch_fsdp_offload.transfer import get_transfer_engine
 
@@ -31,38 +30,17 @@ STEPS = 3
 WIDTH = 16
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class _Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 class TwoDimensionalMeshTest(GlooMultiProcessTestCase):
     WORLD_SIZE = 4
 
-    def _shard(self, model: _Blocks, mesh, offloaded: bool) -> _Blocks:
+    def _shard(self, model: ResidualMLPBlocks, mesh, offloaded: bool) -> ResidualMLPBlocks:
         policy = {"offload_policy": CoherentOffload(platform="discrete")} if offloaded else {}
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
             fully_shard(block, mesh=mesh["dp"], **policy)
         return fully_shard(model, mesh=mesh["dp"], **policy)
 
-    def _optimizer(self, model: _Blocks, offloaded: bool) -> torch.optim.Optimizer:
+    def _optimizer(self, model: ResidualMLPBlocks, offloaded: bool) -> torch.optim.Optimizer:
         if offloaded:
             return OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
         return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -84,7 +62,7 @@ class TwoDimensionalMeshTest(GlooMultiProcessTestCase):
         self.init_gloo()
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         torch.manual_seed(0)
-        initial = _Blocks()
+        initial = ResidualMLPBlocks(WIDTH, head=False)
         traces, states = {}, {}
         with tempfile.TemporaryDirectory() as scratch:
             shared = [scratch]
@@ -100,7 +78,7 @@ class TwoDimensionalMeshTest(GlooMultiProcessTestCase):
                 model_state, optimizer_state = get_state_dict(model, optimizer)
                 dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
                 # Resume into a fresh model and optimizer of the same kind; train on.
-                resumed = self._shard(_Blocks(), mesh, offloaded)
+                resumed = self._shard(ResidualMLPBlocks(WIDTH, head=False), mesh, offloaded)
                 resumed_optimizer = self._optimizer(resumed, offloaded)
                 model_state, optimizer_state = get_state_dict(resumed, resumed_optimizer)
                 loaded = {"model": model_state, "optimizer": optimizer_state}

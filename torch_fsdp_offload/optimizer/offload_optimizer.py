@@ -208,7 +208,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._host_steps = HostSteps(self._inner, self._finishing_steps, self.host_threads)
         self._streamed_steps = StreamedSteps(self._inner, self._host_steps, self._finishing_steps)
         self._overlap = LearnedOverlap(watch_grads=reclasses)
-        self._reclasses_user_tensors = reclasses
         super().__init__(params, defaults)
         # The state a class creates at construction (Adagrad's), as over plain FSDP2.
         self.state.update(self._inner.initial_state(self.param_groups))
@@ -429,7 +428,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # It stepped with its first gradient: step() refuses this one. Raising here, inside
             # FSDP's backward, would leave that backward half run and the model unusable.
             return
-        if not self.step_during_backward and is_last_backward and self._reclasses_user_tensors:
+        if not self.step_during_backward and is_last_backward and self._overlap.watch_grads:
             # The host is idle until step(): compute the group's gradient norms as they land, for
             # clip_grad_norm_ (the user's, or max_grad_norm's) to read from the watched gradients.
             self._host_steps.compute_norms_on_landing(owner)

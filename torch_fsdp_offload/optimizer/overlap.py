@@ -72,7 +72,8 @@ class LearnedOverlap:
     Between two ``step()`` calls it counts each group's landings and keeps its gradients as they
     landed, with ``watch_grads`` watched for in-place changes (:func:`watch_grad`); :meth:`end_cycle`
     forgets them. Unwatched (FSDP2's offload hooks keep gradients plain), only a new ``.grad`` tensor
-    or an in-place change that bumps a version counter is seen, so overlap is never turned on.
+    or an in-place change that bumps a version counter is seen: the optimizer then refuses to step
+    during backward.
     """
 
     def __init__(self, watch_grads: bool = True) -> None:
@@ -110,7 +111,7 @@ class LearnedOverlap:
     def end_cycle(self, learned_safe: bool = False) -> None:
         """A step ended (or was refused): forget its landings; with ``learned_safe``, overlap turns
         on."""
-        if learned_safe and self.watch_grads and self.state is OverlapState.LEARNING:
+        if learned_safe and self.state is OverlapState.LEARNING:
             self._transition(OverlapState.ON)
         self._landings.clear()
         for landed in self._landed_grads.values():
