@@ -17,7 +17,10 @@ micro-batches per optimizer step, FSDP2 rows calling ``set_requires_gradient_syn
 the clip's own cost shows beside the unclipped row; ``early``: a ``plan`` row's optimizer also
 steps during backward, ``step_during_backward=True``, which changes parameters before ``step()``:
 what host steps under backward would gain, the bound of an exact speculative step;
-``offload_optimizer``: an ``fsdp1`` row's optimizer is ``OffloadOptimizer`` over the front door).
+``offload_optimizer``: an ``fsdp1`` row's optimizer is ``OffloadOptimizer`` over the front door;
+``compile``: a ``resident``, ``stock`` or ``every`` row checkpoints each decoder layer with torch's
+``checkpoint_wrapper`` and compiles it, ``layer.compile()``, before ``fully_shard``, as torchtitan
+does, and records dynamo's graph breaks and the frames it compiled in the timed steps).
 Systems:
 
 - ``resident``: FSDP2 on every decoder layer and the root, fused AdamW on the GPU, the layers
@@ -99,12 +102,14 @@ def parse_row(name: str) -> dict:
             row["micro_batch"] = int(value)
         elif key == "clip" and not value:
             row["clip"] = True
-        elif key in ("plan_unclipped", "early", "offload_optimizer") and not value:
+        elif key in ("plan_unclipped", "early", "offload_optimizer", "compile") and not value:
             row[key] = True
         else:
             raise ValueError(
-                f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped, early, offload_optimizer)"
+                f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped, early, offload_optimizer, compile)"
             )
+    if row.get("compile") and system not in ("resident", "stock", "every"):
+        raise ValueError(f"row {name!r}: compile applies to the resident, stock and every rows")
     return row
 
 
@@ -140,6 +145,20 @@ def save_model(model_dir: str, tiny: bool) -> dict:
 
 def _layer_class(model):
     return type(model.model.layers[0])
+
+
+def _checkpoint_layers(model, compiled: bool) -> None:
+    """Checkpoint each decoder layer: ``transformers``' own way, or with ``compiled`` torch's
+    ``checkpoint_wrapper`` around each layer, compiled (``fully_shard`` comes after)."""
+    if not compiled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for index, layer in enumerate(model.model.layers):
+        wrapped = checkpoint_wrapper(layer)
+        wrapped.compile()
+        model.model.layers[index] = wrapped
 
 
 def _build(row: dict, model_dir: str, tokens, device):
@@ -208,7 +227,7 @@ def _build(row: dict, model_dir: str, tokens, device):
     elif system == "every":
         from torch_fsdp_offload import OffloadOptimizer
 
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpoint_layers(model, row.get("compile", False))
         policy = CoherentOffload(optimizer="host" if device.type == "cuda" else "auto")
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp, offload_policy=policy)
@@ -216,7 +235,7 @@ def _build(row: dict, model_dir: str, tokens, device):
         optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=LR, fused=True)
         extra["optimizer"] = optimizer
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpoint_layers(model, row.get("compile", False))
         policy = CPUOffloadPolicy(pin_memory=True) if system == "stock" else None
         kwargs = {"mp_policy": mp, **({"offload_policy": policy} if policy else {})}
         for layer in model.model.layers:
@@ -225,12 +244,15 @@ def _build(row: dict, model_dir: str, tokens, device):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     fsdp2 = system != "fsdp1"
     norms = extra["grad_norms"] = []  # read after the timed steps: no sync inside them
+    # Compiled layers get no cache object to guard on (transformers turns the cache off itself
+    # only for its own checkpointing).
+    call = {"use_cache": False} if row.get("compile") else {}
 
     def step(mark=lambda name: None):
         for micro in range(accum):
             if fsdp2:
                 model.set_requires_gradient_sync(micro == accum - 1)
-            loss = model(input_ids=tokens, labels=tokens).loss / accum
+            loss = model(input_ids=tokens, labels=tokens, **call).loss / accum
             mark("forward")
             loss.backward()
             mark("backward")
@@ -321,8 +343,13 @@ def run_one_row(name: str, model_dir: str, batch: int, seq_len: int, steps: int,
                params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))
     engine = get_transfer_engine(device) if gpu else None
     times, losses, phases = [], [], []
+    frames_before = None
     for index in range(warmup + steps):
         if index == warmup:
+            if row.get("compile"):
+                from torch._dynamo.utils import counters
+
+                frames_before = counters["frames"]["ok"]
             if engine is not None:
                 engine.stats.reset()
             if gpu:
@@ -346,6 +373,9 @@ def run_one_row(name: str, model_dir: str, batch: int, seq_len: int, steps: int,
             phases.append(step_phases(marks))
     step_s = statistics.median(times)
     row["phases"] = phases
+    if frames_before is not None:
+        row.update(compiled_frames_timed=counters["frames"]["ok"] - frames_before,
+                   compiled_frames=counters["frames"]["ok"], graph_breaks=dict(counters["graph_break"]))
     # Counted over the timed steps only (a profiled or recorded step below copies too).
     if engine is not None and row["system"] in ("plan", "fsdp1", "every"):
         row.update(h2d_GB=round(engine.stats.h2d_bytes / steps / 1e9, 2), d2h_GB=round(engine.stats.d2h_bytes / steps / 1e9, 2))

@@ -571,7 +571,8 @@ class TestUserLoopBenchmark(TestCase):
                          {"system": "plan", "cap": 24.0, "accum": 8, "clip": True, "micro_batch": 2})
         self.assertTrue(user_loop.parse_row("plan;cap=24;early")["early"])
         self.assertTrue(user_loop.parse_row("fsdp1;cap=24;offload_optimizer")["offload_optimizer"])
-        for bad in ("planned", "plan;cap", "plan;clip=1", "plan;depth=2"):
+        self.assertTrue(user_loop.parse_row("every;cap=24;compile")["compile"])
+        for bad in ("planned", "plan;cap", "plan;clip=1", "plan;depth=2", "plan;compile", "fsdp1;compile"):
             with self.assertRaises(ValueError):
                 user_loop.parse_row(bad)
 

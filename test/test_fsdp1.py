@@ -34,6 +34,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_fsdp_offload._integration.fsdp1_handle_plan import planned_shards
+from torch_fsdp_offload._integration.fsdp1_handles import HandleOffload
 from torch_fsdp_offload.fsdp1 import FullyShardedDataParallel
 from torch_fsdp_offload.memory import ENV_HOST_MEMORY, HostMemoryError
 from torch_fsdp_offload.models import TransformerBlock, build_model, causal_lm_loss
@@ -371,6 +372,70 @@ class TestFSDP1OffloadOptimizer(GlooMultiProcessTestCase):
                     o.zero_grad()
             for (name, expected), (_, actual) in zip(_full_state(reference).items(), _full_state(model).items()):
                 self.assertEqual(actual, expected, atol=0, rtol=0, msg=name)
+
+
+    def test_mirror_cast_once_a_step_and_after_other_writes(self) -> None:
+        # The compute-dtype mirror a handle copies in is cast once a step, by the host step (its
+        # unshard in the next forward and in backward finds it current). A write of the user's to
+        # the parameters between steps, and another optimizer's fused step (which moves no
+        # version counter), are cast again before the next forward reads them.
+        self.init_gloo()
+        device = torch.device("cpu")
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        generator = torch.Generator().manual_seed(100 + self.rank)
+
+        def train_step(m, o):
+            tokens = torch.randint(0, 256, (2, 16), generator=generator)
+            loss = causal_lm_loss(m(tokens), tokens)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            return loss.item()
+
+        for use_orig_params, offload_optimizer in ((False, True), (True, True), (False, False), (True, False)):
+            reference = _wrap(StockFSDP, device, mixed_precision=mixed, use_orig_params=use_orig_params)
+            model = _wrap(FullyShardedDataParallel, device, mixed_precision=mixed, use_orig_params=use_orig_params,
+                          offload_policy=CoherentOffload(platform="discrete"))
+            reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+            if offload_optimizer:
+                optim = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+            else:
+                optim = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+            case = f"use_orig_params={use_orig_params}, OffloadOptimizer: {offload_optimizer}"
+
+            def train_both():
+                state = generator.get_state()
+                expected = train_step(reference, reference_optim)
+                generator.set_state(state)
+                self.assertEqual(train_step(model, optim), expected, atol=0, rtol=0, msg=case)
+
+            train_both()  # the first forward casts as it builds the mirrors
+            if not offload_optimizer:
+                train_both()
+                train_both()
+                continue
+            optim.synchronize()
+            handles = len(model._all_handles)
+            casts = []
+            original_cast = HandleOffload.cast
+
+            def cast(offload, local_shard):
+                casts.append(threading.current_thread() is threading.main_thread())
+                original_cast(offload, local_shard)
+
+            with mock.patch.object(HandleOffload, "cast", cast):
+                train_both()
+                train_both()
+                optim.synchronize()
+            # Each handle's mirror is cast once a step, in the optimizer's worker.
+            self.assertEqual(casts, [False] * (2 * handles), case)
+            with torch.no_grad():
+                for m in (reference, model):
+                    for param in m.parameters():
+                        param.mul_(0.5)
+            tokens = torch.randint(0, 256, (2, 16), generator=generator)
+            self.assertEqual(causal_lm_loss(model(tokens), tokens), causal_lm_loss(reference(tokens), tokens),
+                             atol=0, rtol=0, msg=case)
 
 
 class TestFSDP1NoAccelerator(GlooMultiProcessTestCase):

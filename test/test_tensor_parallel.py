@@ -1,11 +1,13 @@
-"""The policy on the FSDP dimension of a 2-D mesh: tensor parallelism inside, FSDP across.
+"""The policy on both 2-D layouts of four gloo ranks: tensor parallelism with FSDP, and HSDP.
 
-Four gloo ranks on a 2 x 2 ``DeviceMesh`` ("dp", "tp"): each block's projections are split by
-``parallelize_module`` (``ColwiseParallel`` up, ``RowwiseParallel`` down) over "tp", then sharded by
-``fully_shard`` over "dp", with ``CoherentOffload(platform="discrete")`` (every shard homed on the
-host, every copy through the transfer engine) or without it. ``OffloadOptimizer`` with the user's
-``clip_grad_norm_`` (its total norm spans both mesh dimensions) trains bit for bit as fused AdamW over
-the same mesh without offload, and a DCP checkpoint saved mid-run resumes as exactly.
+On a 2 x 2 ``DeviceMesh`` ("dp", "tp"), each block's projections are split by ``parallelize_module``
+(``ColwiseParallel`` up, ``RowwiseParallel`` down) over "tp", then sharded by ``fully_shard`` over "dp".
+On a 2 x 2 ``DeviceMesh`` ("replicate", "shard"), ``fully_shard`` over the whole mesh replicates across
+the first dimension and shards across the second (hybrid sharding). Either way, with
+``CoherentOffload(platform="discrete")`` (every shard homed on the host, every copy through the
+transfer engine) ``OffloadOptimizer`` with the user's ``clip_grad_norm_`` (its total norm spans both
+mesh dimensions) trains bit for bit as fused AdamW over the same mesh without offload, and a DCP
+checkpoint saved mid-run resumes as exactly.
 """
 
 from __future__ import annotations
@@ -30,11 +32,24 @@ STEPS = 3
 WIDTH = 16
 
 
+def _policy(offloaded: bool) -> dict:
+    """``fully_shard``'s keyword for the policy, every shard homed on the host; none without offload."""
+    return {"offload_policy": CoherentOffload(platform="discrete")} if offloaded else {}
+
+
 class TwoDimensionalMeshTest(GlooMultiProcessTestCase):
+    """Tensor parallelism over "tp", FSDP over "dp"; a subclass trains another layout of the same
+    mesh shape by overriding ``MESH_DIM_NAMES``, ``_shard`` and ``_batch_seed``."""
+
     WORLD_SIZE = 4
+    MESH_DIM_NAMES = ("dp", "tp")
+
+    def _batch_seed(self) -> int:
+        # The ranks of one "dp" coordinate see the same batch (tensor parallelism splits features).
+        return self.rank // 2
 
     def _shard(self, model: ResidualMLPBlocks, mesh, offloaded: bool) -> ResidualMLPBlocks:
-        policy = {"offload_policy": CoherentOffload(platform="discrete")} if offloaded else {}
+        policy = _policy(offloaded)
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
             fully_shard(block, mesh=mesh["dp"], **policy)
@@ -46,7 +61,6 @@ class TwoDimensionalMeshTest(GlooMultiProcessTestCase):
         return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
 
     def _train(self, model, optimizer, generator, steps: int) -> list[tuple[float, float]]:
-        # The ranks of one "dp" coordinate see the same batch (tensor parallelism splits features).
         trace = []
         for _ in range(steps):
             x = torch.randn(4, WIDTH, generator=generator)
@@ -60,7 +74,7 @@ class TwoDimensionalMeshTest(GlooMultiProcessTestCase):
 
     def test_parity_clipping_and_checkpoint_resume(self):
         self.init_gloo()
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=self.MESH_DIM_NAMES)
         torch.manual_seed(0)
         initial = ResidualMLPBlocks(WIDTH, head=False)
         traces, states = {}, {}
@@ -72,7 +86,7 @@ class TwoDimensionalMeshTest(GlooMultiProcessTestCase):
                 engine.stats.reset()
                 model = self._shard(copy.deepcopy(initial), mesh, offloaded)
                 optimizer = self._optimizer(model, offloaded)
-                generator = torch.Generator().manual_seed(self.rank // 2)
+                generator = torch.Generator().manual_seed(self._batch_seed())
                 trace = self._train(model, optimizer, generator, STEPS)
                 path = f"{shared[0]}/{'offloaded' if offloaded else 'plain'}"
                 model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -97,6 +111,22 @@ class TwoDimensionalMeshTest(GlooMultiProcessTestCase):
         self.assertEqual(traces[True], traces[False])
         for offloaded_param, plain_param in zip(states[True], states[False]):
             self.assertEqual(offloaded_param, plain_param, atol=0, rtol=0)
+
+
+class HybridShardedMeshTest(TwoDimensionalMeshTest):
+    """HSDP: ``fully_shard`` over the whole ("replicate", "shard") mesh, each block and the root."""
+
+    MESH_DIM_NAMES = ("replicate", "shard")
+
+    def _batch_seed(self) -> int:
+        # Every rank is a data-parallel rank (four ways), each with batches of its own.
+        return self.rank
+
+    def _shard(self, model: ResidualMLPBlocks, mesh, offloaded: bool) -> ResidualMLPBlocks:
+        policy = _policy(offloaded)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, **policy)
+        return fully_shard(model, mesh=mesh, **policy)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,8 @@ class CoherentOffload(CPUOffloadPolicy):
         RuntimeError: at construction, on a torch whose FSDP internals the integration does not
             support, or when another library patched a site the integration needs (constructing
             the first policy installs FSDP2's part of the integration; importing installs nothing).
+            From ``fully_shard``, for a group it offloads while ``torch.compile`` traces FSDP2's
+            hooks (dynamo's ``skip_fsdp_hooks=False``, torch 2.11).
 
     Every refusal by ``fully_shard`` comes before any parameter is converted and leaves the
     module as it was: it can be sharded again, with or without a policy, or run as it is.

@@ -1,2 +1,2 @@
-"""Leaf helpers: the private tensor, autograd, allocator and profiler internals of torch the library
-reads, each behind one function. Nothing here imports anything of the library."""
+"""Leaf helpers: the private tensor, autograd, allocator, profiler and compiler internals of torch the
+library reads, each behind one function. Nothing here imports anything of the library."""

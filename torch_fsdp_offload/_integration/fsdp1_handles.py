@@ -12,7 +12,9 @@ offload policy run unchanged. See Note: [FSDP1 patch points] in docs/design.md:
   by a ``TorchFunctionMode`` on the calling thread only, for the duration of that call.
 * ``FlatParamHandle._use_low_precision_shard`` (parameter mixed precision): the shard is cast to the
   compute dtype on the host into a persistent pinned mirror, and only those bytes are copied, on the
-  :class:`~torch_fsdp_offload.transfer.TransferEngine`'s H2D stream; with
+  :class:`~torch_fsdp_offload.transfer.TransferEngine`'s H2D stream. The mirror is cast again only
+  when the shard changed since (the optimizer's host step casts it in its worker, once per step;
+  backward's unshard finds it current); with
   ``CoherentOffload(cast_on="device")`` the fp32 shard is copied on that stream and cast on the
   device as it lands, with no mirror.
 * ``FlatParamHandle.flat_param_to`` (no mixed precision): the H2D copy runs on the engine's stream.
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as _FSDP1
 from torch.distributed.fsdp import _flat_param, _runtime_utils
+from torch.distributed.fsdp._flat_param import HandleTrainingState
 from torch.overrides import TorchFunctionMode
 
 from torch_fsdp_offload import optim
@@ -74,6 +77,11 @@ class HandleOffload:
     cast_on_device: bool = False  # CoherentOffload(cast_on="device"): no mirror, cast after the copy
     mirror: torch.Tensor | None = None  # pinned compute-dtype copy of the shard
     mirror_transfer: Transfer | None = None  # last H2D that read the mirror
+    # The shard the mirror was cast from (weakly) and its version counters then: an in-place write
+    # to the shard since (the user's, FSDP1's) changes one of them; a fused optimizer step does not.
+    mirror_source: tuple[weakref.ref, tuple[int, ...]] | None = None
+    # The mirror was cast after the optimizer's host step, and no forward has read it since.
+    mirror_stepped: bool = False
     # The previous backward's (host) gradient, on the compute device, while a backward outside
     # no_sync() accumulates onto it; added to the reduced gradient before it is offloaded.
     previous_grad: torch.Tensor | None = None
@@ -115,7 +123,34 @@ class HandleOffload:
             self.update_pending = None
 
     def refresh_mirror(self) -> None:
-        """Nothing: each unshard casts the shard it copies in."""
+        """Cast the stepped shard into the mirror, in the optimizer's worker, so the next forward's
+        unshard only copies it (once the mirror exists: parameter mixed precision, host cast)."""
+        handle = self.handle_ref()
+        if self.mirror is not None and handle is not None:
+            self.cast_to_mirror(handle, reuse=False)
+            self.mirror_stepped = True
+
+    def cast_to_mirror(self, handle: Any, reuse: bool) -> None:
+        """Cast ``handle``'s shard into the mirror; with ``reuse``, not if the shard is the one last
+        cast and no version counter of it moved since.
+
+        Only the caller knows whether a write that moves no counter can have happened since: a
+        fused optimizer step (``torch._fused_adamw_`` bumps none) runs between a backward and the
+        next forward, never between a forward and its backward."""
+        local_shard = handle.flat_param._local_shard
+        versions = _shard_versions(handle)
+        source = self.mirror_source
+        if reuse and source is not None and source[0]() is local_shard and source[1] == versions:
+            return
+        self.cast(local_shard)
+        self.mirror_source = (weakref.ref(local_shard), versions)
+
+    def cast(self, local_shard: torch.Tensor) -> None:
+        """Cast ``local_shard`` into the mirror, once the mirror's last copy-in has read it."""
+        if self.mirror_transfer is not None:
+            self.mirror_transfer.synchronize()
+        with torch.profiler.record_function(f"torch_fsdp_offload::mirror_cast:{self.label()}"):
+            self.mirror.copy_(local_shard)
 
     def forward_index(self) -> int:
         return self.position
@@ -245,14 +280,25 @@ def _use_low_precision_shard(self) -> None:
         return
     if offload.mirror is None:
         offload.mirror = pinned_empty(local_shard.shape, self._fwd_bwd_param_dtype)
-    elif offload.mirror_transfer is not None:
-        offload.mirror_transfer.synchronize()  # the previous copy may still read the mirror
-    # Cast on the host: only compute-dtype bytes cross the link.
-    offload.mirror.copy_(local_shard)
+    # Cast on the host: only compute-dtype bytes cross the link. Backward reuses the forward's cast;
+    # a forward, only the cast after this library's optimizer step (another optimizer's step may
+    # have written the shard unseen).
+    backward = self._training_state in (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST)
+    offload.cast_to_mirror(self, reuse=backward or offload.mirror_stepped)
+    offload.mirror_stepped = False
     _flat_param._alloc_storage(flat_param._mp_shard, local_shard.size())
     offload.mirror_transfer = offload.engine.h2d(offload.mirror, flat_param._mp_shard, label="fsdp1_param_h2d")
     offload.mirror_transfer.wait()
     flat_param.data = flat_param._mp_shard
+
+
+def _shard_versions(handle: Any) -> tuple[int, ...]:
+    """The version counters a write to ``handle``'s shard bumps: the shard's, the ``FlatParameter``'s
+    and, with ``use_orig_params``, each original parameter's (``.data`` assignments give each
+    tensor a counter of its own)."""
+    flat_param = handle.flat_param
+    originals = flat_param._params if handle._use_orig_params else ()
+    return (flat_param._local_shard._version, flat_param._version, *(p._version for p in originals))
 
 
 def _flat_param_to(self, *args, **kwargs) -> None:

@@ -1,6 +1,7 @@
 """What an FSDP2 parameter group will be under ``CoherentOffload``, decided from ``fully_shard``'s
 arguments before FSDP converts a parameter: the policy's plan, whether the group is offloaded, and
-every refusal (mixed dtypes, host capacity), so that a refusal leaves the model as it was."""
+every refusal (FSDP2's hooks traced by torch.compile, mixed dtypes, host capacity), so that a
+refusal leaves the model as it was."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from torch_fsdp_offload._helpers.compiled import fsdp_hooks_traced
 from torch_fsdp_offload.data_path.group_offload import host_bytes
 from torch_fsdp_offload.memory import check_host_capacity, promised_host_bytes
 from torch_fsdp_offload.resolved_plan import ResolvedPlan
@@ -52,6 +54,7 @@ def plan_group(policy: Any, call: dict[str, Any]) -> tuple[ResolvedPlan, bool]:
     plan = policy.resolve()
     offloaded = plan.copies
     if offloaded:
+        check_fsdp_hooks_not_traced()
         params = call["params"]
         check_one_dtype(params)
         compute_dtype = one_compute_dtype(call["mp_policy"], params)
@@ -62,6 +65,20 @@ def plan_group(policy: Any, call: dict[str, Any]) -> tuple[ResolvedPlan, bool]:
             what="CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')",
         )
     return plan, offloaded
+
+
+def check_fsdp_hooks_not_traced() -> None:
+    """An offloaded group's copies, events and locks run in FSDP2's hooks, which dynamo cannot put
+    in a graph: with the hooks traced, every one would break the compiled graph and run eagerly.
+    Refused before FSDP shards."""
+    if fsdp_hooks_traced():
+        raise RuntimeError(
+            "CoherentOffload cannot offload an FSDP2 group whose hooks torch.compile traces "
+            "(torch._dynamo.config.skip_fsdp_hooks=False): the policy copies shards and gradients in "
+            "those hooks, and each copy would break the compiled graph into eager code. Keep "
+            "skip_fsdp_hooks=True (the default: a compiled model or block then runs FSDP's hooks, and "
+            "the policy's copies, between its compiled graphs), or shard this model without the policy"
+        )
 
 
 def check_one_dtype(params: list[nn.Parameter]) -> None:

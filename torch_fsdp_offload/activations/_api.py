@@ -12,6 +12,7 @@ from torch_fsdp_offload.activations._copies import DEFAULT_MAX_INFLIGHT_BYTES
 from torch_fsdp_offload.activations._offloader import (
     ActivationOffload,
     check_knobs,
+    check_outside_compiled_regions,
     DEFAULT_MIN_OFFLOAD_BYTES,
     DEFAULT_PREFETCH_BLOCKS,
 )
@@ -54,7 +55,9 @@ def offload_activations(
         ValueError: a knob out of range (see :class:`ActivationOffload`), ``module`` given without
             ``blocks`` and no block list found, or ``module`` or a block already offloaded by another
             offloader (an earlier ``offload_activations`` not ``.remove()``-d, or ``fully_shard`` with
-            ``CoherentOffload(activations=...)``); raised before anything is allocated or hooked.
+            ``CoherentOffload(activations=...)``), or a block called from inside a module
+            ``torch.compile``-d as a whole (compile each block instead); raised before anything is
+            allocated or hooked.
         TypeError: ``module`` is not an ``nn.Module`` or a block is not one.
 
     Example::
@@ -73,8 +76,10 @@ def offload_activations(
         blocks = find_blocks(module)
     block_list = list(blocks) if blocks is not None else []
     # Refused here, before the offloader (and its transfer engine) exists; its own hooking checks
-    # the same record again.
-    check_can_hook([*([module] if module is not None else []), *block_list], None, "offload_activations")
+    # both again.
+    hooked = [*([module] if module is not None else []), *block_list]
+    check_can_hook(hooked, None, "offload_activations")
+    check_outside_compiled_regions(hooked, "offload_activations")
     offload = ActivationOffload(
         min_offload_bytes=min_offload_bytes,
         prefetch_blocks=prefetch_blocks,

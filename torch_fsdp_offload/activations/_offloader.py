@@ -21,7 +21,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.fsdp import FSDPModule
 
+from torch_fsdp_offload._helpers.compiled import compiled_regions, fsdp_hooks_traced
 from torch_fsdp_offload._helpers.tensors import current_graph_task_id, in_backward
 from torch_fsdp_offload.activations._ownership import MadeBy, check_can_hook, forget_owner, record_owner
 from torch_fsdp_offload.activations._copies import ActivationOffloadStats, DEFAULT_MAX_INFLIGHT_BYTES, StorageCopies
@@ -35,7 +37,13 @@ from torch_fsdp_offload.activations._saved_tensors import (
 )
 from torch_fsdp_offload.platform import detect_platform, Platform, PlatformKind
 
-__all__ = ["ActivationOffload", "DEFAULT_MIN_OFFLOAD_BYTES", "DEFAULT_PREFETCH_BLOCKS", "check_knobs"]
+__all__ = [
+    "ActivationOffload",
+    "DEFAULT_MIN_OFFLOAD_BYTES",
+    "DEFAULT_PREFETCH_BLOCKS",
+    "check_knobs",
+    "check_outside_compiled_regions",
+]
 
 # Blocks ahead of the one backward is in whose offloaded activations are reloaded.
 DEFAULT_PREFETCH_BLOCKS = 1
@@ -81,6 +89,36 @@ def check_knobs(
         )
 
 
+def check_outside_compiled_regions(modules: Iterable[nn.Module], caller: str) -> None:
+    """Refuse, before anything is hooked, modules to hook (a model and its blocks) one of which a
+    ``torch.compile``'d module among them calls from inside its compiled code: a model compiled as a
+    whole around its blocks.
+
+    The hooks run outside any compiled graph: those of a module whose call opens one run before and
+    after its graph, but a module called from inside the graph would split it into two and run eager
+    code between them, at every call. FSDP2 modules are let through where FSDP2's hooks are not
+    traced (:func:`fsdp_hooks_traced`): those hooks split the graph at the same places.
+
+    Raises:
+        ValueError: naming the compiled module, the module inside it and how to compile instead.
+    """
+    modules = list(modules)
+    split_by_fsdp = not fsdp_hooks_traced()
+    hooked = [module for module in modules if not (split_by_fsdp and isinstance(module, FSDPModule))]
+    for model in modules:
+        for region in compiled_regions(model):
+            inside = [m for m in hooked if m is not region and any(sub is m for sub in region.modules())]
+            if inside:
+                raise ValueError(
+                    f"{caller}: {type(region).__name__} is torch.compile'd as a whole, and "
+                    f"{type(inside[0]).__name__}, whose activations are offloaded block by block, runs "
+                    "inside it. The offloader marks each block from Python, outside compiled code: the "
+                    "compiled graph would break at every block and run the code between blocks "
+                    "eagerly. Compile each block instead (block.compile() on each), or shard the "
+                    "blocks with fully_shard, whose hooks split the graph at the same places"
+                )
+
+
 def _resolve_platform(
     platform: Platform | PlatformKind | str | None, device: torch.device | str | int | None
 ) -> Platform:
@@ -123,6 +161,11 @@ class ActivationOffload:
     copies landed, the device copies still alive are used in place and not reloaded. So that "landed"
     is judged in GPU time, the CPU runs at most two blocks ahead of the GPU while blocks are offloaded
     (it waits on an event recorded at the start of the block two back).
+
+    With ``torch.compile``, compile each block (``block.compile()``): the hooks run outside the
+    compiled code and break no graph. In a model compiled as a whole they split its graph at each
+    block, as FSDP2's hooks do: around FSDP2 blocks that adds no break; around others, hooking a
+    model already compiled so is refused.
 
     Under ``torch.autocast`` with fp32 weights, the bf16 weight casts autograd saves are not
     parameters and are offloaded like activations; keep weights in the compute dtype (or use FSDP's
@@ -253,7 +296,13 @@ class ActivationOffload:
             if self._registered_blocks == 0:
                 self._start_block(None)
         self._depth += 1
-        hooks = saved_tensors_hooks(self._pack, self._unpack) if self._copies is not None else None
+        hooks = None
+        if self._copies is not None:
+            # Plain Python, never compiled: eager code run under a torch.compile'd call (a compiled
+            # model's code between FSDP's hooks, where its graph breaks) saves through them too, and
+            # dynamo would compile each call as a frame of its own, breaking it at every storage read.
+            pack, unpack = torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack)
+            hooks = saved_tensors_hooks(pack, unpack)
         if hooks is not None:
             hooks.__enter__()
         self._hook_stack.append(hooks)
@@ -305,8 +354,9 @@ class ActivationOffload:
 
         Raises:
             TypeError: an entry is not an ``nn.Module``.
-            ValueError: an entry's activations are offloaded by another offloader already; nothing
-                is hooked then.
+            ValueError: an entry's activations are offloaded by another offloader already, or an
+                entry runs inside a module ``torch.compile``-d as a whole (compile each block
+                instead); nothing is hooked then.
 
         Example::
 
@@ -326,7 +376,9 @@ class ActivationOffload:
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module``.
-            ValueError: ``module``'s activations are offloaded by another offloader already.
+            ValueError: ``module``'s activations are offloaded by another offloader already, or a
+                block registered with this object runs inside ``module``'s compiled code (``module``
+                ``torch.compile``-d as a whole: compile each block instead).
 
         Example::
 
@@ -338,6 +390,8 @@ class ActivationOffload:
     def _hook(self, modules: list[nn.Module], *, as_blocks: bool, caller: str) -> None:
         """Hook ``modules`` as blocks or as the model, once all of them passed the checks."""
         check_can_hook(modules, self, caller)
+        hooked = (module for module in (ref() for ref in self._hooked_modules) if module is not None)
+        check_outside_compiled_regions([*hooked, *modules], caller)
         for module in modules:
             record_owner(module, self)
             self._hooked_modules.append(weakref.ref(module))
@@ -346,6 +400,10 @@ class ActivationOffload:
             else:
                 self._root = weakref.ref(module)
                 pre_hook, post_hook = self._root_pre_hook, self._root_post_hook
+            # Plain Python, as FSDP2's own hooks are: dynamo would compile the hooks of a compiled
+            # block as frames of their own, and their bookkeeping (storage pointers, the backward's
+            # task id) breaks every such frame into pieces, some compiled again each step.
+            pre_hook, post_hook = torch.compiler.disable(pre_hook), torch.compiler.disable(post_hook)
             self._handles.append(module.register_forward_pre_hook(pre_hook))
             self._handles.append(module.register_forward_hook(post_hook, always_call=True))
         if as_blocks:
