@@ -25,7 +25,9 @@ python benchmarks/plot_results.py           # the plots under docs/img/ (bs 16: 
 python benchmarks/user_loop.py --out benchmarks/results/user_loop.json   # DeepSpeed: pip install -e ".[peers]"
 python benchmarks/user_loop.py --rows "resident,every;cap=24,every;cap=24;compile,resident;compile" --out benchmarks/results/user_loop_compiled.json
 python benchmarks/user_loop.py --rows "resident,fsdp1;cap=24;offload_optimizer,every;cap=24,fsdp1;cap=24" --out benchmarks/results/user_loop_fsdp1.json
-python benchmarks/user_loop.py --rows "plan;cap=40;accum=4" --out /tmp/a.json   # and with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: user_loop_40gib_accum.json
+# user_loop_40gib_accum.json: the row once as is (it ran out of memory), once more with
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and --steps 2 --warmup 1; the file holds both rows
+python benchmarks/user_loop.py --rows "plan;cap=40;accum=4" --out /tmp/user_loop_40gib.json
 python benchmarks/peers.py --batch-sizes 4,16 --out benchmarks/results/peers.json   # DeepSpeed, torchao: pip install -e ".[peers]"
 python benchmarks/peers.py --batch-sizes none --capacity --caps 16,24,40 --seed-from benchmarks/results/peers.json --resume-from benchmarks/results/peers_capacity.json --max-seconds 540 --out benchmarks/results/peers_capacity.json  # each run resumes the last (written after every probe); --capacity-systems, --caps narrow it
 END
