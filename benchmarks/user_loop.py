@@ -20,7 +20,11 @@ what host steps under backward would gain, the bound of an exact speculative ste
 ``offload_optimizer``: an ``fsdp1`` row's optimizer is ``OffloadOptimizer`` over the front door;
 ``compile``: a ``resident``, ``stock`` or ``every`` row checkpoints each decoder layer with torch's
 ``checkpoint_wrapper`` and compiles it, ``layer.compile()``, before ``fully_shard``, as torchtitan
-does, and records dynamo's graph breaks and the frames it compiled in the timed steps).
+does, and records dynamo's graph breaks and the frames it compiled in the timed steps;
+``memory=pinned|managed`` and ``platform=discrete|coherent|unified``: an ``every`` row's
+``CoherentOffload(shard_memory=..., platform=...)``, the platform class forced, which records the
+managed bytes it allocated and the GPU memory in use by the device's count, ``cudaMemGetInfo``,
+managed pages included).
 Systems:
 
 - ``resident``: FSDP2 on every decoder layer and the root, fused AdamW on the GPU, the layers
@@ -104,12 +108,19 @@ def parse_row(name: str) -> dict:
             row["clip"] = True
         elif key in ("plan_unclipped", "early", "offload_optimizer", "compile") and not value:
             row[key] = True
+        elif (key, value) in {("memory", "pinned"), ("memory", "managed")} or (
+            key == "platform" and value in ("discrete", "coherent", "unified")
+        ):
+            row[key] = value
         else:
             raise ValueError(
-                f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped, early, offload_optimizer, compile)"
+                f"row {name!r}: unknown item {item!r} (cap=G, mb=N, accum=N, clip, plan_unclipped, early, "
+                "offload_optimizer, compile, memory=pinned|managed, platform=discrete|coherent|unified)"
             )
     if row.get("compile") and system not in ("resident", "stock", "every"):
         raise ValueError(f"row {name!r}: compile applies to the resident, stock and every rows")
+    if (row.get("memory") or row.get("platform")) and system != "every":
+        raise ValueError(f"row {name!r}: memory= and platform= apply to the every rows")
     return row
 
 
@@ -118,12 +129,14 @@ def failed_row(name: str, error: str) -> dict:
     return {"name": name, **parse_row(name), "error": error}
 
 
-def save_model(model_dir: str, tiny: bool) -> dict:
-    """Write the model with random weights once (``save_pretrained``), and say its size."""
+def save_model(model_dir: str, tiny: bool, layers: int | None = None) -> dict:
+    """Write the model with random weights once (``save_pretrained``), and say its size; ``layers``:
+    that many decoder layers instead of the family's."""
     import torch
     import transformers
 
-    fields = dict(TINY_MODEL if tiny else USER_MODEL)
+    fields = dict(TINY_MODEL if tiny else USER_MODEL, **({"num_hidden_layers": layers} if layers else {}))
+    described = dict(fields)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         with torch.device("meta"):
@@ -140,7 +153,7 @@ def save_model(model_dir: str, tiny: bool) -> dict:
                     param.fill_(1.0)
         model.tie_weights()
         model.save_pretrained(model_dir)
-    return {"config": dict(TINY_MODEL if tiny else USER_MODEL)}
+    return {"config": described}
 
 
 def _layer_class(model):
@@ -228,7 +241,10 @@ def _build(row: dict, model_dir: str, tokens, device):
         from torch_fsdp_offload import OffloadOptimizer
 
         _checkpoint_layers(model, row.get("compile", False))
-        policy = CoherentOffload(optimizer="host" if device.type == "cuda" else "auto")
+        knobs = {"shard_memory": row.get("memory", "auto"), "platform": row.get("platform")}
+        policy = CoherentOffload(**knobs)
+        if device.type == "cuda" and policy.resolve().copies:
+            policy = policy.replace(optimizer="host")  # the host steps: where shards are read in place, always
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp, offload_policy=policy)
         fully_shard(model, mp_policy=mp, offload_policy=policy)
@@ -379,6 +395,11 @@ def run_one_row(name: str, model_dir: str, batch: int, seq_len: int, steps: int,
     # Counted over the timed steps only (a profiled or recorded step below copies too).
     if engine is not None and row["system"] in ("plan", "fsdp1", "every"):
         row.update(h2d_GB=round(engine.stats.h2d_bytes / steps / 1e9, 2), d2h_GB=round(engine.stats.d2h_bytes / steps / 1e9, 2))
+    if gpu and row["system"] == "every":
+        from torch_fsdp_offload.memory import memory_stats
+
+        free, total = torch.cuda.mem_get_info(device)
+        row.update(managed_GiB=round(memory_stats()["managed_bytes"] / GiB, 2), device_used_GiB=round((total - free) / GiB, 2))
     if row.get("grad_norms"):
         row["grad_norms"] = [round(float(norm), 4) for norm in row["grad_norms"]]
     row.update(host_step_s=getattr(optimizer, "last_host_step_seconds", None),
@@ -456,7 +477,7 @@ def _prepare_child(args) -> int:
     import torch
     from torch_fsdp_offload.host_step import measure_host_step
 
-    info = {"model": save_model(args.model_dir, args.tiny), "versions": versions()}
+    info = {"model": save_model(args.model_dir, args.tiny, args.layers), "versions": versions()}
     if torch.cuda.is_available():
         info["machine"] = describe_machine()
         rates = measure_host_step(1 << 26, link_busy=False)
@@ -488,6 +509,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--model-dir", default="/tmp/user_loop_model", help="where the model is written once")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family (a CPU smoke run)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default the family's 36); "
+                        "give a --model-dir of its own")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop starting rows after this long")
     parser.add_argument("--row-timeout", type=float, default=300.0)
     parser.add_argument("--min-row-seconds", type=float, default=90.0, help="start no row with less time left")
@@ -515,6 +538,7 @@ def main(argv=None) -> int:
     runner = Runner(args, deadline, script=os.path.abspath(__file__))
     common = ["--model-dir", args.model_dir, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])
+    common += ["--layers", str(args.layers)] if args.layers else []
     common += (["--profile", args.profile] if args.profile else []) + (["--memory-snapshot"] if args.memory_snapshot else [])
     result = {"rows": []}
     if args.resume_from and os.path.exists(args.resume_from):

@@ -572,7 +572,10 @@ class TestUserLoopBenchmark(TestCase):
         self.assertTrue(user_loop.parse_row("plan;cap=24;early")["early"])
         self.assertTrue(user_loop.parse_row("fsdp1;cap=24;offload_optimizer")["offload_optimizer"])
         self.assertTrue(user_loop.parse_row("every;cap=24;compile")["compile"])
-        for bad in ("planned", "plan;cap", "plan;clip=1", "plan;depth=2", "plan;compile", "fsdp1;compile"):
+        row = user_loop.parse_row("every;memory=managed;platform=coherent")
+        self.assertEqual((row["memory"], row["platform"]), ("managed", "coherent"))
+        for bad in ("planned", "plan;cap", "plan;clip=1", "plan;depth=2", "plan;compile", "fsdp1;compile",
+                    "every;memory=device", "every;platform=gh200", "plan;memory=managed"):
             with self.assertRaises(ValueError):
                 user_loop.parse_row(bad)
 

@@ -159,7 +159,7 @@ class TestCodebase(TestCase):
         # per process by nature, each named here with why.
         expected = {
             "torch_fsdp_offload._integration.installation": {"installed", "_holders"},  # torch's patches are process-wide
-            "torch_fsdp_offload.memory": {"_pinned_pool", "_managed_lock", "_managed_totals"},  # the host allocator, like torch's
+            "torch_fsdp_offload.memory": {"_pinned_pool", "_managed_lock", "_managed_totals", "_managed_ranges"},  # the host allocator, like torch's
             "torch_fsdp_offload.transfer": {"_engines", "_engines_lock"},  # one copy engine per device, like CUDA's streams
             "torch_fsdp_offload.platform": {"_DETECTIONS"},  # facts about this machine, read once
             "torch_fsdp_offload.platform.bandwidth": {"_BANDWIDTHS"},

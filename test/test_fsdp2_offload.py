@@ -348,6 +348,14 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         if expect_copies:
             self.assertGreater(engine.stats.h2d_copies, 0)
             self.assertGreater(engine.stats.d2h_copies, 0)
+        elif policy.resolve().reads_in_place:
+            # The shards live in host memory and the GPU reads them there: no parameter, gradient
+            # sum or optimizer state comes up; only the reduced gradients, which FSDP reduces into
+            # a buffer of its own, go down.
+            self.assertEqual((engine.stats.h2d_copies, engine.stats.h2d_bytes), (0, 0))
+            self.assertGreater(engine.stats.d2h_copies, 0)
+            offloaded = [module for module in model.modules() if isinstance(module, FSDPModule) and module is not model]
+            self.assertTrue(offloaded and all(fsdp2_shards_on_host(module) for module in offloaded))
         else:
             self.assertEqual(engine.stats.h2d_bytes + engine.stats.d2h_bytes, 0)
         return engine.stats.h2d_copies
@@ -654,6 +662,21 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
         self.init_gloo()
         self._run_parity(policy=CoherentOffload(platform="unified"), expect_copies=False)
 
+    def test_shards_in_host_memory_read_in_place_copy_nothing_up(self):
+        # Forced UNIFIED (no such machine is lent) with the shards offloaded to pinned or managed
+        # memory, and COHERENT with managed shards: the GPU reads them in place, accumulation adds
+        # to the host sums where they are, and the host steps them: bitwise plain FSDP2.
+        self.init_gloo()
+        for platform, memory in (("unified", "pinned"), ("unified", "managed"), ("coherent", "managed")):
+            policy = CoherentOffload(platform=platform, shard_memory=memory)
+            self._run_parity(policy=policy, grad_accum=2, expect_copies=False)
+            self._run_parity(policy=policy, mixed_precision=False, expect_copies=False)
+
+    def test_parity_managed_shards_copied_in(self):
+        # A discrete GPU copies managed shards in as it copies pinned ones, streamed steps included.
+        self.init_gloo()
+        self._run_parity(policy=CoherentOffload(platform="discrete", shard_memory="managed"), grad_accum=2)
+
     def test_checkpoint_round_trip_and_resume(self):
         self.init_gloo()
         mesh = self._mesh()
@@ -692,6 +715,8 @@ class FSDP2OffloadParityWorldSize1Test(FSDP2OffloadParityTest):
 
     test_checkpoint_round_trip_and_resume = None  # covered at world size 2
     test_unified_platform_copies_nothing = None
+    test_shards_in_host_memory_read_in_place_copy_nothing_up = None
+    test_parity_managed_shards_copied_in = None
     test_parity_each_optimizer_placement = None
 
 
@@ -703,6 +728,8 @@ class FSDP2OffloadParityWorldSize4Test(FSDP2OffloadParityTest):
     test_parity_grad_accumulation_clipping_partial = None
     test_parity_each_optimizer_placement = None
     test_unified_platform_copies_nothing = None
+    test_shards_in_host_memory_read_in_place_copy_nothing_up = None
+    test_parity_managed_shards_copied_in = None
     test_checkpoint_round_trip_and_resume = None
     test_parity_cast_on_the_device = None
 

@@ -25,8 +25,8 @@ PATCHES = {
 PATCHED_PACKAGE = ("torch", "distributed", "fsdp", "_fully_shard")
 # What runs against the patched torch: the hooks-path checks, the parity tests at world sizes 1
 # and 2 (checkpoint load included: the shards go back home through the hooks), the optimizer's
-# contract with plain DTensors, and accumulation summing on the device (the policy's in-place sums,
-# FSDP adding nothing).
+# contract with plain DTensors, accumulation summing on the device (the policy's in-place sums,
+# FSDP adding nothing), and shards in managed memory or read in place.
 CONTRACT = "test/test_optimizer_contract.py::OffloadOptimizerContractTest::"
 SUITE = (
     "test/fsdp2_hooks_checks.py",
@@ -45,6 +45,8 @@ SUITE = (
     "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_parity_mixed_precision_uneven_tied_frozen",
     "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_parity_grad_accumulation_clipping_partial",
     "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_checkpoint_round_trip_and_resume",
+    "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_shards_in_host_memory_read_in_place_copy_nothing_up",
+    "test/test_fsdp2_offload.py::FSDP2OffloadParityTest::test_parity_managed_shards_copied_in",
     "test/test_async_path.py::AsyncPathTest::test_accumulated_gradients_are_summed_where_they_were_reduced",
 )
 

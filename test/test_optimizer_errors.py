@@ -392,7 +392,8 @@ class PolicyFixedOnceItShardedTest(SingleRankGlooTestCase):
     every knob is fixed from then on, and the model trains as sharded."""
 
     # A valid value of every knob (pin_memory's only one).
-    CHANGES = {"pin_memory": True, "optimizer": "host", "cast_on": "device", "prefetch_depth": 2, "activations": True, "platform": "host_only"}
+    CHANGES = {"pin_memory": True, "optimizer": "host", "cast_on": "device", "prefetch_depth": 2, "activations": True, "platform": "host_only",
+               "shard_memory": "managed"}
 
     def test_every_knob_is_fixed_once_the_policy_sharded_a_module(self):
         self.assertEqual(set(self.CHANGES), {field.name for field in dataclasses.fields(CoherentOffload)})

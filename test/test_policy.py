@@ -42,6 +42,7 @@ class CoherentOffloadKnobsTest(TestCase):
             ({"pin_memory": False}, r"pin_memory=False\) is not supported.*CPUOffloadPolicy\(pin_memory=False\)"),
             ({"activations": 1.5}, r"must be True, False or a number in \[0, 1\]"),
             ({"platform": "gh200"}, "is not a platform class"),
+            ({"shard_memory": "host"}, "is not a memory kind; use 'auto'"),
         ],
     )
     def test_bad_knob_is_rejected_with_the_fix(self, knobs, message):
@@ -56,10 +57,11 @@ class CoherentOffloadKnobsTest(TestCase):
         self.assertIs(CoherentOffload().pin_memory, CPUOffloadPolicy().pin_memory)
         self.assertIs(CoherentOffload(pin_memory=True).pin_memory, True)
 
-    def test_at_most_six_knobs(self):
+    def test_the_seven_knobs(self):
+        # Each knob's measured reason is in docs/ (a knob exists only where no default is right).
         self.assertEqual(
             [field.name for field in dataclasses.fields(CoherentOffload)],
-            ["pin_memory", "optimizer", "cast_on", "prefetch_depth", "activations", "platform"],
+            ["pin_memory", "optimizer", "cast_on", "prefetch_depth", "activations", "platform", "shard_memory"],
         )
 
     @parametrize(
@@ -81,6 +83,44 @@ class CoherentOffloadKnobsTest(TestCase):
         plan = policy.resolve(gpu if platform != "host_only" else None)
         self.assertEqual((plan.memory, plan.copies, plan.optimizer, plan.optimizer_gpu_fraction), expected)
         self.assertIn(platform, plan.describe())
+
+    @parametrize(
+        "platform, shard_memory, expected",
+        [
+            ("discrete", "auto", ("pinned", True, False, "split")),
+            ("discrete", "pinned", ("pinned", True, False, "split")),
+            ("discrete", "managed", ("managed", True, False, "split")),
+            ("coherent", "auto", ("pinned", True, False, "stream")),
+            ("coherent", "managed", ("managed", False, True, "host")),
+            ("unified", "auto", ("device", False, False, "device")),
+            ("unified", "pinned", ("pinned", False, True, "host")),
+            ("unified", "managed", ("managed", False, True, "host")),
+        ],
+    )
+    def test_shard_memory_per_platform(self, platform, shard_memory, expected):
+        # (memory, copies, read in place, optimizer step): a discrete GPU copies managed shards in
+        # as pinned ones; a coherent one reads managed shards in place; a unified one reads either
+        # in place, and by default offloads nothing. Where the GPU reads in place, the host steps.
+        policy = CoherentOffload(platform=platform, shard_memory=shard_memory)
+        gpu = dataclasses.replace(
+            policy.detect(), device=torch.device("cuda", 0),
+            attributes={"ManagedMemory": 1, "ConcurrentManagedAccess": 1},
+        )
+        plan = policy.resolve(gpu)
+        self.assertEqual((plan.memory, plan.copies, plan.reads_in_place, plan.optimizer), expected)
+        self.assertEqual(plan.offloads, plan.memory in ("pinned", "managed"))
+
+    def test_shard_memory_the_platform_cannot_give_is_refused(self):
+        no_managed = dataclasses.replace(
+            CoherentOffload(platform="discrete").detect(), device=torch.device("cuda", 0),
+            attributes={"ManagedMemory": 1, "ConcurrentManagedAccess": 0},
+        )
+        with self.assertRaisesRegex(ValueError, r"cannot share managed memory.*ConcurrentManagedAccess': 0.*'pinned'"):
+            CoherentOffload(platform="discrete", shard_memory="managed").resolve(no_managed)
+        with self.assertRaisesRegex(ValueError, "no accelerator.*Drop shard_memory="):
+            CoherentOffload(platform="host_only", shard_memory="pinned").resolve()
+        with self.assertRaisesRegex(ValueError, "optimizer='stream'.*the GPU reads the shards in place"):
+            CoherentOffload(platform="unified", shard_memory="managed", optimizer="stream").resolve()
 
     def test_unified_platform_steps_where_the_shards_are(self):
         # One DRAM: the shards are the GPU's allocation, stepped there in place; without a GPU
@@ -138,7 +178,7 @@ class CoherentOffloadKnobsTest(TestCase):
     @parametrize(
         "knob, value, replacement",
         [
-            ("memory", "managed", "The platform decides where shards live.*drop the argument"),
+            ("memory", "managed", "renamed shard_memory: .auto.*.pinned. or .managed."),
             ("offload_params", False, "no offload_policy.*offload_activations"),
             ("offload_grads", True, "no offload_policy.*offload_activations"),
             ("offload_optimizer_state", True, "no offload_policy.*offload_activations"),

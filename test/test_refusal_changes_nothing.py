@@ -10,6 +10,7 @@ a model that was never refused.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
 from unittest import mock
@@ -26,7 +27,8 @@ from torch.testing._internal.common_utils import (
 
 from common_offload import RefusalTestCase
 from torch_fsdp_offload import CoherentOffload
-from torch_fsdp_offload.memory import ENV_HOST_MEMORY, HostMemoryError
+from torch_fsdp_offload._integration import fsdp2_shards_on_host
+from torch_fsdp_offload.memory import ENV_HOST_MEMORY, HostMemoryError, memory_stats
 
 
 class _Blocks(nn.Module):
@@ -126,6 +128,34 @@ class RefusalChangesNothingTest(RefusalTestCase):
                 fully_shard(block, offload_policy=policy)
             with self.assertRaisesRegex(HostMemoryError, "Cannot allocate"):
                 fully_shard(model, offload_policy=policy)
+        self._assert_root_shards_plainly(model, reference)
+
+    def test_managed_shards_over_the_gpus_free_memory_refused_before_allocating(self) -> None:
+        # The blocks' managed buffers (2176 bytes each) fit in what the GPU has free; the root's on
+        # top of them would not: refused at its fully_shard, before anything is allocated (an
+        # oversubscribed managed allocation can hang the GPU), the blocks staying offloaded.
+        gc.collect()  # other tests' groups, never homed, would count as promised too
+        torch.manual_seed(0)
+        model = _Blocks()
+        reference = copy.deepcopy(model)
+        policy = CoherentOffload(platform="discrete", shard_memory="managed", optimizer="host")
+        gpu = dataclasses.replace(
+            policy.detect(), device=torch.device("cuda", 0), attributes={"ManagedMemory": 1, "ConcurrentManagedAccess": 1}
+        )
+        before = memory_stats()
+        with mock.patch.object(CoherentOffload, "detect", return_value=gpu), \
+                mock.patch("torch.cuda.mem_get_info", return_value=(2 * 2176 + 100, 1 << 30)):
+            for block in model.blocks:
+                fully_shard(block, offload_policy=policy)
+            with self.assertRaisesRegex(HostMemoryError, r"managed CoherentOffload shards.*free.*oversubscribing managed memory can stall the GPU.*shard_memory=.pinned."):
+                fully_shard(model, offload_policy=policy)
+        self.assertEqual(memory_stats(), before)
+        self.assertTrue(all(fsdp2_shards_on_host(block) for block in model.blocks))
+        self._assert_root_shards_plainly(model, reference)
+
+    def _assert_root_shards_plainly(self, model: nn.Module, reference: nn.Module) -> None:
+        """The root whose sharding was refused is untouched; sharded without the policy, the model
+        (its blocks still sharded with it) trains like a plain copy of ``reference``."""
         self.assertNotIsInstance(model.head.weight, DTensor)
         fully_shard(model)
         plain = copy.deepcopy(reference)

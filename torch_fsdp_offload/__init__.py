@@ -25,7 +25,6 @@ from torch_fsdp_offload.platform import (
     PlatformKind,
 )
 from torch_fsdp_offload.policy import CoherentOffload, fully_shard_with_policy, ResolvedPlan
-from torch_fsdp_offload.transfer_tensor import TransferTensor
 
 __version__ = "0.1.0"
 
@@ -55,7 +54,6 @@ __all__ = [
     "platform_from_attributes",
     "PlatformKind",
     "ResolvedPlan",
-    "TransferTensor",
     "uninstall",
 ]
 
@@ -66,4 +64,10 @@ def __getattr__(name: str):
         from torch_fsdp_offload import planner
 
         return getattr(planner, name)
+    if name == "TransferTensor":
+        raise AttributeError(
+            "torch_fsdp_offload.TransferTensor is not part of the offload package's API: the policy's "
+            "data path does not use it. Import it from its own module: "
+            "from torch_fsdp_offload.transfer_tensor import TransferTensor (docs/transfer_tensor.md)"
+        )
     raise AttributeError(f"module 'torch_fsdp_offload' has no attribute {name!r}")

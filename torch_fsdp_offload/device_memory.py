@@ -2,9 +2,11 @@
 
 :func:`device_view` turns pinned host memory (from :func:`~torch_fsdp_offload.memory.pinned_empty`)
 into a CUDA tensor that reads it over the link, no copy. :func:`managed_empty` hands out
-``cudaMallocManaged`` memory as a CUDA tensor plus a CPU view of the same bytes
-(``TransferTensor(memory="managed")`` is built on it); it is checked against the GPU's free memory
-before anything is allocated, and :func:`~torch_fsdp_offload.memory.memory_stats` counts it.
+``cudaMallocManaged`` memory as a CUDA tensor plus a CPU view of the same bytes; it is checked
+against the GPU's free memory before anything is allocated, and
+:func:`~torch_fsdp_offload.memory.memory_stats` counts it. :func:`shared_empty` gives either kind
+seen from both sides: the buffers of a ``CoherentOffload`` group placed with
+``shard_memory="managed"``, or read in place by the GPU.
 """
 
 from __future__ import annotations
@@ -22,15 +24,19 @@ from torch_fsdp_offload.memory import (
     HostMemoryError,
     _format_bytes,
     _managed_lock,
+    _managed_ranges,
     _managed_totals,
     _normalize_shape,
+    pinned_empty,
 )
 from torch_fsdp_offload.platform import detect_platform, resolve_device
 
-__all__ = ["ManagedBuffer", "device_view", "managed_empty"]
+__all__ = ["SharedBuffer", "check_managed_fits", "device_view", "managed_device_alias", "managed_empty", "shared_empty"]
 
 # cudaMemAttachGlobal (a #define in cuda_runtime_api.h): any stream on any device may access the memory.
 _CUDA_MEM_ATTACH_GLOBAL = 1
+# cudaCpuDeviceId: the host, where an advice call of CUDA 12 takes a device ordinal.
+_CUDA_CPU_DEVICE_ID = -1
 
 
 class _CudaArrayInterface:
@@ -131,7 +137,7 @@ def _cuda_runtime():
             raise RuntimeError(
                 "managed memory needs NVIDIA's cuda.bindings (cudaMallocManaged has no torch API): "
                 "`pip install cuda-bindings` matching your CUDA major version (the torch CUDA wheels "
-                "depend on it), or use memory=\"pinned\"."
+                "depend on it), or use pinned memory."
             ) from None
     return runtime
 
@@ -156,6 +162,8 @@ class _ManagedAllocation:
 
 def _free_managed(ptr: int, nbytes: int) -> None:
     runtime = _cuda_runtime()
+    with _managed_lock:
+        _managed_ranges.pop(ptr, None)
     # cudaFree waits for outstanding work on the range, so a kernel still reading it is safe.
     _check_cuda(runtime, runtime.cudaFree(ptr), "cudaFree")
     with _managed_lock:
@@ -163,17 +171,46 @@ def _free_managed(ptr: int, nbytes: int) -> None:
         _managed_totals["count"] -= 1
 
 
+def managed_device_alias(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor on ``device`` over the same bytes as the CPU tensor ``tensor`` where those
+    bytes are managed memory (:func:`managed_empty`), else None.
+
+    torch copies to or from the CPU view of managed memory as from pageable memory, at about a
+    tenth of the link's speed (5.6 against 53.8 GB/s on a PCIe H200, docs/benchmarks.md); a copy of
+    the CUDA view of the same bytes is a device-to-device copy that runs at the link's speed. The
+    transfer engine copies through this alias. Without managed allocations it returns at once.
+    """
+    if not _managed_ranges or tensor.device.type != "cpu" or device.type != "cuda":
+        return None
+    start = tensor.data_ptr()
+    with _managed_lock:
+        found = next(
+            (owner for base, (end, owner) in _managed_ranges.items() if base <= start < end), None
+        )
+    allocation = found() if found is not None else None
+    if allocation is None:
+        return None
+    span = _element_span_bytes(tensor)
+    if start + span > allocation.ptr + allocation.nbytes:
+        return None
+    if span == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    byte_tensor = _wrap_device_bytes(start, span, allocation, device)
+    return torch.as_strided(byte_tensor.view(tensor.dtype), tensor.shape, tensor.stride())
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class ManagedBuffer:
-    """A ``cudaMallocManaged`` allocation seen from both sides.
+class SharedBuffer:
+    """Host memory the GPU addresses too, seen from both sides: a ``cudaMallocManaged`` allocation,
+    or pinned memory with its :func:`device_view`.
 
     Attributes:
         device_tensor (torch.Tensor): the bytes as a tensor on the CUDA device.
-        host_view (torch.Tensor): the same bytes as a CPU tensor (the CPU touches them in place; the
-            driver migrates pages on demand).
+        host_view (torch.Tensor): the same bytes as a CPU tensor (the CPU touches them in place; for
+            managed memory the driver migrates pages on demand, unless advised otherwise).
         nbytes (int): size of the allocation in bytes.
 
-    The memory is freed with ``cudaFree`` when both tensors (and every view of them) are gone.
+    Managed memory is freed with ``cudaFree`` when both tensors (and every view of them) are gone.
 
     Example::
 
@@ -192,7 +229,9 @@ def managed_empty(
     shape: int | Sequence[int] | torch.Size,
     dtype: torch.dtype,
     device: torch.device | str | int,
-) -> ManagedBuffer:
+    *,
+    prefer_host: bool = False,
+) -> SharedBuffer:
     """Allocate managed (unified) memory of exactly ``shape`` and return its CUDA and CPU views.
 
     Managed memory has one address for CPU and GPU; the driver moves pages to whichever side touches
@@ -204,15 +243,20 @@ def managed_empty(
         shape (int | Sequence[int]): shape of both tensors.
         dtype (torch.dtype): element type.
         device (torch.device | str | int): the CUDA device the allocation belongs to.
+        prefer_host (bool): advise the driver that the pages live in host memory (preferred
+            location: the host) and that ``device`` reads them there (accessed by: the device), so
+            the GPU's accesses map the host pages instead of migrating them: the advice for state
+            the host owns and the GPU reads, the reverse of memory the GPU owns. Default False: the
+            driver migrates pages to whichever side touches them.
 
     Returns:
-        ManagedBuffer: ``device_tensor`` (on ``device``) and ``host_view`` (CPU) over the same bytes.
+        SharedBuffer: ``device_tensor`` (on ``device``) and ``host_view`` (CPU) over the same bytes.
 
     Raises:
         ValueError: if ``shape`` is invalid or ``device`` is not an available CUDA device.
         TypeError: if ``dtype`` is not a ``torch.dtype``.
         RuntimeError: if ``cuda.bindings`` is not available, the device does not support
-            concurrent managed memory, or ``cudaMallocManaged`` fails.
+            concurrent managed memory, or ``cudaMallocManaged`` (or the advice) fails.
         HostMemoryError: if the request exceeds the GPU's free memory.
 
     Example::
@@ -229,17 +273,10 @@ def managed_empty(
     nbytes = math.prod(dims) * dtype.itemsize
     runtime = _cuda_runtime()
     _require_managed_support(device)
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    if nbytes > free_bytes:
-        raise HostMemoryError(
-            f"Cannot allocate {_format_bytes(nbytes)} of managed memory on {device}: only "
-            f"{_format_bytes(free_bytes)} of its {_format_bytes(total_bytes)} is free (cudaMemGetInfo), "
-            "and oversubscribing managed memory can stall the GPU. Lower the offload fraction, "
-            "split the allocation, or use memory=\"pinned\"."
-        )
+    check_managed_fits(nbytes, device, "managed memory")
     if nbytes == 0:
         empty = torch.empty(dims, dtype=dtype)
-        return ManagedBuffer(empty.to(device), empty, 0)
+        return SharedBuffer(empty.to(device), empty, 0)
     with torch.cuda.device(device):
         (ptr,) = _check_cuda(
             runtime,
@@ -251,11 +288,101 @@ def managed_empty(
         _managed_totals["bytes"] += nbytes
         _managed_totals["count"] += 1
     owner = _ManagedAllocation(ptr, nbytes)
+    with _managed_lock:
+        _managed_ranges[ptr] = (ptr + nbytes, weakref.ref(owner))
+    if prefer_host:
+        _advise(runtime, ptr, nbytes, runtime.cudaMemoryAdvise.cudaMemAdviseSetPreferredLocation, None)
+        _advise(runtime, ptr, nbytes, runtime.cudaMemoryAdvise.cudaMemAdviseSetAccessedBy, device.index)
     device_bytes = _wrap_device_bytes(ptr, nbytes, owner, device)
     host_bytes = (ctypes.c_uint8 * nbytes).from_address(ptr)
     host_bytes.owner = owner  # the CPU view keeps the allocation alive too
     host_view = torch.frombuffer(host_bytes, dtype=dtype).view(dims)
-    return ManagedBuffer(device_bytes.view(dtype).view(dims), host_view, nbytes)
+    return SharedBuffer(device_bytes.view(dtype).view(dims), host_view, nbytes)
+
+
+def _advise(runtime, ptr: int, nbytes: int, advice: Any, device_index: int | None) -> None:
+    """``cudaMemAdvise`` for the host (``device_index`` None) or a device: a ``cudaMemLocation``
+    since CUDA 13, a device ordinal (``cudaCpuDeviceId`` for the host) before."""
+    location_type = getattr(runtime, "cudaMemLocationType", None)
+    if location_type is not None and hasattr(runtime, "cudaMemLocation"):
+        location = runtime.cudaMemLocation()
+        host = device_index is None
+        location.type = location_type.cudaMemLocationTypeHost if host else location_type.cudaMemLocationTypeDevice
+        location.id = 0 if host else device_index
+        try:
+            _check_cuda(runtime, runtime.cudaMemAdvise(ptr, nbytes, advice, location), f"cudaMemAdvise({advice})")
+            return
+        except TypeError:
+            pass  # CUDA 12's signature: a device ordinal
+    ordinal = _CUDA_CPU_DEVICE_ID if device_index is None else device_index
+    _check_cuda(runtime, runtime.cudaMemAdvise(ptr, nbytes, advice, ordinal), f"cudaMemAdvise({advice})")
+
+
+def check_managed_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse ``nbytes`` of managed memory that would not fit in ``device``'s free memory
+    (``cudaMemGetInfo``), before anything is allocated: an oversubscribed managed allocation can
+    stall the GPU, not only the process.
+
+    Raises:
+        HostMemoryError: naming ``what``, the request, what is free, and what to do instead.
+    """
+    if device.type != "cuda":
+        return  # no GPU: the CPU stand-in of shared_empty is plain host memory
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    if nbytes > free_bytes:
+        raise HostMemoryError(
+            f"Cannot allocate {_format_bytes(nbytes)} of {what} on {device}: only "
+            f"{_format_bytes(free_bytes)} of its {_format_bytes(total_bytes)} is free (cudaMemGetInfo), "
+            "and oversubscribing managed memory can stall the GPU, not only this process. Offload "
+            "fewer modules, or keep the shards in pinned memory (CoherentOffload(shard_memory=\"pinned\"), "
+            "the default on a discrete GPU)."
+        )
+
+
+def shared_empty(
+    shape: int | Sequence[int] | torch.Size,
+    dtype: torch.dtype,
+    memory: str,
+    device: torch.device | str | int,
+) -> SharedBuffer:
+    """Host memory of kind ``memory`` that ``device`` addresses too: pinned memory and its
+    :func:`device_view`, or managed memory advised to stay on the host
+    (``managed_empty(..., prefer_host=True)``).
+
+    Without a GPU (``device`` the CPU: a platform class forced on a CPU machine, as the tests do)
+    both views are one plain host tensor, so code that reads "the device view" runs unchanged.
+
+    Args:
+        shape (int | Sequence[int]): shape of both tensors.
+        dtype (torch.dtype): element type.
+        memory (str): ``"pinned"`` or ``"managed"``.
+        device (torch.device | str | int): the CUDA device that reads the memory, or the CPU.
+
+    Returns:
+        SharedBuffer: the CPU and device views of the same bytes.
+
+    Raises:
+        ValueError: ``memory`` is neither ``"pinned"`` nor ``"managed"``; as :func:`managed_empty`
+            and :func:`~torch_fsdp_offload.memory.pinned_empty` otherwise.
+        HostMemoryError: as those two.
+
+    Example::
+
+        >>> buffer = shared_empty(1024, torch.float32, "pinned", "cuda")
+        >>> buffer.host_view.fill_(1.0)
+        >>> buffer.device_tensor.sum().item()  # the GPU reads the host's bytes, no copy
+        1024.0
+    """
+    if memory not in ("pinned", "managed"):
+        raise ValueError(f"shared_empty: memory must be 'pinned' or 'managed', got {memory!r}")
+    resolved = resolve_device(device)
+    if resolved.type != "cuda":
+        host = pinned_empty(shape, dtype, device="cpu")
+        return SharedBuffer(host, host, host.numel() * host.element_size())
+    if memory == "managed":
+        return managed_empty(shape, dtype, resolved, prefer_host=True)
+    host = pinned_empty(shape, dtype, device=resolved)
+    return SharedBuffer(device_view(host, resolved), host, host.numel() * host.element_size())
 
 
 def _require_managed_support(device: torch.device) -> None:
@@ -265,5 +392,5 @@ def _require_managed_support(device: torch.device) -> None:
         raise RuntimeError(
             f"{device} does not support managed memory shared by CPU and GPU at the same time "
             f"(needs ManagedMemory=1 and ConcurrentManagedAccess=1, read {found}); "
-            "use memory=\"pinned\"."
+            "use pinned memory instead."
         )

@@ -243,6 +243,14 @@ def _plan(
     _refuse_unread_knobs(offload_policy, forward_prefetch, backward_prefetch)
     device = _compute_device(device_id)
     resolved = offload_policy.resolve(detect_platform(device, kind=offload_policy.platform))
+    if resolved.memory == "managed" or resolved.reads_in_place:
+        raise ValueError(
+            f"FullyShardedDataParallel(offload_policy=CoherentOffload(shard_memory="
+            f"{offload_policy.shard_memory!r})): FSDP1 keeps its flat shards in pinned host memory and "
+            "copies them in; managed shards, and shards the GPU reads in place, are FSDP2's. Drop "
+            "shard_memory= here, or shard with FSDP2: fully_shard(module, offload_policy=CoherentOffload("
+            f"shard_memory={offload_policy.shard_memory!r}))"
+        )
     if resolved.platform is PlatformKind.UNIFIED:
         logger.info("CoherentOffload on a unified-memory machine: FSDP1 keeps shards in the GPU's "
                     "memory, which is the host's, and copies nothing")

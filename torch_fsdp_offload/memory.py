@@ -362,6 +362,8 @@ class HostPromise:
 
     Args:
         nbytes (int): the bytes promised.
+        managed (bool): whether they will be managed memory, which also counts against the GPU's
+            free memory (:func:`promised_host_bytes` with ``managed_only=True``).
 
     Example::
 
@@ -369,28 +371,31 @@ class HostPromise:
         >>> promise.fulfil()  # its buffers were allocated
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, managed: bool = False) -> None:
         self.nbytes = nbytes
+        self.managed = managed
 
     def fulfil(self) -> None:
         """The owner allocated the bytes (or never will): they count no more."""
         self.nbytes = 0
 
 
-def promise_host_bytes(nbytes: int, owner: Any) -> HostPromise:
-    """Promise ``nbytes`` of host memory to ``owner`` until it allocates them (the returned
-    :class:`HostPromise`'s :meth:`~HostPromise.fulfil`) or is collected."""
-    promise = HostPromise(nbytes)
+def promise_host_bytes(nbytes: int, owner: Any, *, managed: bool = False) -> HostPromise:
+    """Promise ``nbytes`` of host memory (``managed``: managed memory) to ``owner`` until it
+    allocates them (the returned :class:`HostPromise`'s :meth:`~HostPromise.fulfil`) or is
+    collected."""
+    promise = HostPromise(nbytes, managed)
     with _pinned_pool._lock:
         _pinned_pool.promises.add(promise)
     weakref.finalize(owner, promise.fulfil)  # holds the promise as long as the owner lives
     return promise
 
 
-def promised_host_bytes() -> int:
-    """Host bytes promised and not allocated yet, to count beside a new request."""
+def promised_host_bytes(*, managed_only: bool = False) -> int:
+    """Host bytes promised and not allocated yet, to count beside a new request; ``managed_only``:
+    those promised as managed memory."""
     with _pinned_pool._lock:
-        return sum(promise.nbytes for promise in list(_pinned_pool.promises))
+        return sum(p.nbytes for p in list(_pinned_pool.promises) if p.managed or not managed_only)
 
 
 def _normalize_shape(shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]:
@@ -566,3 +571,6 @@ def memory_stats() -> dict[str, int]:
 # :func:`memory_stats` reports.
 _managed_lock = threading.Lock()
 _managed_totals = {"bytes": 0, "count": 0}
+# The same allocations by start address: (end address, the allocation, weakly), for
+# :func:`torch_fsdp_offload.device_memory.managed_device_alias`.
+_managed_ranges: dict[int, tuple[int, Any]] = {}

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 OptimizerPlacement = Union[Literal["auto", "host", "stream"], float]
 
 _OPTIMIZER_PLACEMENTS = ("auto", "host", "stream")
+SHARD_MEMORIES = ("auto", "pinned", "managed")
 _PLATFORM_KINDS = {kind.value for kind in PlatformKind}
 CAST_PLACEMENTS = ("host", "device")
 
@@ -48,8 +49,8 @@ AUTO_CAST_ON = "host"
 # Knobs CoherentOffload no longer has, and what replaces each (raised as TypeError when passed).
 _REMOVED_KNOBS = {
     "memory": (
-        "the memory knob was removed. The platform decides where shards live (exact-size pinned host "
-        "memory where the GPU has its own memory, the GPU's allocation on unified memory); drop the argument."
+        "the knob was removed and renamed shard_memory: 'auto' (default: pinned host memory where the GPU "
+        "has its own memory, the GPU's allocation on unified memory), 'pinned' or 'managed'."
     ),
     **dict.fromkeys(("offload_params", "offload_grads", "offload_optimizer_state"), (
         "the knob was removed: a module given CoherentOffload has its parameters, gradients and optimizer "
@@ -149,15 +150,30 @@ class CoherentOffload(CPUOffloadPolicy):
         platform (str or None): force a platform class (``"unified"``, ``"coherent"``,
             ``"discrete"``, ``"host_only"``) instead of detecting it; the environment variable
             ``TORCH_FSDP_OFFLOAD_PLATFORM`` does the same for every policy. Default None: detect.
+        shard_memory (str): the memory offloaded shards, gradients and compute-dtype mirrors live
+            in. ``"pinned"``: exact-size page-locked host memory. ``"managed"``: ``cudaMallocManaged``
+            memory advised to stay on the host and be read by the GPU there (preferred location
+            the host, accessed by the GPU): coherent and cached in the GPU's L2 where the GPU reads
+            host memory itself. Where the GPU reads each kind: on DISCRETE machines both are copied
+            in ahead of use on the copy stream (managed memory copies slower over PCIe,
+            docs/benchmarks.md); on COHERENT machines pinned shards are copied and managed ones
+            read in place; on UNIFIED machines both are read in place, nothing copied. The host
+            steps them in place. ``"auto"`` (default): pinned on DISCRETE and COHERENT machines;
+            on UNIFIED ones the GPU's own allocation (nothing offloaded: it is the one DRAM). The
+            managed bytes must fit in the GPU's free memory (checked at ``fully_shard``).
 
     Raises:
         ValueError: a knob outside its range or of the wrong type, or ``pin_memory=False``, at
             construction or assignment. ``fully_shard`` with this policy raises it too for a
             group whose parameters mix dtypes (an offloaded group's shards share one host buffer:
             shard each dtype's submodules as groups of their own first), and for an ``optimizer``
-            or ``cast_on`` placement on a platform that copies nothing (UNIFIED, HOST_ONLY).
+            or ``cast_on`` placement on a platform that copies nothing (UNIFIED, HOST_ONLY, or
+            shards read in place), and ``shard_memory`` other than ``"auto"`` without an
+            accelerator or ``"managed"`` on a GPU that cannot share managed memory.
         HostMemoryError: from ``fully_shard``, when the offloaded groups' host buffers would
-            not fit (``MemAvailable``, ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES``, ``ulimit -l``).
+            not fit (``MemAvailable``, ``TORCH_FSDP_OFFLOAD_HOST_MEMORY_BYTES``, ``ulimit -l``), or
+            with ``shard_memory="managed"`` would exceed the GPU's free memory (an oversubscribed
+            managed allocation can stall the GPU).
         TypeError: a knob that was removed (``memory``, ``offload_params``, ``offload_grads``,
             ``offload_optimizer_state``, ``chunk_bytes``, ``module_fraction``), naming what
             replaces it.
@@ -196,6 +212,7 @@ class CoherentOffload(CPUOffloadPolicy):
     prefetch_depth: int = 1
     activations: Union[bool, float] = False
     platform: str | None = None
+    shard_memory: str = "auto"
 
     # On a torch with the offload-policy hooks: place_shards gives exact-size pinned buffers, so
     # FSDP's own pin_memory() (rounded up to a power of two) must not run (docs/upstream.md).
@@ -281,6 +298,12 @@ class CoherentOffload(CPUOffloadPolicy):
                 "number in [0, 1]: the fraction of the fully_shard-ed blocks whose saved "
                 "activations are offloaded to host memory."
             )
+        if self.shard_memory not in SHARD_MEMORIES:
+            raise ValueError(
+                f"CoherentOffload(shard_memory={self.shard_memory!r}) is not a memory kind; use 'auto' "
+                "(the platform's), 'pinned' (page-locked host memory) or 'managed' (cudaMallocManaged "
+                "memory kept on the host, read by the GPU)."
+            )
         if self.platform is not None and self.platform not in _PLATFORM_KINDS:
             raise ValueError(
                 f"CoherentOffload(platform={self.platform!r}) is not a platform class; use one "
@@ -305,9 +328,11 @@ class CoherentOffload(CPUOffloadPolicy):
             ResolvedPlan: what the policy does there.
 
         Raises:
-            ValueError: an ``optimizer`` other than ``"auto"``, or ``cast_on="device"``, on a
-                UNIFIED or HOST_ONLY platform, where nothing is copied (the defaults are a no-op
-                there, so one script runs on every machine).
+            ValueError: an ``optimizer`` other than ``"auto"``, or ``cast_on="device"``, where
+                nothing is copied: a UNIFIED or HOST_ONLY platform, or shards the GPU reads in place
+                (the defaults are a no-op there, so one script runs on every machine);
+                ``shard_memory`` other than ``"auto"`` without an accelerator, or ``"managed"`` on a
+                GPU that cannot share managed memory with the CPU.
 
         Example::
 
@@ -316,22 +341,17 @@ class CoherentOffload(CPUOffloadPolicy):
         """
         platform = platform or self.detect()
         kind = platform.kind
-        reasons = []
-        if kind == PlatformKind.HOST_ONLY:
-            memory = "host"
-            reasons.append("no accelerator: shards already live where compute runs")
-        elif kind == PlatformKind.UNIFIED:
-            memory = "device"
-            reasons.append("unified memory: the GPU's allocation is the one DRAM, read in place")
-        else:
-            memory = "pinned"
-            reasons.append("pinned memory is the fast DMA source")
-        copies = kind in (PlatformKind.DISCRETE, PlatformKind.COHERENT)
+        memory, reads_in_place, reasons = self._shard_memory(platform)
+        copies = kind in (PlatformKind.DISCRETE, PlatformKind.COHERENT) and not reads_in_place
         if not copies:
-            self._check_placements_need_copies(f"a {kind.value} platform copies nothing")
-            # UNIFIED: the shards are device memory read in place, so the step runs on the GPU;
-            # HOST_ONLY: everything is on the host already.
-            optimizer = "host" if kind == PlatformKind.HOST_ONLY or platform.device.type == "cpu" else "device"
+            self._check_placements_need_copies(
+                "the GPU reads the shards in place" if reads_in_place else f"a {kind.value} platform copies nothing"
+            )
+            # Read in place: the host steps the shards where they live. UNIFIED, nothing offloaded:
+            # the shards are device memory, so the step runs on the GPU; HOST_ONLY: everything is
+            # on the host already.
+            on_host = reads_in_place or kind == PlatformKind.HOST_ONLY or platform.device.type == "cpu"
+            optimizer = "host" if on_host else "device"
             gpu_fraction = 0.0
             cast_on = "host"
         else:
@@ -358,7 +378,38 @@ class CoherentOffload(CPUOffloadPolicy):
             prefetch_depth=self.prefetch_depth,
             activations=activations,
             reason="; ".join(reasons) or "as configured",
+            reads_in_place=reads_in_place,
         )
+
+    def _shard_memory(self, platform: Platform) -> tuple[str, bool, list[str]]:
+        """Where ``platform``'s offloaded shards live, whether the GPU reads them in place, and
+        why; refuses a ``shard_memory`` the platform cannot give (see Note: [Shard memory] in
+        docs/design.md)."""
+        kind, asked = platform.kind, self.shard_memory
+        if kind == PlatformKind.HOST_ONLY:
+            if asked != "auto":
+                raise ValueError(
+                    f"CoherentOffload(shard_memory={asked!r}) places shards in memory a GPU reads, but this "
+                    "machine has no accelerator: the shards already live in host memory, where compute runs. "
+                    "Drop shard_memory= (the default is correct on every platform)."
+                )
+            return "host", False, ["no accelerator: shards already live where compute runs"]
+        if asked == "managed" and platform.has_accelerator and not platform.supports_managed_memory:
+            found = {name: platform.attributes.get(name) for name in ("ManagedMemory", "ConcurrentManagedAccess")}
+            raise ValueError(
+                f"CoherentOffload(shard_memory='managed'): {platform.device} cannot share managed memory "
+                f"with the CPU at the same time (needs ManagedMemory=1 and ConcurrentManagedAccess=1, read "
+                f"{found}). Use shard_memory='pinned' or 'auto'."
+            )
+        if kind == PlatformKind.UNIFIED:
+            if asked == "auto":
+                return "device", False, ["unified memory: the GPU's allocation is the one DRAM, read in place"]
+            return asked, True, [f"unified memory: the GPU reads the {asked} shards in place, nothing is copied"]
+        if asked == "managed" and kind == PlatformKind.COHERENT:
+            return "managed", True, ["coherent link: the GPU reads the managed shards in place, cached in its L2"]
+        if asked == "managed":
+            return "managed", False, ["managed shards, copied in ahead of use as pinned ones are"]
+        return "pinned", False, ["pinned memory is the fast DMA source"]
 
     def _check_placements_need_copies(self, why: str) -> None:
         """Refuse an ``optimizer`` or ``cast_on`` placement where ``why`` says nothing is copied."""

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from torch_fsdp_offload._helpers.compiled import fsdp_hooks_traced
 from torch_fsdp_offload.data_path.group_offload import host_bytes
+from torch_fsdp_offload.device_memory import check_managed_fits
 from torch_fsdp_offload.memory import check_host_capacity, promised_host_bytes
 from torch_fsdp_offload.resolved_plan import ResolvedPlan
 
@@ -48,22 +49,25 @@ def plan_group(policy: Any, call: dict[str, Any]) -> tuple[ResolvedPlan, bool]:
     all before FSDP converts a parameter. What groups built before and not yet homed will allocate
     (:func:`~torch_fsdp_offload.memory.promised_host_bytes`) counts against the same host capacity.
 
-    Every group built with the policy is offloaded where the platform copies (placement is per
-    module: a module sharded without the policy is not); on UNIFIED and HOST_ONLY platforms none is.
+    Every group built with the policy is offloaded where its plan keeps shards in host memory
+    (placement is per module: a module sharded without the policy is not); on HOST_ONLY platforms,
+    and on UNIFIED ones with the default ``shard_memory``, none is. Managed shards must also fit,
+    with every group's promised before, in the GPU's free memory.
     """
-    plan = policy.resolve()
-    offloaded = plan.copies
+    platform = policy.detect()
+    plan = policy.resolve(platform)
+    offloaded = plan.offloads
     if offloaded:
         check_fsdp_hooks_not_traced()
         params = call["params"]
         check_one_dtype(params)
         compute_dtype = one_compute_dtype(call["mp_policy"], params)
         numel = sum(padded_shard_numel(p, call["mesh_info"], call.get("shard_placement_fn")) for p in params)
-        check_host_capacity(
-            promised_host_bytes() + host_bytes(numel, params[0].dtype, compute_dtype, plan.cast_on),
-            pinned=plan.memory == "pinned",
-            what="CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')",
-        )
+        nbytes = host_bytes(numel, params[0].dtype, compute_dtype, plan.cast_on)
+        what = "CoherentOffload shards and gradients (and compute-dtype mirrors with cast_on='host')"
+        check_host_capacity(promised_host_bytes() + nbytes, pinned=plan.memory == "pinned", what=what)
+        if plan.memory == "managed":
+            check_managed_fits(promised_host_bytes(managed_only=True) + nbytes, platform.device, f"managed {what}")
     return plan, offloaded
 
 

@@ -31,7 +31,6 @@ from torch_fsdp_offload.data_path.group_offload import GroupOffload, is_host_gra
 from torch_fsdp_offload.data_path.prefetch_schedule import RootSchedule
 from torch_fsdp_offload._helpers.tensors import in_backward, local_tensor
 from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
-from torch_fsdp_offload.memory import pinned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +74,12 @@ class HookedGroupOffload(GroupOffload):
 
     @torch.no_grad()
     def host_shards(self) -> list[torch.Tensor] | None:
-        """The ``ON_HOST`` to ``HOMED`` transition: one exact-size pinned buffer, and each
-        parameter's slot in it for FSDP to move the shard into."""
+        """The ``ON_HOST`` to ``HOMED`` transition: one exact-size buffer in the plan's memory, and
+        each parameter's slot in it for FSDP to move the shard into."""
         if self.placement is not GroupPlacement.ON_HOST:
             return None
         self.layout()
-        self.master = pinned_empty((self.numel,), self.group.fsdp_params[0].sharded_param.dtype)
+        self.master = self._host_empty("master", self.group.fsdp_params[0].sharded_param.dtype)
         self.mark_homed()
         return [self.master[offset : offset + numel] for offset, numel in self.param_ranges()]
 

@@ -30,7 +30,6 @@ from torch_fsdp_offload._helpers.tensors import in_backward
 from torch_fsdp_offload.activations import _policy_attachment as activation_hooks
 from torch_fsdp_offload.data_path.group_offload import GroupOffload
 from torch_fsdp_offload.data_path.prefetch_schedule import RootSchedule
-from torch_fsdp_offload.memory import pinned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +84,13 @@ class SwappedGroupOffload(GroupOffload):
     # -- placement -------------------------------------------------------------------------
     @torch.no_grad()
     def home(self) -> None:
-        """Move every shard of the group into one exact-size host buffer (once, at lazy init):
-        the ``ON_HOST`` to ``HOMED`` transition."""
+        """Move every shard of the group into one exact-size buffer in the plan's memory (once, at
+        lazy init): the ``ON_HOST`` to ``HOMED`` transition."""
         if self.placement is not GroupPlacement.ON_HOST:
             return
         self.layout()
         first = self.group.fsdp_params[0].sharded_param
-        self.master = pinned_empty((self.numel,), first.dtype)
+        self.master = self._host_empty("master", first.dtype)
         for fsdp_param in self.group.fsdp_params:
             self.rehome_param(fsdp_param)
         self.mark_homed()

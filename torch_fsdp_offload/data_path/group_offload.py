@@ -1,7 +1,9 @@
 """``GroupOffload``: one FSDP parameter group's offload, the data path both FSDP2 paths share.
 
 Per offloaded group the shards live in one exact-size host buffer (fp32 master), with a
-compute-dtype mirror when mixed precision halves the bytes to move (``cast_on="host"``). Copy-in is
+compute-dtype mirror when mixed precision halves the bytes to move (``cast_on="host"``), pinned or
+managed as the plan's ``memory`` says; where the plan reads them in place the GPU's all-gather
+reads them through their device view and no copy is made (Note: [Shard memory]). Copy-in is
 one coalesced H2D copy of that mirror (or, with ``cast_on="device"``, of the master, cast on the
 device as it lands) into a device staging buffer, on the transfer engine's H2D stream, issued
 ``prefetch_depth`` groups ahead in forward and backward order (:mod:`.prefetch_schedule`); FSDP's
@@ -23,6 +25,7 @@ import torch.nn as nn
 
 from torch_fsdp_offload._helpers.tensors import foreach_add_, foreach_copy_, local_tensor, unversioned_alias
 from torch_fsdp_offload.data_path.group_state import assert_in_states, GradCapture, GroupPlacement, SourceFreshness
+from torch_fsdp_offload.device_memory import shared_empty
 from torch_fsdp_offload.memory import HostPromise, pinned_empty, promise_host_bytes
 from torch_fsdp_offload.resolved_plan import ResolvedPlan
 from torch_fsdp_offload.transfer import get_transfer_engine, Transfer
@@ -59,6 +62,9 @@ class GroupOffload:
         self.grad_capture = GradCapture.IDLE
         self.master: torch.Tensor | None = None  # orig-dtype shards, exact size
         self.mirror: torch.Tensor | None = None  # param-dtype copy of master (mixed precision)
+        # The GPU's views of the buffers named "master", "mirror" and "grads", where it reads them
+        # in place (_host_empty).
+        self.device_views: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()
         self.grads: torch.Tensor | None = None  # reduced gradient shards, orig dtype
         self.offsets: dict[Any, tuple[int, int]] = {}
@@ -86,7 +92,7 @@ class GroupOffload:
 
     @property
     def active(self) -> bool:
-        return self.placement is GroupPlacement.HOMED and self.plan.copies
+        return self.placement is GroupPlacement.HOMED and self.plan.offloads
 
     def layout(self) -> None:
         offset = 0
@@ -101,7 +107,7 @@ class GroupOffload:
         homed (at lazy init), so a later group's capacity check counts it; the promise ends with the
         group."""
         self.layout()
-        self.host_promise = promise_host_bytes(self.host_bytes(), group)
+        self.host_promise = promise_host_bytes(self.host_bytes(), group, managed=self.plan.memory == "managed")
 
     def mark_homed(self) -> None:
         """The ``ON_HOST`` to ``HOMED`` transition: the shards are in the group's host buffer."""
@@ -122,14 +128,27 @@ class GroupOffload:
         param_dtype = self.group.fsdp_params[0].param_dtype
         return param_dtype if param_dtype is not None and param_dtype != self.master.dtype else None
 
+    def _host_empty(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host buffer of the group's ``numel`` in the plan's ``memory``, the group's buffer
+        ``name``; where the GPU reads it in place, its device view is kept in :attr:`device_views`.
+        (The engine copies managed memory through its CUDA view by itself.)"""
+        self.device_views.pop(name, None)
+        if self.plan.memory == "pinned" and not self.plan.reads_in_place:
+            return pinned_empty((self.numel,), dtype)
+        buffer = shared_empty((self.numel,), dtype, self.plan.memory, self.device)
+        if self.plan.reads_in_place:
+            self.device_views[name] = buffer.device_tensor
+        return buffer.host_view
+
     def _mirror_to_write(self) -> torch.Tensor | None:
-        """The pinned compute-dtype mirror the copy-in reads, allocated on first use; None (and no
+        """The compute-dtype mirror the copy-in reads, allocated on first use; None (and no
         mirror kept) where the copy-in reads the master: no cast, or ``cast_on="device"``."""
         param_dtype = self._param_dtype_to_cast()
         if param_dtype is None or self.plan.cast_on != "host":
             self.mirror = None
+            self.device_views.pop("mirror", None)
         elif self.mirror is None or self.mirror.dtype != param_dtype:
-            self.mirror = pinned_empty((self.numel,), param_dtype)
+            self.mirror = self._host_empty("mirror", param_dtype)
         return self.mirror
 
     # -- copy-in ---------------------------------------------------------------------------
@@ -199,12 +218,20 @@ class GroupOffload:
             if self._inflight is not None:
                 return
             source = self.mirror if self.mirror is not None else self.master
-            self._inflight = self.engine.h2d(
-                source,
-                # cast_on="device": the master crosses and is cast to the compute dtype on arrival.
-                dtype=self._param_dtype_to_cast() if self.mirror is None else None,
-                label=f"params_h2d:{self.label()}",
-            )
+            if self.plan.reads_in_place:
+                # The GPU reads the host buffer where it lives: no copy crosses (or is counted).
+                self._inflight = Transfer(
+                    self.device_views["mirror" if self.mirror is not None else "master"],
+                    label=f"params_in_place:{self.label()}",
+                    nbytes=0,
+                )
+            else:
+                self._inflight = self.engine.h2d(
+                    source,
+                    # cast_on="device": the master crosses and is cast to the compute dtype on arrival.
+                    dtype=self._param_dtype_to_cast() if self.mirror is None else None,
+                    label=f"params_h2d:{self.label()}",
+                )
             self._inputs_left = set(self.group.fsdp_params)
 
     def take_input(self, fsdp_param: Any) -> torch.Tensor:
@@ -254,7 +281,7 @@ class GroupOffload:
     def host_grad_view(self, fsdp_param: Any) -> torch.Tensor:
         """``fsdp_param``'s slot in the persistent host gradient buffer."""
         if self.grads is None:
-            self.grads = pinned_empty((self.numel,), self.master.dtype)
+            self.grads = self._host_empty("grads", self.master.dtype)
         return self._padded_view(self.grads, fsdp_param)
 
     @torch.no_grad()
@@ -329,7 +356,11 @@ class GroupOffload:
         if self.captured_grads:
             # Completing the sum is part of the landing, not a change of a gradient the user sees
             # (the optimizer compares version counters from the landing on).
-            sums = self.engine.h2d(self.grads, label=f"grads_sum_h2d:{self.label()}")
+            if self.plan.reads_in_place:
+                # The GPU reads the sums where they live: nothing comes up.
+                sums = Transfer(self.device_views["grads"], label=f"grads_sum_in_place:{self.label()}", nbytes=0)
+            else:
+                sums = self.engine.h2d(self.grads, label=f"grads_sum_h2d:{self.label()}")
             copied = self.offload_grads(post_reduce_event, into=unversioned_alias(self.grads), onto=(sums, set(previous)))
         for fsdp_param, grad in previous.items():
             # The same gradient tensor as before this backward (FSDP's own accumulation keeps it),
@@ -346,6 +377,13 @@ class GroupOffload:
         totals = sums.wait(stream)
         added = [p for p in captured if p in summed]
         with torch.profiler.record_function(f"torch_fsdp_offload::grads_accumulate:{self.label()}"):
+            if self.plan.reads_in_place:
+                # ``totals`` is the host buffer itself, read in place: the shards take the sums
+                # added to them (an IEEE add is commutative, so the bits are the same) and go down
+                # as the new sums.
+                if added:
+                    foreach_add_([self._padded_view(flat, p) for p in added], [self._padded_view(totals, p) for p in added])
+                return flat
             if added:
                 foreach_add_([self._padded_view(totals, p) for p in added], [self._padded_view(flat, p) for p in added])
             fresh = [p for p in captured if p not in summed]
