@@ -1,4 +1,4 @@
-"""How fast the GPU gets shard bytes out of each kind of host memory, one way each.
+"""How fast the GPU gets shard bytes out of each kind of host memory, and puts them back.
 
 ``CoherentOffload(shard_memory=...)`` keeps shards in pinned or managed host memory. The GPU gets
 them by a copy on the transfer engine's H2D stream (DISCRETE machines) or by reading them in place
@@ -14,7 +14,9 @@ and COHERENT with managed memory). This times, for one ``--size-gib`` buffer:
 - ``managed, copy of the device view``: a device-to-device ``copy_`` from the managed allocation's
   CUDA view;
 - ``pinned, read in place`` and ``managed, read in place``: a kernel reading the device view (an
-  add into device memory), the GPU pulling the bytes over the link itself.
+  add into device memory), the GPU pulling the bytes over the link itself;
+- ``down: pinned, engine copy`` and ``down: managed, engine copy``: the engine's device-to-host
+  copy into each, as reduced gradients go down.
 
 Each figure is the median GB/s (1e9 bytes a second) of ``--repeats`` passes timed with CUDA events
 after a warm-up pass. The managed buffer is far below the GPU's free memory (checked before it is
@@ -87,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         "managed, copy of the device view": device_copy(managed.device_tensor),
         "pinned, read in place": lambda: target.add_(pinned.device_tensor),
         "managed, read in place": lambda: target.add_(managed.device_tensor),
+        # Device to host, as reduced gradients go down.
+        "down: pinned, engine copy": lambda: engine.d2h(target, pinned.host_view).wait(torch.cuda.current_stream()),
+        "down: managed, engine copy": lambda: engine.d2h(target, managed.host_view).wait(torch.cuda.current_stream()),
     }
     rows = []
     print(f"{'path':36s} {'GB/s':>7s}")
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device),
         "platform": platform.kind.value,
-        "link_GBps": {"h2d": rows[0]["GBps"]},
+        "link_GBps": {"h2d": rows[0]["GBps"], "d2h": rows[-2]["GBps"]},
         "size_bytes": nbytes,
         "repeats": args.repeats,
         "rows": rows,

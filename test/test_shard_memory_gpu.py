@@ -128,7 +128,7 @@ class ShardMemoryGPUTest(TestCase):
                 self.assertEqual(got[3] > 0, memory == "managed")
 
     def test_engine_copies_managed_memory_through_its_device_view(self):
-        # torch copies the CPU view of managed memory as pageable memory (a tenth of the link);
+        # torch copies the CPU view of managed memory as pageable memory (a sixth of the link or less);
         # the engine copies its CUDA view instead, device to device, each way and with a cast.
         device = torch.device("cuda", torch.cuda.current_device())
         buffer = shared_empty((4, 1024), torch.float32, "managed", device)

@@ -18,7 +18,7 @@ finished:
 
 Managed host memory (:func:`~torch_fsdp_offload.device_memory.managed_empty`) is copied through
 its CUDA view (:func:`~torch_fsdp_offload.device_memory.managed_device_alias`), device to device at
-the link's speed: torch copies its CPU view as pageable memory, at a tenth of it.
+the link's speed: torch copies its CPU view as pageable memory, at a sixth of it or less.
 
 On a CPU "device" (HOST_ONLY, or a platform forced to another kind in CPU tests) the same API runs
 with synchronous copies and no CUDA streams, and still counts every byte, so callers can prove what
