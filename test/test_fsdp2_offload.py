@@ -679,10 +679,17 @@ class FSDP2OffloadParityTest(GlooMultiProcessTestCase):
 
     def test_checkpoint_round_trip_and_resume(self):
         self.init_gloo()
+        # Half the groups streamed: their state lives in flat buffers that a load must refill. And
+        # managed shards read in place: a load writes the host buffers the GPU reads.
+        for policy in (
+            CoherentOffload(platform="discrete", optimizer=0.5),
+            CoherentOffload(platform="unified", shard_memory="managed"),
+        ):
+            self._checkpoint_round_trip(policy)
+
+    def _checkpoint_round_trip(self, policy: CoherentOffload) -> None:
         mesh = self._mesh()
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        # Half the groups streamed: their state lives in flat buffers that a load must refill.
-        policy = CoherentOffload(platform="discrete", optimizer=0.5)
 
         def build():
             torch.manual_seed(0)
