@@ -140,8 +140,8 @@ class CoherentFSDPParamGroup(_BaseParamGroup):
         except Exception as error:
             sharding.take_back_refused_call(call["modules"], error)
             raise
-        # FSDP places shards on the host only for a CPUOffloadPolicy; on UNIFIED and HOST_ONLY
-        # the shards stay where compute runs, and nothing crosses a link. The parameters are built
+        # FSDP places shards on the host only for a CPUOffloadPolicy; on HOST_ONLY, and on UNIFIED
+        # with the default shard_memory, the shards stay where compute runs. The parameters are built
         # with pin_memory=False: the policy pins its exact-size buffers itself, and FSDP's own
         # pin_memory() would round each shard up to a power of two. The group keeps the policy.
         fsdp_policy = CPUOffloadPolicy(pin_memory=False) if offloaded else OffloadPolicy()
