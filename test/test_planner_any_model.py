@@ -166,6 +166,13 @@ class TestMeasureAnyBlock(TestCase):
         untimed = dataclasses.replace(timed, recompute_s=None)
         self.assertAlmostEqual(training_profile(breakdown, platform, timing=untimed).recompute_fraction,
                                breakdown.block_recompute_fraction * share)
+        # What a checkpointed block keeps is measured on a GPU only (on the CPU autograd saves
+        # nothing under checkpointing to count): the breakdown's input size stands in here.
+        self.assertIsNone(timing.checkpoint_bytes)
+        self.assertEqual(profile.block_checkpoint_bytes, breakdown.block_checkpoint_bytes)
+        kept = dataclasses.replace(timed, checkpoint_bytes=3 * breakdown.block_checkpoint_bytes)
+        self.assertEqual(training_profile(breakdown, platform, timing=kept).block_checkpoint_bytes,
+                         3 * breakdown.block_checkpoint_bytes)
 
     def test_estimated_without_a_device_and_where_the_block_cannot_be_timed(self):
         analytic = plan(PlainBlocks(), example_input=torch.randn(2, 16, DIM), platform="h200-pcie")
@@ -193,7 +200,11 @@ class TestMeasureAnyBlock(TestCase):
     def test_plan_of_a_transformers_model_is_measured_on_the_gpu(self):
         result = plan(tiny_llama(), batch_size=2, seq_len=64, microbatch_factors=(1, 2))
         self.assertEqual(result.timing, "measured")
-        self.assertEqual(result.training.profiles[0][1].source, "measured block")
+        profile = result.training.profiles[0][1]
+        self.assertEqual(profile.source, "measured block")
+        # A checkpointed block keeps at least its output, the next block's input (bf16).
+        self.assertGreaterEqual(profile.block_checkpoint_bytes, 2 * 64 * tiny_llama().config.hidden_size * 2)
+        self.assertLess(profile.block_checkpoint_bytes, profile.block_activation_bytes)
         self.assertIn("with the link copying both ways", result.report())
 
 

@@ -82,12 +82,17 @@ class TestTheLoopIsPlanned(TestCase):
         breakdown = model_breakdown(BIG_VOCAB, batch_size=4, seq_len=2048)
         _, today = result.training.today()
         self.assertEqual(today.peak_parts["loss"], breakdown.loss_transient_bytes)
-        self.assertEqual(today.allocation_slack_bytes, 4 * 4 * 2048 * 151936)
+        fp32_logits = 4 * 4 * 2048 * 151936
+        self.assertEqual(today.allocation_slack_bytes, int(1.25 * fp32_logits))
         self.assertFalse(today.fits(20 * 2**30))
+        # Under 40 GiB, a 4.64 GiB logits block failed with 5.47 GiB free in pieces beside the peak:
+        # a peak that leaves that much does not fit.
+        failed = dataclasses.replace(today, peak_gpu_bytes=40 * 2**30 - int(5.47 * 2**30))
+        self.assertFalse(failed.fits(40 * 2**30))
         report = result.report()
         self.assertRegex(report, r"loss +9\.3 GiB .*\(the loss on 151,936 logits a token")
-        self.assertRegex(report, r"headroom +4\.6 GiB")
-        self.assertRegex(report, r"\n +1x +1\.00x +\+0% +30\.9 GiB \(does not fit\)\n")
+        self.assertRegex(report, r"headroom +5\.8 GiB .*1\.25x its size")
+        self.assertRegex(report, r"\n +1x +1\.00x +\+0% +32\.1 GiB \(does not fit\)\n")
         self.assertFalse(result.recommended.fits)
         self.assertIn("a micro-batch of 2 with 2 accumulated per step fits (batch_size=2, grad_accum_steps=2", report)
         smaller = plan(BIG_VOCAB, platform="h200-pcie", batch_size=2, seq_len=2048, gpu_memory_GiB=20, grad_accum_steps=2)

@@ -44,6 +44,9 @@ class BlockTiming:
             allocated; elsewhere the storages autograd saved, parameters excluded).
         recompute_s (float | None): what non-reentrant activation checkpointing adds to the
             block's forward and backward (median of each, the difference; None where not timed).
+        checkpoint_bytes (int | None): on a GPU, what the checkpointed forward left allocated: the
+            output the next block keeps as its input, and what checkpointing itself holds (None
+            elsewhere: autograd saves nothing there to count).
     """
 
     batch_size: int
@@ -51,6 +54,7 @@ class BlockTiming:
     backward_s: float
     activation_bytes: int
     recompute_s: float | None = None
+    checkpoint_bytes: int | None = None
 
 
 class _Reached(Exception):
@@ -327,10 +331,11 @@ def _time_sizes(block: nn.Module, args: tuple, kwargs: dict, factors: Sequence[i
         forward().backward(grad)  # warm-up: kernels chosen, workspaces allocated
         checkpointed().backward(grad)
         activation_bytes = _activation_bytes(block, forward, device)
+        checkpoint_bytes = _activation_bytes(block, checkpointed, device) if device.type == "cuda" else None
         forward_s = _elapsed(forward, repeats, device)
         total_s = _elapsed(lambda: forward().backward(grad), repeats, device)
         checkpointed_s = _elapsed(lambda: checkpointed().backward(grad), repeats, device)
         timings.append(BlockTiming(captured_batch * factor, forward_s, max(total_s - forward_s, 0.0), activation_bytes,
-                                   recompute_s=max(checkpointed_s - total_s, 0.0)))
+                                   recompute_s=max(checkpointed_s - total_s, 0.0), checkpoint_bytes=checkpoint_bytes))
         del leaf, grad, call_args, call_kwargs
     return timings

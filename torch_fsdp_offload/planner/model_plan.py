@@ -54,7 +54,8 @@ def _scaled_timing(timing: BlockTiming | None, factor: float) -> BlockTiming | N
         return None
     return BlockTiming(round(timing.batch_size * factor), timing.forward_s * factor, timing.backward_s * factor,
                        round(timing.activation_bytes * factor),
-                       None if timing.recompute_s is None else timing.recompute_s * factor)
+                       None if timing.recompute_s is None else timing.recompute_s * factor,
+                       None if timing.checkpoint_bytes is None else round(timing.checkpoint_bytes * factor))
 
 
 def technique_of(config: TrainingConfig) -> str:

@@ -28,7 +28,14 @@ from torch_fsdp_offload.planner.traffic import (
 from torch_fsdp_offload.planner.training_config import TrainingConfig
 from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
-__all__ = ["StepPrediction", "predict_step"]
+__all__ = ["FRAGMENTATION_FACTOR", "StepPrediction", "predict_step"]
+
+#: The free memory a plan keeps beside its peak, in multiples of the largest block the step
+#: allocates anew (the loss's fp32 copy of the logits). Near a memory cap the caching allocator's
+#: free memory lies in pieces: on an H200 under 40 GiB a 4.64 GiB logits block found no piece of
+#: its size with 5.47 GiB free in pieces (1.18 blocks) and the run failed; 1.25 blocks clears that
+#: (docs/planner.md, "Memory headroom").
+FRAGMENTATION_FACTOR = 1.25
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,8 @@ class StepPrediction:
         peak_phase (str): ``"forward"``, ``"backward"`` or ``"optimizer"``: where the peak is
             (:func:`~torch_fsdp_offload.planner.peak_memory.phase_peaks`).
         allocation_slack_bytes (int): room beside the peak for the largest block the step
-            allocates anew, the loss's fp32 copy of the output (see :meth:`fits`).
+            allocates anew, the loss's fp32 copy of the output, at :data:`FRAGMENTATION_FACTOR`
+            times its size (see :meth:`fits`).
         peak_parts (dict): ``peak_gpu_bytes`` by kind (``weights``, ``grads``, ``activations``,
             ``loss``, ...; :func:`~torch_fsdp_offload.planner.peak_memory.phase_parts`), and
             ``fixed`` for ``fixed_bytes``.
@@ -74,8 +82,8 @@ class StepPrediction:
         return self.peak_gpu_bytes / 2**30
 
     def fits(self, capacity_bytes: float) -> bool:
-        """Whether the step fits ``capacity_bytes``: its peak, and beside it a free block as large as
-        the largest it allocates anew. Near a memory cap the caching allocator's free memory is
+        """Whether the step fits ``capacity_bytes``: its peak, and beside it free memory of
+        :data:`FRAGMENTATION_FACTOR` times the largest block it allocates anew. Near a memory cap the caching allocator's free memory is
         fragmented, and a large block that finds no free segment of its size fails even where the
         peak fits (docs/planner.md, "Memory headroom")."""
         return self.peak_gpu_bytes + self.allocation_slack_bytes <= capacity_bytes
@@ -385,5 +393,5 @@ def predict_step(
         link_bound=forward_bound or backward_bound,
         host_bound=host_tail > 0,
         peak_parts=peak_parts,
-        allocation_slack_bytes=profile.loss_fp32_output_bytes,
+        allocation_slack_bytes=int(FRAGMENTATION_FACTOR * profile.loss_fp32_output_bytes),
     )

@@ -45,7 +45,8 @@ class TrainingProfile:
             every block is (:meth:`TrainingConfig.root_placement`).
         tokens (int): tokens per micro-batch.
         block_activation_bytes (int): bytes one block saves for backward.
-        block_checkpoint_bytes (int): bytes one block keeps with checkpointing (its input).
+        block_checkpoint_bytes (int): bytes one block keeps with checkpointing: its input (measured
+            on a GPU with what checkpointing holds beside it, ``BlockTiming.checkpoint_bytes``).
         other_activation_bytes (int): activations outside the blocks (embeddings, logits, loss).
         loss_transient_bytes (int): the loss's transient at the end of forward and the start of backward
             (:class:`~torch_fsdp_offload.planner.memory_breakdown.ModelBreakdown`).
@@ -189,6 +190,7 @@ def training_profile(
     # bookkeeping, which a FLOP count leaves out), else counted in FLOPs.
     # Checkpointing reruns the blocks alone: a fraction of the blocks' share of the forward.
     recompute = breakdown.block_recompute_fraction
+    block_checkpoint = breakdown.block_checkpoint_bytes
     if timing is not None:
         if timing.recompute_s is not None and timing.forward_s > 0:
             recompute = timing.recompute_s / timing.forward_s
@@ -197,6 +199,8 @@ def training_profile(
         forward = timing.forward_s * breakdown.n_blocks / breakdown.block_forward_share
         backward = timing.backward_s * breakdown.n_blocks / breakdown.block_forward_share
         block_activation = timing.activation_bytes
+        if timing.checkpoint_bytes is not None:
+            block_checkpoint = timing.checkpoint_bytes
         source = "measured block"
     recompute *= breakdown.block_forward_share
     if timing is None:
@@ -212,7 +216,7 @@ def training_profile(
         other_params=breakdown.other_params,
         tokens=breakdown.batch_size * breakdown.seq_len,
         block_activation_bytes=block_activation,
-        block_checkpoint_bytes=breakdown.block_checkpoint_bytes,
+        block_checkpoint_bytes=block_checkpoint,
         other_activation_bytes=breakdown.other_activation_bytes,
         loss_transient_bytes=breakdown.loss_transient_bytes,
         loss_fp32_output_bytes=breakdown.loss_fp32_output_bytes,

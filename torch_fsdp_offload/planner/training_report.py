@@ -15,7 +15,7 @@ from typing import Any
 
 from torch_fsdp_offload.planner.scenario_cost import Candidate
 from torch_fsdp_offload.planner.search import OFFLOAD_MARGIN, TIE_MARGIN, offload_that_pays, samples_per_s
-from torch_fsdp_offload.planner.step_time import StepPrediction
+from torch_fsdp_offload.planner.step_time import FRAGMENTATION_FACTOR, StepPrediction
 from torch_fsdp_offload.planner.training_config import LABEL_LEGEND, label_kind
 from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
@@ -135,7 +135,8 @@ def memory_lines(training: TrainingPlan) -> list[str]:
         label, extra = _PARTS[part]
         lines.append(line(label, amount, loss if part == "loss" else extra))
     if today.allocation_slack_bytes:
-        lines.append(line("headroom", today.allocation_slack_bytes, "the allocator's: a free block for the loss's fp32 output"))
+        why = f"the allocator's: free memory for the loss's fp32 output, {FRAGMENTATION_FACTOR:g}x its size"
+        lines.append(line("headroom", today.allocation_slack_bytes, why))
     need = today.peak_gpu_bytes + today.allocation_slack_bytes
     verdict = (f"fits, {(budget - need) / 2**30:.1f} GiB unused" if need <= budget else
                f"does not fit, {(need - budget) / 2**30:.1f} GiB over the budget")
@@ -236,8 +237,8 @@ def training_lines(training: TrainingPlan, picked: _Row | None, blocked: str | N
             f"{samples_per_s(fp) * tokens:>12.0f}  {'yes' if training.fits(fp) else 'no':<4}  {', '.join(marks)}".rstrip()
         )
     kinds = {label_kind(part) for _, p in rows for part in p.config.label.split()}
-    lines.append("   legend: Nx: N times today's micro-batch; fits: the peak, and the allocator's headroom (a free block for "
-                 "the loss's fp32 output), within the budget; baseline: the run gains are quoted over")
+    lines.append("   legend: Nx: N times today's micro-batch; fits: the peak, and the allocator's headroom (free memory for "
+                 f"the loss's fp32 output, {FRAGMENTATION_FACTOR:g}x its size), within the budget; baseline: the run gains are quoted over")
     lines.extend(f"   {text}" for key, text in LABEL_LEGEND.items() if key in kinds)
     lines.extend(textwrap.wrap(rule, _REPORT_WIDTH, initial_indent="   ", subsequent_indent="   ") if rule else [])
     return lines
