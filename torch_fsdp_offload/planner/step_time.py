@@ -83,9 +83,9 @@ class StepPrediction:
 
     def fits(self, capacity_bytes: float) -> bool:
         """Whether the step fits ``capacity_bytes``: its peak, and beside it free memory of
-        :data:`FRAGMENTATION_FACTOR` times the largest block it allocates anew. Near a memory cap the caching allocator's free memory is
-        fragmented, and a large block that finds no free segment of its size fails even where the
-        peak fits (docs/planner.md, "Memory headroom")."""
+        :data:`FRAGMENTATION_FACTOR` times the largest block it allocates anew. Near a memory cap
+        the caching allocator's free memory is fragmented, and a large block that finds no free
+        segment of its size fails even where the peak fits (docs/planner.md, "Memory headroom")."""
         return self.peak_gpu_bytes + self.allocation_slack_bytes <= capacity_bytes
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,6 +21,9 @@ from torch_fsdp_offload.planner.training_profile import TrainingProfile
 
 __all__ = ["TrainingPlan", "fits_all_offloaded", "memory_lines", "technique_lines", "training_lines", "without_offload"]
 
+# What the allocator's headroom beside a peak is for (StepPrediction.fits).
+_HEADROOM = f"free memory for the loss's fp32 output, {FRAGMENTATION_FACTOR:g}x its size"
+
 _REPORT_WIDTH = 120
 _Row = tuple[float, StepPrediction]
 # Step 1's rows: a part of the peak (:func:`~torch_fsdp_offload.planner.peak_memory.phase_parts`)
@@ -135,8 +138,7 @@ def memory_lines(training: TrainingPlan) -> list[str]:
         label, extra = _PARTS[part]
         lines.append(line(label, amount, loss if part == "loss" else extra))
     if today.allocation_slack_bytes:
-        why = f"the allocator's: free memory for the loss's fp32 output, {FRAGMENTATION_FACTOR:g}x its size"
-        lines.append(line("headroom", today.allocation_slack_bytes, why))
+        lines.append(line("headroom", today.allocation_slack_bytes, f"the allocator's: {_HEADROOM}"))
     need = today.peak_gpu_bytes + today.allocation_slack_bytes
     verdict = (f"fits, {(budget - need) / 2**30:.1f} GiB unused" if need <= budget else
                f"does not fit, {(need - budget) / 2**30:.1f} GiB over the budget")
@@ -237,8 +239,8 @@ def training_lines(training: TrainingPlan, picked: _Row | None, blocked: str | N
             f"{samples_per_s(fp) * tokens:>12.0f}  {'yes' if training.fits(fp) else 'no':<4}  {', '.join(marks)}".rstrip()
         )
     kinds = {label_kind(part) for _, p in rows for part in p.config.label.split()}
-    lines.append("   legend: Nx: N times today's micro-batch; fits: the peak, and the allocator's headroom (free memory for "
-                 f"the loss's fp32 output, {FRAGMENTATION_FACTOR:g}x its size), within the budget; baseline: the run gains are quoted over")
+    lines.append(f"   legend: Nx: N times today's micro-batch; fits: the peak, and the allocator's headroom ({_HEADROOM}), "
+                 "within the budget; baseline: the run gains are quoted over")
     lines.extend(f"   {text}" for key, text in LABEL_LEGEND.items() if key in kinds)
     lines.extend(textwrap.wrap(rule, _REPORT_WIDTH, initial_indent="   ", subsequent_indent="   ") if rule else [])
     return lines
