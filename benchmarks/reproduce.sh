@@ -29,6 +29,7 @@ python benchmarks/user_loop.py --rows "resident,fsdp1;cap=24;offload_optimizer,e
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and --steps 2 --warmup 1; the file holds both rows
 python benchmarks/user_loop.py --rows "plan;cap=40;accum=4" --out /tmp/user_loop_40gib.json
 python benchmarks/user_loop.py --rows "plan;cap=40;accum=4,plan;cap=40,plan;cap=40;clip,plan;cap=24,plan;cap=24;clip,plan;cap=24;accum=4" --out benchmarks/results/user_loop_headroom.json
+python benchmarks/user_loop.py --rows "plan;cap=24;clip,plan;cap=24,plan;cap=40;clip,plan;cap=40" --out benchmarks/results/user_loop_clip.json
 python benchmarks/user_loop.py --layers 10 --model-dir /tmp/user_loop_1b --steps 4 --warmup 2 --rows "resident,every;memory=pinned,every;memory=managed,every;memory=managed;platform=coherent,every;memory=pinned;platform=unified,every;memory=managed;platform=unified" --out benchmarks/results/user_loop_shard_memory.json
 python benchmarks/shard_memory_link.py --out benchmarks/results/shard_memory_link.json
 python benchmarks/peers.py --batch-sizes 4,16 --out benchmarks/results/peers.json   # DeepSpeed, torchao: pip install -e ".[peers]"

@@ -50,8 +50,9 @@ them; rows that step during backward (``early``) do not have it. ``of_bound`` is
 row's step.
 
 Each row records its phases per step (``forward``, ``backward``, ``clip``, ``step``: seconds on
-the GPU's clock and the host's), the gradient norms of clipping rows, and with ``--profile DIR``
-and ``--memory-snapshot`` one more step's copy-compute overlap and allocation peak by site.
+the GPU's clock and the host's), the gradient norms of clipping rows, a ``plan`` row's predicted
+phases and the profile its plan was made from, and with ``--profile DIR`` and ``--memory-snapshot``
+one more step's copy-compute overlap and allocation peak by site.
 
 Usage (GPU machine, from the repository root; DeepSpeed builds its CPU Adam on first use):
     python benchmarks/user_loop.py --out benchmarks/results/user_loop.json
@@ -219,6 +220,11 @@ def _build(row: dict, model_dir: str, tokens, device):
         extra = {"plan": chosen.code(), "plan_timing": result.timing, "predicted_step_s": chosen.predicted_step_s,
                  "predicted_peak_GiB": chosen.predicted_peak_gpu_GiB, "plan_micro_batch": chosen.micro_batch_size,
                  "plan_accum": chosen.grad_accum_steps, "report": result.report()}
+        if result.training is not None and result.training.best is not None:
+            # What the step model took and gave, to compare phase by phase with the measured run.
+            best = result.training.to_dict()["best"]
+            extra["predicted_phases"] = {key: best[key] for key in ("forward_s", "backward_s", "optimizer_s", "host_optimizer_s")}
+            extra["plan_profile"] = dict(result.training.profiles)[best["microbatch_factor"]].to_dict()
         optimizer = chosen.optimizer(model, lr=LR, fused=True, **({"step_during_backward": True} if row.get("early") else {}))
         extra["optimizer"] = optimizer
     elif system == "fsdp1":

@@ -260,6 +260,28 @@ class OffloadOptimizerContractTest(GlooMultiProcessTestCase):
             optim = self._train(user_clip=0.05, optimizer=0.5, optimizer_class=torch.optim.AdamW, zero_before_reads=True)
         self.assertGreater(optim._streamed_steps.scaled_on_device["host_skipped"], 0)
 
+    def test_a_clipped_host_group_is_scaled_in_one_multiply(self):
+        # clip_grad_norm_ gives every gradient one coefficient: a host group whose gradients all
+        # lie in its flat host buffer is scaled by one multiply over that buffer, not one per
+        # parameter, with the same bits (_train asserts them against plain FSDP2).
+        self.init_gloo()
+        training_thread, scaled = threading.get_ident(), []
+        real_mul = torch._foreach_mul_
+
+        def recorded_mul(tensors, *args, **kwargs):
+            if threading.get_ident() != training_thread:
+                scaled.extend((t.data_ptr(), t.numel()) for t in tensors)
+            return real_mul(tensors, *args, **kwargs)
+
+        with mock.patch.object(torch, "_foreach_mul_", recorded_mul):
+            optim = self._train(max_grad_norm=0.05, optimizer="host")
+        buffers = {(owner.grads.data_ptr(), owner.grads.numel()) for owner in optim._inner.offloaded_groups()}
+        # At most one multiply per group and step (a group with a parameter left without a
+        # gradient scales that one alone), most over a whole buffer, none outside one.
+        self.assertLessEqual(len(scaled), len(buffers) * STEPS)
+        self.assertGreater(sum(1 for target in scaled if target in buffers), len(scaled) // 2)
+        self.assertTrue(all(any(b <= ptr < b + n * 4 for b, n in buffers) for ptr, _ in scaled))
+
     def test_max_grad_norm_is_exact(self):
         self.init_gloo()
         self._train(max_grad_norm=0.05, optimizer="host")

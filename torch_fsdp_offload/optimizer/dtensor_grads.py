@@ -35,6 +35,7 @@ __all__ = [
     "apply_scales",
     "compute_norms",
     "expect_norms",
+    "multiply",
     "NORM_READS",
     "take_scales",
     "unwatch_grad",
@@ -270,8 +271,15 @@ def _is_host_one(scale: torch.Tensor) -> bool:
 def apply_scales(grad: torch.Tensor | None) -> None:
     """Multiply ``grad`` by the scalars a deferred ``_foreach_mul_`` recorded, in order (in the
     caller's thread, on the local shard)."""
-    for scale in take_scales(grad):
-        torch._foreach_mul_([local_tensor(grad)], scale)
+    if grad is not None:
+        multiply(local_tensor(grad), take_scales(grad))
+
+
+def multiply(tensor: torch.Tensor, scales: list[torch.Tensor]) -> None:
+    """Multiply ``tensor`` in place by ``scales`` in order, as ``clip_grad_norm_``'s
+    ``_foreach_mul_`` would (the same kernel, so the same bits)."""
+    for scale in scales:
+        torch._foreach_mul_([tensor], scale)
 
 
 def watch_grad(grad: torch.Tensor | None) -> None:
