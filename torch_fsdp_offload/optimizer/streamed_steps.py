@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, take_scales
+from torch_fsdp_offload.optimizer.dtensor_grads import apply_scales, multiply_grads, take_scales
 from torch_fsdp_offload.optimizer.pending_updates import stepping
 from torch_fsdp_offload._helpers.tensors import local_tensor
 from torch_fsdp_offload.memory import pinned_empty
@@ -373,11 +373,9 @@ class StreamedSteps:
         """Scale the host gradients of a group whose streamed step scaled their uploads, unless
         ``zero_grad()`` already came for it (it waits for the step): nothing reads them then."""
         unread = self._finishing.zero_grad_came(owner)
-        for param, factors in zip(owner.params, scales):
-            if factors:
-                self.scaled_on_device["host_skipped" if unread else "host_scaled"] += 1
-            for factor in () if unread else factors:
-                local_tensor(param.grad).mul_(factor)
+        self.scaled_on_device["host_skipped" if unread else "host_scaled"] += sum(1 for factors in scales if factors)
+        if not unread:
+            multiply_grads([param.grad for param in owner.params], scales, owner.grads)
 
     def _step_run(self, owner: StreamedGroup, run: _Run, upload: dict[str, Any], scales: list[list[torch.Tensor]]) -> list:
         """Step parameters ``first:last`` of ``owner`` from their uploaded run, each gradient
